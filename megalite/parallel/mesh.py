@@ -1,0 +1,215 @@
+"""Process-group builder: carve the world into a DP x TP x PP mesh.
+
+Rank order follows Megatron-LM: tensor-parallel rank varies fastest, then
+data-parallel, then pipeline-parallel::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the ranks of one TP group are consecutive and sit inside one node, where
+the bandwidth for TP's per-layer all-reduces is.
+
+The layout itself (which ranks form which group) is computed by the pure
+function :func:`rank_layout`, so it can be tested without processes. A
+:class:`Mesh` is an ordinary object handed to the layers that need it; two
+meshes may coexist in one process. ``Mesh.single()`` is the mesh of a plain,
+non-distributed run: every size is 1 and every group is ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A parallel size that does not fit the world; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Every group of a DP x TP x PP mesh, as lists of global ranks."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_groups: list[list[int]]
+    dp_groups: list[list[int]]
+    pp_groups: list[list[int]]
+    mp_groups: list[list[int]]  # model-parallel: TP x PP for one DP replica
+    embedding_groups: list[list[int]]  # first and last stage of each pipeline
+
+
+def check_parallel_sizes(world_size: int, tp: int, pp: int) -> int:
+    """Validate sizes and return the derived data-parallel size."""
+    if tp < 1:
+        raise ParallelConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    if pp < 1:
+        raise ParallelConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if world_size < 1:
+        raise ParallelConfigError(f"world size must be >= 1, got {world_size}")
+    if world_size % (tp * pp) != 0:
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of {tp * pp} "
+            f"processes or change the two sizes"
+        )
+    return world_size // (tp * pp)
+
+
+def rank_layout(world_size: int, tp: int, pp: int) -> RankLayout:
+    """All process groups of the mesh, in the order every rank must create them."""
+    dp = check_parallel_sizes(world_size, tp, pp)
+
+    def rank(p: int, d: int, t: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    tp_groups = [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    dp_groups = [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_groups = [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    mp_groups = [sorted(rank(p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)]
+    embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
+    return RankLayout(world_size, tp, pp, dp, tp_groups, dp_groups, pp_groups, mp_groups, embedding_groups)
+
+
+def _group_of(groups: list[list[int]], rank: int) -> list[int]:
+    for g in groups:
+        if rank in g:
+            return g
+    raise AssertionError(f"rank {rank} is in no group")  # rank_layout covers every rank
+
+
+@dataclass
+class Mesh:
+    """One rank's view of the DP x TP x PP mesh.
+
+    Groups are ``torch.distributed`` process groups, or ``None`` when the
+    dimension has size 1 in a non-distributed run (collectives then become
+    no-ops; see ``megalite.parallel.mappings``).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: object = None
+    pp_group: object = None
+    dp_group: object = None
+    mp_group: object = None
+    embedding_group: object = None
+    tp_ranks: list[int] = field(default_factory=lambda: [0])
+    pp_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_ranks: list[int] = field(default_factory=lambda: [0])
+    mp_ranks: list[int] = field(default_factory=lambda: [0])
+    embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> Mesh:
+        """The mesh of a plain one-process run (no torch.distributed needed)."""
+        return cls(device=torch.device(device))
+
+    # Pipeline helpers -------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around, as Megatron's)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+            f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}"
+        )
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    device: torch.device | str | None = None,
+) -> Mesh:
+    """Build this rank's :class:`Mesh` from the initialised default process group.
+
+    Every rank must call this collectively (``new_group`` is collective). With
+    torch.distributed not initialised, only a 1x1x1 mesh is possible.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if not (dist.is_available() and dist.is_initialized()):
+        check_parallel_sizes(1, tp, pp)
+        return Mesh.single(device or "cpu")
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world, tp, pp)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+
+    def build(groups: list[list[int]]):
+        mine = None
+        for g in groups:  # every rank creates every group, in the same order
+            pg = dist.new_group(g)
+            if rank in g:
+                mine = pg
+        return mine
+
+    tp_group = build(layout.tp_groups)
+    dp_group = build(layout.dp_groups)
+    pp_group = build(layout.pp_groups)
+    mp_group = build(layout.mp_groups)
+    # Embedding groups of different pipelines may coincide (pp == 1): dedupe
+    # while keeping the creation order identical on every rank.
+    unique_emb: list[list[int]] = []
+    for g in layout.embedding_groups:
+        if g not in unique_emb:
+            unique_emb.append(g)
+    emb_group = build(unique_emb)
+
+    tp_ranks = _group_of(layout.tp_groups, rank)
+    dp_ranks = _group_of(layout.dp_groups, rank)
+    pp_ranks = _group_of(layout.pp_groups, rank)
+    return Mesh(
+        rank=rank,
+        world_size=world,
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=layout.dp,
+        tp_rank=tp_ranks.index(rank),
+        pp_rank=pp_ranks.index(rank),
+        dp_rank=dp_ranks.index(rank),
+        tp_group=tp_group,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        mp_group=mp_group,
+        embedding_group=emb_group,
+        tp_ranks=tp_ranks,
+        pp_ranks=pp_ranks,
+        dp_ranks=dp_ranks,
+        mp_ranks=_group_of(layout.mp_groups, rank),
+        embedding_ranks=_group_of(unique_emb, rank) if rank in sum(unique_emb, []) else [],
+        device=torch.device(device),
+    )

@@ -1,0 +1,106 @@
+"""Mesh: every factorisation of world sizes 1..8 gives each rank the right groups."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.mesh import Mesh, ParallelConfigError, initialize_model_parallel, rank_layout
+from megalite.testing import run_distributed
+
+
+def factorisations(world):
+    for tp in range(1, world + 1):
+        for pp in range(1, world + 1):
+            if world % (tp * pp) == 0:
+                yield tp, pp
+
+
+def expected_coords(world, tp, pp):
+    """Independent enumeration: walk ranks in order, TP fastest, then DP, then PP."""
+    dp = world // (tp * pp)
+    coords = {}
+    for r, (p, d, t) in enumerate(itertools.product(range(pp), range(dp), range(tp))):
+        coords[r] = (t, d, p)
+    return coords
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_rank_layout_matches_independent_enumeration(world):
+    for tp, pp in factorisations(world):
+        lay = rank_layout(world, tp, pp)
+        coords = expected_coords(world, tp, pp)
+        same = lambda r, keep: [q for q in range(world) if all(coords[q][i] == coords[r][i] for i in keep)]
+        for r in range(world):
+            t, d, p = coords[r]
+            tp_g = [g for g in lay.tp_groups if r in g]
+            dp_g = [g for g in lay.dp_groups if r in g]
+            pp_g = [g for g in lay.pp_groups if r in g]
+            mp_g = [g for g in lay.mp_groups if r in g]
+            assert len(tp_g) == len(dp_g) == len(pp_g) == len(mp_g) == 1
+            assert tp_g[0] == same(r, (1, 2)) and tp_g[0].index(r) == t
+            assert dp_g[0] == same(r, (0, 2)) and dp_g[0].index(r) == d
+            assert pp_g[0] == same(r, (0, 1)) and pp_g[0].index(r) == p
+            assert mp_g[0] == same(r, (1,))
+        # TP groups are consecutive ranks (inside one node)
+        for g in lay.tp_groups:
+            assert g == list(range(g[0], g[0] + tp))
+        for g in lay.embedding_groups:
+            assert g == sorted({g[0], g[-1]})
+
+
+def test_bad_sizes_name_the_flag():
+    with pytest.raises(ParallelConfigError, match="not divisible by --tensor-model-parallel-size"):
+        rank_layout(6, 4, 1)
+    with pytest.raises(ParallelConfigError, match="--pipeline-model-parallel-size"):
+        rank_layout(8, 2, 3)
+    with pytest.raises(ParallelConfigError, match="--tensor-model-parallel-size must be >= 1"):
+        rank_layout(8, 0, 1)
+    with pytest.raises(ParallelConfigError, match="--pipeline-model-parallel-size must be >= 1"):
+        rank_layout(8, 1, -1)
+    with pytest.raises(ParallelConfigError):
+        initialize_model_parallel(2, 1)  # no process group: only 1x1x1 fits one process
+
+
+def test_single_mesh():
+    m = Mesh.single()
+    assert (m.tp_size, m.pp_size, m.dp_size) == (1, 1, 1)
+    assert m.is_first_stage and m.is_last_stage and m.tp_group is None
+
+
+def _check_groups(world, sizes):
+    """Inside one spawn: build every mesh and check the real groups by collectives."""
+    out = []
+    for tp, pp in sizes:
+        mesh = initialize_model_parallel(tp, pp)
+        coords = expected_coords(world, tp, pp)
+        t, d, p = coords[mesh.rank]
+        assert (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank) == (t, d, p)
+        assert mesh.is_first_stage == (p == 0) and mesh.is_last_stage == (p == pp - 1)
+        # An all-gather of the global rank over each group returns exactly its members.
+        for group, ranks in [
+            (mesh.tp_group, mesh.tp_ranks),
+            (mesh.dp_group, mesh.dp_ranks),
+            (mesh.pp_group, mesh.pp_ranks),
+            (mesh.mp_group, mesh.mp_ranks),
+        ]:
+            got = [torch.zeros(1, dtype=torch.long) for _ in ranks]
+            dist.all_gather(got, torch.tensor([mesh.rank]), group=group)
+            assert [int(x) for x in got] == ranks
+        if mesh.in_embedding_group:
+            n = len(mesh.embedding_ranks)
+            got = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+            dist.all_gather(got, torch.tensor([mesh.rank]), group=mesh.embedding_group)
+            assert [int(x) for x in got] == mesh.embedding_ranks
+        assert mesh.next_rank == mesh.pp_ranks[(p + 1) % pp]
+        assert mesh.prev_rank == mesh.pp_ranks[(p - 1) % pp]
+        out.append((tp, pp, mesh.tp_rank, mesh.dp_rank, mesh.pp_rank))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_process_groups_are_the_right_ranks(world):
+    sizes = list(factorisations(world))
+    results = run_distributed(_check_groups, world, world, sizes, timeout=120)
+    assert len(results) == world
