@@ -1,0 +1,147 @@
+"""Model configuration: one dataclass for both GPT flavours (GPT-2 and Llama).
+
+Field names follow Megatron-LM's flags (``--num-layers`` -> ``num_layers``).
+``validate(tp)`` stops bad shapes with a message naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+class ModelConfigError(ValueError):
+    """A model shape that cannot be built; the message names the flag."""
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round the vocab up to a multiple of ``divisible_by * tp``.
+
+    The padding depends on ``tp``, so the *logical* (checkpointed) size of the
+    embedding is the padded size of the layout it was created with; converting
+    between layouts keeps the first ``vocab_size`` rows, which are the real ones.
+    """
+    multiple = make_vocab_size_divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 256  # real (unpadded) vocabulary size, from the tokenizer
+    max_position_embeddings: int = 128
+    ffn_hidden_size: int | None = None  # default: 4h (GPT-2) or Megatron's SwiGLU size
+    num_query_groups: int | None = None  # None: one group per head (plain MHA)
+    kv_channels: int | None = None  # head dim; default hidden / heads
+
+    # Flavour switches (Megatron flag names)
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    openai_gelu: bool = False  # tanh-approximated GELU, as HF GPT-2's "gelu_new"
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+
+    # ---- presets --------------------------------------------------------------
+    @classmethod
+    def gpt2(cls, **overrides) -> ModelConfig:
+        """GPT-2: learned positions, LayerNorm, GELU, biases, tied embeddings."""
+        return cls(**overrides)
+
+    @classmethod
+    def llama(cls, **overrides) -> ModelConfig:
+        """Llama: RoPE, RMSNorm, SwiGLU, no biases, untied output layer."""
+        base = dict(
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            untie_embeddings_and_output_weights=True,
+            add_bias_linear=False,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    # ---- derived sizes --------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            # Llama's choice: 2/3 of 4h, rounded up to a multiple of 64.
+            return ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
+        return 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # ---- validation -----------------------------------------------------------
+    def validate(self, tp: int = 1) -> ModelConfig:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ModelConfigError(msg)
+
+        need(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
+        need(self.hidden_size >= 1, f"--hidden-size must be >= 1, got {self.hidden_size}")
+        need(self.num_attention_heads >= 1, f"--num-attention-heads must be >= 1, got {self.num_attention_heads}")
+        need(self.vocab_size >= 1, f"--vocab-size must be >= 1, got {self.vocab_size}")
+        need(
+            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"--hidden-size ({self.hidden_size}) is not divisible by --num-attention-heads "
+            f"({self.num_attention_heads}); pick sizes that divide or set --kv-channels",
+        )
+        need(
+            self.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp}); each TP rank must hold whole heads",
+        )
+        g = self.query_groups
+        need(
+            self.num_attention_heads % g == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) is not divisible by "
+            f"--num-query-groups ({g})",
+        )
+        need(
+            g % tp == 0,
+            f"--num-query-groups ({g}) is not divisible by --tensor-model-parallel-size ({tp}); "
+            f"use at least {tp} query groups or a smaller TP size",
+        )
+        need(
+            self.ffn_size % tp == 0,
+            f"--ffn-hidden-size ({self.ffn_size}) is not divisible by --tensor-model-parallel-size ({tp})",
+        )
+        need(
+            self.position_embedding_type in ("learned_absolute", "rope"),
+            f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}",
+        )
+        need(
+            self.normalization in ("LayerNorm", "RMSNorm"),
+            f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}",
+        )
+        need(
+            self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
+            f"rope needs an even head dim, got {self.head_dim} (--hidden-size / --num-attention-heads)",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            need(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+        return self
