@@ -9,6 +9,7 @@ every wait has a timeout, so a deadlock fails the test instead of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -58,10 +59,8 @@ def _worker(fn, rank, world_size, init_file, timeout_s, env, args, kwargs, resul
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
 
 
 def run_distributed(

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 python -m ruff check .
+python -m ruff format --check .
 python -m pytest -q "$@"

@@ -31,7 +31,10 @@ def test_rank_layout_matches_independent_enumeration(world):
     for tp, pp in factorisations(world):
         lay = rank_layout(world, tp, pp)
         coords = expected_coords(world, tp, pp)
-        same = lambda r, keep: [q for q in range(world) if all(coords[q][i] == coords[r][i] for i in keep)]
+
+        def same(r, keep, coords=coords):
+            return [q for q in range(world) if all(coords[q][i] == coords[r][i] for i in keep)]
+
         for r in range(world):
             t, d, p = coords[r]
             tp_g = [g for g in lay.tp_groups if r in g]

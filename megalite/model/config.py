@@ -102,7 +102,10 @@ class ModelConfig:
 
         need(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
         need(self.hidden_size >= 1, f"--hidden-size must be >= 1, got {self.hidden_size}")
-        need(self.num_attention_heads >= 1, f"--num-attention-heads must be >= 1, got {self.num_attention_heads}")
+        need(
+            self.num_attention_heads >= 1,
+            f"--num-attention-heads must be >= 1, got {self.num_attention_heads}",
+        )
         need(self.vocab_size >= 1, f"--vocab-size must be >= 1, got {self.vocab_size}")
         need(
             self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
