@@ -1,0 +1,117 @@
+"""Flags: Megatron names, YAML config, derived sizes, and clear errors on bad values."""
+
+import pytest
+
+from megalite.arguments import ArgumentError, model_config, parse_args, validate_args
+from megalite.model.config import ModelConfigError
+
+BASE = ["--mock-data", "--vocab-size", "100"]
+
+
+def parsed(*flags, world=1):
+    return validate_args(parse_args([*BASE, *flags]), world)
+
+
+def test_derived_sizes():
+    a = parsed(
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--micro-batch-size", "2", "--global-batch-size", "16", world=8,
+    )  # fmt: skip
+    assert a.data_parallel_size == 2 and a.num_microbatches == 4
+    assert parsed("--micro-batch-size", "3").global_batch_size == 3  # default: micro x dp
+    a = parsed(
+        "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+        "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8", world=2,
+    )  # fmt: skip
+    assert a.virtual_pipeline_model_parallel_size == 2
+
+
+def test_flavour_flags_build_llama_config():
+    a = parsed(
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--group-query-attention", "--num-query-groups", "2",
+    )  # fmt: skip
+    c = model_config(a, vocab_size=100)
+    assert c.swiglu and c.normalization == "RMSNorm" and not c.add_bias_linear
+    assert c.position_embedding_type == "rope" and c.untie_embeddings_and_output_weights
+    assert c.query_groups == 2
+
+
+def test_yaml_config(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num-layers: 6\nhidden_size: 96\nlr: 0.002\n")
+    a = parse_args([*BASE, "--config", str(cfg), "--hidden-size", "128"])
+    assert a.num_layers == 6 and a.lr == 0.002
+    assert a.hidden_size == 128  # the command line wins over the file
+    cfg.write_text("num-layerz: 6\n")
+    with pytest.raises(ArgumentError, match="unknown key 'num-layerz'"):
+        parse_args([*BASE, "--config", str(cfg)])
+    with pytest.raises(ArgumentError, match="file not found"):
+        parse_args([*BASE, "--config", str(tmp_path / "nope.yaml")])
+
+
+@pytest.mark.parametrize(
+    "flags, world, match",
+    [
+        (["--tensor-model-parallel-size", "3"], 4, "not divisible by --tensor-model-parallel-size"),
+        (
+            ["--micro-batch-size", "2", "--global-batch-size", "6"],
+            2,
+            "--global-batch-size .6. is not divisible",
+        ),
+        (["--bf16", "--fp16"], 1, "mutually exclusive"),
+        (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
+        (["--num-query-groups", "2"], 1, "without --group-query-attention"),
+        (["--group-query-attention"], 1, "needs --num-query-groups"),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size > 1"),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "6",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+            ],
+            2,
+            "--num-layers .6. is not divisible",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "8",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+            ],
+            2,
+            "multiple of --pipeline-model-parallel-size",
+        ),
+        (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--seq-length", "256", "--max-position-embeddings", "128"], 1, "--max-position-embeddings"),
+        (["--transformer-impl", "transformer_engine"], 1, "Transformer Engine is not installed"),
+    ],
+)
+def test_bad_values_name_the_flag(flags, world, match):
+    with pytest.raises(ArgumentError, match=match):
+        parsed(*flags, world=world)
+
+
+def test_model_shape_errors_name_the_flag():
+    with pytest.raises(ModelConfigError, match="--num-attention-heads .6. is not divisible by --tensor"):
+        parsed(
+            "--num-attention-heads", "6", "--hidden-size", "48", "--tensor-model-parallel-size", "4", world=4
+        )
+    with pytest.raises(
+        ModelConfigError, match="--hidden-size .50. is not divisible by --num-attention-heads"
+    ):
+        parsed("--hidden-size", "50")
+
+
+def test_no_data_is_an_error():
+    with pytest.raises(ArgumentError, match="--data-path"):
+        validate_args(parse_args(["--vocab-size", "100"]), 1)
+    with pytest.raises(ArgumentError, match="NullTokenizer needs --vocab-size"):
+        validate_args(parse_args(["--mock-data"]), 1)
