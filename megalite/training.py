@@ -1,0 +1,398 @@
+"""The training loop: batches -> pipeline schedule -> optimizer step -> log / eval / save.
+
+``pretrain(argv)`` is what ``pretrain_gpt.py`` calls. It is split into small
+steps a reader can follow: ``setup()`` builds the mesh, model chunks, optimizer
+and data; ``train_step()`` runs one global batch; ``evaluate()`` runs the
+validation batches; ``train()`` loops and logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megalite.arguments import model_config, parse_args, validate_args
+from megalite.data import build_pretraining_data_loader, build_tokenizer, build_train_valid_test_datasets
+from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
+from megalite.model.config import ModelConfig
+from megalite.optim import OptimizerParamScheduler, build_optimizer
+from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.pipeline_layout import allreduce_embedding_grads, build_model_chunks
+from megalite.parallel.random import set_random_seed
+from megalite.parallel.schedules import forward_backward
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint must hold to resume exactly, plus the live objects."""
+
+    args: argparse.Namespace
+    mesh: Mesh
+    config: ModelConfig
+    model: list  # DDP-wrapped model chunks of this rank
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    rng: object
+    tokenizer: object
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iters: int = 0
+    datasets: tuple = ()
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- setup
+def initialize_distributed(args: argparse.Namespace) -> Mesh:
+    """Join torchrun's process group (if launched by it) and build the mesh."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if args.distributed_backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            args.distributed_backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    validate_args(args, world_size)
+    return initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, device=device
+    )
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
+    """(parameters on this rank, parameters of the whole model).
+
+    The total counts each logical parameter once: TP shards add up, TP
+    replicas and the tied output-embedding copy count once.
+    """
+    mine, unique = 0, 0
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            mine += p.numel()
+            if getattr(p, "shared_embedding", False) and not mesh.is_first_stage:
+                continue
+            if getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
+                unique += p.numel()
+    total = torch.tensor([unique], dtype=torch.long)
+    if mesh.mp_group is not None:
+        dist.all_reduce(total, group=mesh.mp_group)
+    return mine, int(total.item())
+
+
+def setup(args: argparse.Namespace) -> TrainState:
+    mesh = initialize_distributed(args)
+    rng = set_random_seed(args.seed, mesh, mesh.device)
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+    config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
+    chunks = build_model_chunks(
+        config,
+        mesh,
+        vp=args.virtual_pipeline_model_parallel_size,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        rng=rng,
+        recompute_activations=args.recompute_activations,
+        dtype=params_dtype(args),
+        device=mesh.device,
+    )
+    model = [
+        DistributedDataParallel(
+            c,
+            mesh,
+            bucket_size=args.ddp_bucket_size,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        for c in chunks
+    ]
+    optimizer = build_optimizer(
+        model,
+        mesh,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        params_dtype=params_dtype(args),
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=max(args.lr_decay_iters, 1),
+        lr_decay_style=args.lr_decay_style,
+    )
+    state = TrainState(args, mesh, config, model, optimizer, scheduler, rng, tokenizer)
+    state.datasets = build_datasets(args, state)
+    return state
+
+
+def needs_data(mesh: Mesh) -> bool:
+    """Only the first stage (tokens) and the last stage (labels) read batches."""
+    return mesh.is_first_stage or mesh.is_last_stage
+
+
+def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple:
+    gbs = args.global_batch_size
+    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
+    return build_train_valid_test_datasets(
+        data_path=args.data_path or [],
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        train_samples=args.train_iters * gbs,
+        valid_samples=eval_runs * args.eval_iters * gbs,
+        test_samples=args.eval_iters * gbs,
+        cache_dir=args.data_cache_path,
+        mock=args.mock_data,
+        vocab_size=state.tokenizer.vocab_size,
+    )
+
+
+def microbatch_iterator(dataset, consumed_samples: int, args: argparse.Namespace, mesh: Mesh):
+    """Iterator of microbatch dicts for this DP rank, or None on ranks that read no data."""
+    if dataset is None or not needs_data(mesh):
+        return None
+    loader = build_pretraining_data_loader(
+        dataset,
+        consumed_samples,
+        args.micro_batch_size,
+        mesh.dp_rank,
+        mesh.dp_size,
+        num_workers=args.num_workers,
+    )
+    return iter(loader)
+
+
+def next_microbatches(data_iter, n: int, device: torch.device) -> list:
+    if data_iter is None:
+        return [None] * n
+    out = []
+    for _ in range(n):
+        batch = next(data_iter)
+        out.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+    return out
+
+
+# ---------------------------------------------------------------------------- one step
+def forward_step(chunk, microbatch, input_tensor):
+    """Run one model chunk on one microbatch; the last chunk returns the microbatch loss."""
+    gpt = chunk.module if hasattr(chunk, "module") else chunk
+    out = chunk(
+        input_ids=microbatch["tokens"] if gpt.pre_process else None,
+        position_ids=microbatch["position_ids"] if gpt.pre_process else None,
+        labels=microbatch["labels"] if gpt.post_process else None,
+        input_tensor=input_tensor,
+    )
+    if not gpt.post_process:
+        return out
+    mask = microbatch["loss_mask"].to(out.dtype)
+    return (out * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> list:
+    args, mesh = state.args, state.mesh
+    if mesh.pp_size == 1:
+        schedule = "1f1b"  # no pipelining: plain accumulation, whatever the name
+    elif args.virtual_pipeline_model_parallel_size > 1:
+        schedule = "interleaved"
+    else:
+        schedule = args.pipeline_schedule
+    return forward_backward(
+        forward_step_func=forward_step,
+        microbatches=microbatches,
+        model=state.model,
+        mesh=mesh,
+        num_microbatches=len(microbatches),
+        tensor_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
+        dtype=params_dtype(args),
+        schedule=schedule,
+        forward_only=forward_only,
+    )
+
+
+def average_loss(losses: list, mesh: Mesh, device: torch.device) -> float | None:
+    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over DP)."""
+    if not mesh.is_last_stage:
+        return None
+    loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
+    if mesh.dp_group is not None and mesh.dp_size > 1:
+        loss = loss / mesh.dp_size
+        dist.all_reduce(loss, group=mesh.dp_group)
+    return float(loss.item())
+
+
+def train_step(state: TrainState, data_iter) -> dict:
+    """One optimizer step over the global batch; returns the step's metrics."""
+    args, mesh = state.args, state.mesh
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
+    losses = run_schedule(state, microbatches, forward_only=False)
+    for chunk in state.model:
+        chunk.finish_grad_sync()
+    allreduce_embedding_grads(state.model, mesh)
+    ok, grad_norm, _ = state.optimizer.step()
+    if ok:
+        state.scheduler.step(1)
+    else:
+        state.skipped_iters += 1
+    state.iteration += 1
+    state.consumed_train_samples += args.global_batch_size
+    return {
+        "loss": average_loss(losses, mesh, mesh.device),
+        "grad_norm": grad_norm,
+        "skipped": not ok,
+    }
+
+
+@torch.no_grad()
+def evaluate(state: TrainState, dataset) -> float | None:
+    args, mesh = state.args, state.mesh
+    for chunk in state.model:
+        chunk.eval()
+    data_iter = microbatch_iterator(dataset, 0, args, mesh)
+    losses = []
+    for _ in range(args.eval_iters):
+        microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
+        losses.extend(run_schedule(state, microbatches, forward_only=True))
+    for chunk in state.model:
+        chunk.train()
+    return average_loss(losses, mesh, mesh.device)
+
+
+# ---------------------------------------------------------------------------- loop
+def is_logging_rank(mesh: Mesh) -> bool:
+    """The last stage's first rank: it holds the loss."""
+    return mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0
+
+
+def describe_layout(state: TrainState) -> str:
+    args, mesh = state.args, state.mesh
+    mine, total = count_parameters(state.model, mesh)
+    return (
+        f"megalite: world {mesh.world_size} = tp {mesh.tp_size} x pp {mesh.pp_size} x dp {mesh.dp_size}"
+        f" (virtual stages {args.virtual_pipeline_model_parallel_size}); microbatches per step "
+        f"{args.num_microbatches} (global batch {args.global_batch_size} = micro {args.micro_batch_size}"
+        f" x dp {mesh.dp_size} x {args.num_microbatches}); parameters: {total:,} total, {mine:,} on "
+        f"rank {mesh.rank}; dtype {params_dtype(args)}; device {mesh.device}"
+    )
+
+
+def train(state: TrainState, sinks: MetricSinks) -> dict:
+    args, mesh = state.args, state.mesh
+    train_ds, valid_ds, _ = state.datasets
+    data_iter = microbatch_iterator(train_ds, state.consumed_train_samples, args, mesh)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    flops_per_step = model_flops_per_token(
+        state.config, args.seq_length, state.config.padded_vocab_size(mesh.tp_size)
+    )
+    flops_per_step *= tokens_per_step
+    peak = args.peak_tflops or detect_peak_tflops(mesh.device)
+    window_start, window_iters, window_loss = time.perf_counter(), 0, []
+    last = {}
+    while state.iteration < args.train_iters:
+        step = train_step(state, data_iter)
+        window_iters += 1
+        if step["loss"] is not None:
+            window_loss.append(step["loss"])
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            if mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - window_start
+            iter_time = elapsed / window_iters
+            tflops = flops_per_step / iter_time / mesh.world_size / 1e12
+            values = {
+                "loss": sum(window_loss) / len(window_loss) if window_loss else None,
+                "lr": state.scheduler.get_lr(),
+                "grad_norm": step["grad_norm"],
+                "loss_scale": state.optimizer.get_loss_scale(),
+                "consumed_samples": state.consumed_train_samples,
+                "skipped_iters": state.skipped_iters,
+                "iteration_time_s": iter_time,
+                "tokens_per_sec": tokens_per_step / iter_time,
+                "tflops_per_device": tflops,
+                "mfu": tflops / peak if peak else None,
+                "peak_memory_mb": peak_memory_mb(mesh.device),
+            }
+            last = values
+            sinks.record("train", state.iteration, values)
+            sinks.console(format_train_line(state.iteration, args.train_iters, values))
+            window_start, window_iters, window_loss = time.perf_counter(), 0, []
+        if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_ds is not None:
+            eval_loss = evaluate(state, valid_ds)
+            values = {
+                "loss": eval_loss,
+                "ppl": math.exp(min(eval_loss, 20.0)) if eval_loss is not None else None,
+            }
+            sinks.record("eval", state.iteration, values)
+            sinks.console(
+                f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {values['ppl']:.3f}"
+            )
+    return last
+
+
+def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
+    parts = [
+        f" iteration {iteration:>7}/{train_iters}",
+        f"consumed samples {v['consumed_samples']}",
+        f"loss {v['loss']:.6f}" if v["loss"] is not None else "loss n/a",
+        f"lr {v['lr']:.3e}",
+        f"grad norm {v['grad_norm']:.4f}" if v["grad_norm"] is not None else "grad norm n/a",
+        f"loss scale {v['loss_scale']:.1f}",
+        f"skipped {v['skipped_iters']}",
+        f"{v['iteration_time_s'] * 1000:.1f} ms/iter",
+        f"{v['tokens_per_sec']:.0f} tokens/s",
+        f"{v['tflops_per_device']:.3f} TFLOP/s/device",
+    ]
+    if v["mfu"] is not None:
+        parts.append(f"MFU {100 * v['mfu']:.1f}%")
+    parts.append(f"peak mem {v['peak_memory_mb']:.0f} MB")
+    return " | ".join(parts)
+
+
+def pretrain(argv: list[str] | None = None) -> dict:
+    """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
+    args = parse_args(argv)
+    state = setup(args)
+    mesh = state.mesh
+    log_here = is_logging_rank(mesh)
+    sinks = MetricSinks(log_here, args.tensorboard_dir, args.metrics_file)
+    layout = describe_layout(state)
+    if mesh.rank == 0 or log_here:
+        print(layout, flush=True)
+    try:
+        return train(state, sinks)
+    finally:
+        sinks.close()
