@@ -1,0 +1,555 @@
+"""Hugging Face ``transformers`` <-> megalite: weight names, layouts and configs.
+
+Pure functions between a ``transformers`` state dict + ``config.json`` dict
+(``GPT2LMHeadModel`` or ``LlamaForCausalLM``) and a megalite LOGICAL state dict
++ :class:`ModelConfig`. A logical state dict uses the parameter names of a
+single-process :class:`~megalite.model.gpt.GPTModel` with full (unsharded)
+shapes, and its vocab tables hold the REAL vocab rows only, ``[vocab_size, h]``
+(Megatron's padding depends on the TP size, so it is not part of the model; see
+/docs/checkpoints.md). That is exactly what ``megalite.checkpoint`` stores, so
+any TP/PP layout can load a converted model.
+
+What differs between the two worlds, and how it is bridged:
+
+* Fused QKV. megalite keeps one ``linear_qkv`` per layer whose rows are
+  group-major (Megatron's layout): for each query group ``g``,
+  ``[q heads of g, k_g, v_g]``, each ``head_dim`` rows; TP splits it into whole
+  groups. HF Llama has separate ``q/k/v_proj`` (query head ``i`` uses kv head
+  ``i // (heads/groups)``, the same grouping); HF GPT-2 has one ``c_attn`` whose
+  output columns are ``[all q | all k | all v]``.
+* GPT-2's ``Conv1D`` stores weights as ``[in, out]`` (``x @ W``); ``nn.Linear``
+  (ours) stores ``[out, in]``, so every GPT-2 matrix is transposed.
+* RoPE: megalite uses HF Llama's ``rotate_half`` convention (the two halves of
+  each head are the rotation pairs), so q/k rows need no permutation. (Meta's
+  original checkpoints interleave pairs; HF's own converter already permuted them.)
+* Tied embeddings: GPT-2 ties ``lm_head`` to ``wte`` (ours: no
+  ``output_layer.weight`` in the logical state dict); Llama's head is separate.
+
+The file I/O helpers at the bottom read/write ``config.json`` + safetensors
+(single file or a sharded ``model.safetensors.index.json``) without pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+from megalite.model.config import ModelConfig
+
+WORD_EMB = "embedding.word_embeddings.weight"
+POS_EMB = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+VOCAB_TABLES = (WORD_EMB, OUTPUT)
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class HFConversionError(ValueError):
+    """A checkpoint or config that has no faithful translation; the message says what and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused QKV <-> separate q, k, v
+# ---------------------------------------------------------------------------------------------
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q [heads*d, ...], k/v [groups*d, ...] (head-major rows) -> group-major fused [(heads+2*groups)*d, ...].
+
+    Works for weights (trailing dim h) and biases (no trailing dim) alike.
+    """
+    nh, ng, d = config.num_attention_heads, config.query_groups, config.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(ng, nh // ng, d, *rest)
+    k = k.reshape(ng, 1, d, *rest)
+    v = v.reshape(ng, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape((nh + 2 * ng) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: group-major fused rows -> (q [heads*d, ...], k, v [groups*d, ...])."""
+    nh, ng, d = config.num_attention_heads, config.query_groups, config.head_dim
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, nh // ng + 2, d, *rest)
+    q = grouped[:, : nh // ng].reshape(nh * d, *rest)
+    k = grouped[:, -2].reshape(ng * d, *rest)
+    v = grouped[:, -1].reshape(ng * d, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_flavour(config: ModelConfig) -> str:
+    """ "gpt2" or "llama": the transformers architecture that computes exactly what ``config`` does."""
+    c = config
+    if (
+        c.position_embedding_type == "learned_absolute"
+        and c.normalization == "LayerNorm"
+        and not c.swiglu
+        and c.add_bias_linear
+        and c.query_groups == c.num_attention_heads
+        and c.head_dim * c.num_attention_heads == c.hidden_size
+    ):
+        return "gpt2"
+    if (
+        c.position_embedding_type == "rope"
+        and c.normalization == "RMSNorm"
+        and c.swiglu
+        and not c.add_bias_linear
+    ):
+        return "llama"
+    raise HFConversionError(
+        "this model has no transformers equivalent: GPT2LMHeadModel needs learned_absolute positions, "
+        "LayerNorm, GELU, biases and plain multi-head attention with head dim = hidden / heads; "
+        "LlamaForCausalLM needs rope, RMSNorm, --swiglu and --disable-bias-linear. Got "
+        f"position_embedding_type={c.position_embedding_type}, normalization={c.normalization}, "
+        f"swiglu={c.swiglu}, add_bias_linear={c.add_bias_linear}, num_query_groups={c.query_groups}, "
+        f"kv_channels={c.head_dim}"
+    )
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise HFConversionError(msg)
+
+
+def _rope_theta(hf: Mapping) -> float:
+    """RoPE base from either config style: transformers 5's ``rope_parameters`` or the older top-level keys."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = (
+        params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type")
+    )
+    _need(
+        rope_type in (None, "default"),
+        f"rope scaling {rope_type!r} is not supported (megalite implements plain RoPE, rope_type 'default')",
+    )
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: Mapping) -> ModelConfig:
+    """A ``config.json`` dict of a GPT-2 or Llama model -> the ModelConfig computing the same function."""
+    model_type = hf.get("model_type")
+    _need(
+        model_type in SUPPORTED_MODEL_TYPES,
+        f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+        "(GPT2LMHeadModel, LlamaForCausalLM)",
+    )
+    if model_type == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        _need(
+            act in ("gelu_new", "gelu_pytorch_tanh", "gelu"),
+            f"GPT-2 activation_function {act!r} is not supported (gelu_new / gelu_pytorch_tanh / gelu)",
+        )
+        _need(hf.get("scale_attn_weights", True), "GPT-2 with scale_attn_weights=false is not supported")
+        _need(
+            not hf.get("scale_attn_by_inverse_layer_idx", False),
+            "GPT-2 with scale_attn_by_inverse_layer_idx=true is not supported",
+        )
+        _need(not hf.get("add_cross_attention", False), "GPT-2 with cross attention is not supported")
+        return ModelConfig.gpt2(
+            num_layers=hf["n_layer"],
+            hidden_size=hf["n_embd"],
+            num_attention_heads=hf["n_head"],
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf["n_positions"],
+            ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+            openai_gelu=act != "gelu",
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            hidden_dropout=hf.get("resid_pdrop", 0.0),
+            attention_dropout=hf.get("attn_pdrop", 0.0),
+            init_method_std=hf.get("initializer_range", 0.02),
+        )
+    act = hf.get("hidden_act", "silu")
+    _need(act == "silu", f"Llama hidden_act {act!r} is not supported (SwiGLU uses silu)")
+    _need(not hf.get("attention_bias", False), "Llama with attention_bias=true is not supported")
+    _need(not hf.get("mlp_bias", False), "Llama with mlp_bias=true is not supported")
+    h, nh = hf["hidden_size"], hf["num_attention_heads"]
+    ng = hf.get("num_key_value_heads") or nh
+    head_dim = hf.get("head_dim") or h // nh
+    return ModelConfig.llama(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=h,
+        num_attention_heads=nh,
+        num_query_groups=ng if ng != nh else None,
+        kv_channels=head_dim if head_dim * nh != h else None,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        ffn_hidden_size=hf["intermediate_size"],
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        rotary_base=_rope_theta(hf),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """ModelConfig -> a ``config.json`` dict that ``transformers`` builds the same model from."""
+    c = config
+    flavour = hf_flavour(c)
+    # Token ids are the tokenizer's business, not the model's; GPT-2's defaults (50256) only
+    # make sense for the GPT-2 BPE vocabulary.
+    special = 50256 if flavour == "gpt2" and c.vocab_size > 50256 else None
+    common = {
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
+        "initializer_range": c.init_method_std,
+        "bos_token_id": special,
+        "eos_token_id": special,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    }
+    if flavour == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_layer": c.num_layers,
+            "n_embd": c.hidden_size,
+            "n_head": c.num_attention_heads,
+            "n_inner": c.ffn_size,
+            "n_positions": c.max_position_embeddings,
+            "activation_function": "gelu_new" if c.openai_gelu else "gelu",
+            "layer_norm_epsilon": c.norm_epsilon,
+            "resid_pdrop": c.hidden_dropout,
+            "embd_pdrop": c.hidden_dropout,
+            "attn_pdrop": c.attention_dropout,
+            **common,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.query_groups,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.ffn_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_epsilon,
+        # Both spellings: transformers >= 5 reads rope_parameters, older releases rope_theta.
+        "rope_theta": c.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rotary_base},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": c.attention_dropout,
+        **common,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts
+# ---------------------------------------------------------------------------------------------
+
+# Buffers some transformers versions saved with the weights; they are recomputed, never needed.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def _strip_prefix(hf_state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Drop the base-model prefix ("transformer." / "model."): the official gpt2 files have none."""
+    out = {}
+    for name, t in hf_state.items():
+        if name.endswith(_IGNORED_SUFFIXES):  # not "c_attn.bias": the suffix starts with a dot
+            continue
+        out[name[len(prefix) :] if name.startswith(prefix) else name] = t
+    return out
+
+
+class _Taker:
+    """Pops tensors by name so that leftovers (unknown weights) can be reported, never silently dropped."""
+
+    def __init__(self, state: dict[str, torch.Tensor], what: str):
+        self.state, self.what = dict(state), what
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise HFConversionError(f"{self.what}: missing tensor {name!r}")
+        return self.state.pop(name)
+
+    def finish(self) -> None:
+        if self.state:
+            extra = sorted(self.state)
+            raise HFConversionError(
+                f"{self.what}: unexpected tensors {extra[:6]}{' ...' if len(extra) > 6 else ''} — "
+                "the checkpoint does not match its config.json"
+            )
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    _need(
+        tuple(t.shape) == tuple(shape),
+        f"{name}: shape {tuple(t.shape)} does not match config.json (expected {tuple(shape)})",
+    )
+    return t
+
+
+def hf_to_megalite(
+    hf_state: Mapping[str, torch.Tensor], hf_config: Mapping
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """transformers state dict + config.json dict -> (megalite logical state dict, ModelConfig)."""
+    config = config_from_hf(hf_config)
+    c = config
+    h, ffn, d = c.hidden_size, c.ffn_size, c.head_dim
+    nh, ng = c.num_attention_heads, c.query_groups
+    out: dict[str, torch.Tensor] = {}
+    if hf_config["model_type"] == "gpt2":
+        take = _Taker(_strip_prefix(hf_state, "transformer."), "GPT-2 checkpoint")
+
+        def conv1d(name: str, n_in: int, n_out: int) -> torch.Tensor:  # Conv1D [in, out] -> Linear [out, in]
+            return _check_shape(name, take(name), (n_in, n_out)).t().contiguous()
+
+        out[WORD_EMB] = _check_shape("wte.weight", take("wte.weight"), (c.vocab_size, h))
+        out[POS_EMB] = _check_shape("wpe.weight", take("wpe.weight"), (c.max_position_embeddings, h))
+        for i in range(c.num_layers):
+            p, q = f"decoder.layers.{i}.", f"h.{i}."
+            qkv_w = conv1d(q + "attn.c_attn.weight", h, 3 * h)  # rows [q | k | v]
+            qkv_b = _check_shape(q + "attn.c_attn.bias", take(q + "attn.c_attn.bias"), (3 * h,))
+            out[p + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv_w.chunk(3, dim=0), c)
+            out[p + "self_attention.linear_qkv.bias"] = fuse_qkv(*qkv_b.chunk(3, dim=0), c)
+            out[p + "self_attention.linear_proj.weight"] = conv1d(q + "attn.c_proj.weight", h, h)
+            out[p + "self_attention.linear_proj.bias"] = take(q + "attn.c_proj.bias")
+            out[p + "mlp.linear_fc1.weight"] = conv1d(q + "mlp.c_fc.weight", h, ffn)
+            out[p + "mlp.linear_fc1.bias"] = take(q + "mlp.c_fc.bias")
+            out[p + "mlp.linear_fc2.weight"] = conv1d(q + "mlp.c_proj.weight", ffn, h)
+            out[p + "mlp.linear_fc2.bias"] = take(q + "mlp.c_proj.bias")
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[p + ours + ".weight"] = take(q + theirs + ".weight")
+                out[p + ours + ".bias"] = take(q + theirs + ".bias")
+        out["decoder.final_norm.weight"] = take("ln_f.weight")
+        out["decoder.final_norm.bias"] = take("ln_f.bias")
+        head = take.state.pop("lm_head.weight", None)
+        if c.untie_embeddings_and_output_weights:
+            _need(head is not None, "GPT-2 checkpoint: tie_word_embeddings=false but no lm_head.weight")
+            out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
+        take.finish()
+    else:
+        take = _Taker(_strip_prefix(hf_state, "model."), "Llama checkpoint")
+        out[WORD_EMB] = _check_shape("embed_tokens.weight", take("embed_tokens.weight"), (c.vocab_size, h))
+        for i in range(c.num_layers):
+            p, q = f"decoder.layers.{i}.", f"layers.{i}.self_attn."
+            qw = _check_shape(q + "q_proj.weight", take(q + "q_proj.weight"), (nh * d, h))
+            kw = _check_shape(q + "k_proj.weight", take(q + "k_proj.weight"), (ng * d, h))
+            vw = _check_shape(q + "v_proj.weight", take(q + "v_proj.weight"), (ng * d, h))
+            out[p + "self_attention.linear_qkv.weight"] = fuse_qkv(qw, kw, vw, c)
+            out[p + "self_attention.linear_proj.weight"] = _check_shape(
+                q + "o_proj.weight", take(q + "o_proj.weight"), (h, nh * d)
+            )
+            q = f"layers.{i}."
+            out[p + "mlp.linear_fc1_gate.weight"] = _check_shape(
+                q + "mlp.gate_proj.weight", take(q + "mlp.gate_proj.weight"), (ffn, h)
+            )
+            out[p + "mlp.linear_fc1_up.weight"] = take(q + "mlp.up_proj.weight")
+            out[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
+            out[p + "input_layernorm.weight"] = take(q + "input_layernorm.weight")
+            out[p + "pre_mlp_layernorm.weight"] = take(q + "post_attention_layernorm.weight")
+        out["decoder.final_norm.weight"] = take("norm.weight")
+        head = take.state.pop("lm_head.weight", None)
+        if c.untie_embeddings_and_output_weights:
+            _need(head is not None, "Llama checkpoint: tie_word_embeddings=false but no lm_head.weight")
+            out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
+        take.finish()
+    return out, config
+
+
+def megalite_to_hf(
+    state: Mapping[str, torch.Tensor], config: ModelConfig
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """megalite logical state dict + ModelConfig -> (transformers state dict, config.json dict).
+
+    Vocab tables may carry padding rows (a model's own state dict); only the first
+    ``vocab_size`` rows are exported. Every returned tensor is contiguous and owns its
+    memory (safetensors refuses shared storage).
+    """
+    c = config
+    flavour = hf_flavour(c)
+    take = _Taker(state, "megalite state dict")
+
+    def vocab(name: str) -> torch.Tensor:
+        t = take(name)
+        _need(t.shape[0] >= c.vocab_size, f"{name}: {t.shape[0]} rows < vocab_size {c.vocab_size}")
+        return t[: c.vocab_size]
+
+    out: dict[str, torch.Tensor] = {}
+    if flavour == "gpt2":
+        out["transformer.wte.weight"] = vocab(WORD_EMB)
+        out["transformer.wpe.weight"] = take(POS_EMB)
+        for i in range(c.num_layers):
+            p, q = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            qkv_w = split_qkv(take(p + "self_attention.linear_qkv.weight"), c)
+            qkv_b = split_qkv(take(p + "self_attention.linear_qkv.bias"), c)
+            out[q + "attn.c_attn.weight"] = torch.cat(qkv_w, dim=0).t()
+            out[q + "attn.c_attn.bias"] = torch.cat(qkv_b, dim=0)
+            out[q + "attn.c_proj.weight"] = take(p + "self_attention.linear_proj.weight").t()
+            out[q + "attn.c_proj.bias"] = take(p + "self_attention.linear_proj.bias")
+            out[q + "mlp.c_fc.weight"] = take(p + "mlp.linear_fc1.weight").t()
+            out[q + "mlp.c_fc.bias"] = take(p + "mlp.linear_fc1.bias")
+            out[q + "mlp.c_proj.weight"] = take(p + "mlp.linear_fc2.weight").t()
+            out[q + "mlp.c_proj.bias"] = take(p + "mlp.linear_fc2.bias")
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[q + theirs + ".weight"] = take(p + ours + ".weight")
+                out[q + theirs + ".bias"] = take(p + ours + ".bias")
+        out["transformer.ln_f.weight"] = take("decoder.final_norm.weight")
+        out["transformer.ln_f.bias"] = take("decoder.final_norm.bias")
+    else:
+        out["model.embed_tokens.weight"] = vocab(WORD_EMB)
+        for i in range(c.num_layers):
+            p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qw, kw, vw = split_qkv(take(p + "self_attention.linear_qkv.weight"), c)
+            out[q + "self_attn.q_proj.weight"] = qw
+            out[q + "self_attn.k_proj.weight"] = kw
+            out[q + "self_attn.v_proj.weight"] = vw
+            out[q + "self_attn.o_proj.weight"] = take(p + "self_attention.linear_proj.weight")
+            out[q + "mlp.gate_proj.weight"] = take(p + "mlp.linear_fc1_gate.weight")
+            out[q + "mlp.up_proj.weight"] = take(p + "mlp.linear_fc1_up.weight")
+            out[q + "mlp.down_proj.weight"] = take(p + "mlp.linear_fc2.weight")
+            out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+            out[q + "post_attention_layernorm.weight"] = take(p + "pre_mlp_layernorm.weight")
+        out["model.norm.weight"] = take("decoder.final_norm.weight")
+    if c.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = vocab(OUTPUT)
+    else:
+        # A tied model's state dict may still carry the head (e.g. a pipeline stage's copy): same tensor.
+        take.state.pop(OUTPUT, None)
+    take.finish()
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
+    dtype = next(iter(tensors.values())).dtype
+    return tensors, config_to_hf(c, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-process GPTModel <-> logical state dict (vocab padding on/off)
+# ---------------------------------------------------------------------------------------------
+
+
+def logical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of a single-process (tp=1) GPTModel with the vocab padding rows dropped."""
+    vocab = model.config.vocab_size
+    return {k: (v[:vocab] if k in VOCAB_TABLES else v) for k, v in model.state_dict().items()}
+
+
+def padded_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, tp: int = 1) -> dict:
+    """Logical state dict -> the full state dict of a model padded for ``tp`` (zero padding rows)."""
+    out = dict(state)
+    rows = config.padded_vocab_size(tp)
+    for name in VOCAB_TABLES:
+        if name in out and out[name].shape[0] < rows:
+            t = out[name]
+            out[name] = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: config.json + safetensors
+# ---------------------------------------------------------------------------------------------
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def read_hf_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read ``config.json`` and the weights of a transformers checkpoint directory.
+
+    Weights: ``model.safetensors``, a sharded ``model.safetensors.index.json``, or as a
+    fallback ``pytorch_model.bin`` (+ index) loaded with ``weights_only=True`` (no pickled code runs).
+    """
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--input {directory}: no such directory")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"--input {directory}: no config.json (not a transformers checkpoint?)")
+    with open(cfg_path) as f:
+        hf_config = json.load(f)
+
+    def shards(index_name: str) -> list[str] | None:
+        path = os.path.join(directory, index_name)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+
+    def load_bin(path: str) -> dict:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    state: dict[str, torch.Tensor] = {}
+    if os.path.isfile(os.path.join(directory, SAFE_SINGLE)):
+        files, loader = [SAFE_SINGLE], load_file
+    elif (names := shards(SAFE_INDEX)) is not None:
+        files, loader = names, load_file
+    elif os.path.isfile(os.path.join(directory, BIN_SINGLE)):
+        files, loader = [BIN_SINGLE], load_bin
+    elif (names := shards(BIN_INDEX)) is not None:
+        files, loader = names, load_bin
+    else:
+        raise FileNotFoundError(
+            f"--input {directory}: no weights found ({SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
+        )
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input {directory}: shard {name} listed in the index is missing")
+        state.update(loader(path))
+    return state, hf_config
+
+
+def write_hf_checkpoint(
+    directory: str, state: Mapping[str, torch.Tensor], hf_config: Mapping, max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    """Write ``config.json`` + safetensors (one file, or shards + index above ``max_shard_bytes``).
+
+    Returns the weight file names written. ``from_pretrained(directory)`` loads the result.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(dict(hf_config), f, indent=2, sort_keys=True)
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    if len(groups) == 1:
+        save_file(groups[0], os.path.join(directory, SAFE_SINGLE), metadata={"format": "pt"})
+        return [SAFE_SINGLE]
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map = {}
+    for name, group in zip(names, groups):
+        save_file(group, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(directory, SAFE_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+__all__ = [
+    "HFConversionError",
+    "config_from_hf",
+    "config_to_hf",
+    "fuse_qkv",
+    "hf_flavour",
+    "hf_to_megalite",
+    "logical_state_dict",
+    "megalite_to_hf",
+    "padded_state_dict",
+    "read_hf_checkpoint",
+    "split_qkv",
+    "write_hf_checkpoint",
+]

@@ -1,0 +1,180 @@
+"""HF transformers <-> megalite: random GPT-2 / Llama models give the same logits and round-trip exactly."""
+
+import json
+
+import pytest
+import torch
+
+from megalite.checkpoint import hf
+from megalite.model.config import ModelConfig
+from megalite.model.gpt import GPTModel
+from megalite.parallel.mesh import Mesh
+
+transformers = pytest.importorskip("transformers")
+
+V = 100  # not a multiple of 128: the megalite model carries padding rows the HF one does not have
+SEQ = 24
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights far from HF's init (std 0.02 gives near-uniform logits and hides layout bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            is_norm_weight = name.endswith("weight") and ("ln_" in name or "norm" in name)
+            p.copy_(1.0 + 0.1 * noise if is_norm_weight else 0.15 * noise)
+    return model.eval()
+
+
+def gpt2_model(seed=0, **overrides):
+    cfg = dict(
+        vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+    )  # fmt: skip
+    cfg.update(overrides)
+    return _randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)), seed)
+
+
+def llama_model(seed=0, **overrides):
+    cfg = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
+        bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+    )  # fmt: skip
+    cfg.update(overrides)
+    return _randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)), seed)
+
+
+CASES = {
+    "gpt2": lambda: gpt2_model(),
+    "gpt2-untied-exact-gelu": lambda: gpt2_model(1, tie_word_embeddings=False, activation_function="gelu"),
+    "llama-gqa": lambda: llama_model(2),
+    "llama-tied-mqa-headdim": lambda: llama_model(
+        3, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True
+    ),
+}
+
+
+def megalite_from_hf(hf_model) -> tuple[GPTModel, dict, ModelConfig]:
+    state, config = hf.hf_to_megalite(hf_model.state_dict(), hf_model.config.to_dict())
+    model = GPTModel(config, Mesh.single()).eval()
+    model.load_state_dict(hf.padded_state_dict(state, config), strict=True)
+    return model, state, config
+
+
+def test_fused_qkv_is_group_major_and_split_inverts_it():
+    cfg = ModelConfig.llama(hidden_size=8, num_attention_heads=4, num_query_groups=2, kv_channels=1)
+    q = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # head i's single row holds i
+    k = torch.tensor([[10.0], [11.0]])
+    v = torch.tensor([[20.0], [21.0]])
+    fused = hf.fuse_qkv(q, k, v, cfg)
+    # group 0: q heads 0,1, k0, v0; group 1: q heads 2,3, k1, v1 (HF: query head i uses kv head i // 2)
+    assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    for a, b in zip(hf.split_qkv(fused, cfg), (q, k, v)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers_and_round_trip_is_exact(case):
+    hf_model = CASES[case]()
+    model, state, config = megalite_from_hf(hf_model)
+    ids = torch.randint(0, V, (3, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf_model(ids, labels=ids)
+        logits = model(ids)
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # HF shifts inside; the last position is unused
+        loss = model(ids, labels=labels)[:, :-1].mean()
+    assert logits.shape[-1] == config.padded_vocab_size(1) > V
+    diff = (logits[..., :V] - ref.logits).abs().max().item()
+    print(
+        f"{case}: max |logits diff| vs transformers = {diff:.3g} (logits scale {ref.logits.abs().max():.3g})"
+    )
+    torch.testing.assert_close(logits[..., :V], ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-6)
+
+    # Back to HF: the very same tensors (names, shapes, values), a config that builds the same model.
+    back, hf_config = hf.megalite_to_hf(hf.logical_state_dict(model), config)
+    expected = hf_model.state_dict()
+    if hf_model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in back  # tied: transformers re-ties it on load
+        expected.pop("lm_head.weight")
+    assert sorted(back) == sorted(expected)
+    for name, t in back.items():
+        assert torch.equal(t, expected[name]), name
+    assert back.keys() == hf.megalite_to_hf(state, config)[0].keys()
+    cls = type(hf_model.config)
+    assert hf.config_from_hf(cls(**hf_config).to_dict()) == config
+    rebuilt = type(hf_model)(cls(**hf_config, attn_implementation="eager")).eval()
+    rebuilt.load_state_dict(back, strict=False)
+    if hf_model.config.tie_word_embeddings:
+        assert rebuilt.lm_head.weight.data_ptr() == rebuilt.get_input_embeddings().weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, ref.logits, rtol=0, atol=0)
+
+
+def test_files_from_pretrained_sharding_and_legacy_names(tmp_path):
+    hf_model = llama_model(4)
+    model, _, config = megalite_from_hf(hf_model)
+    state, hf_config = hf.megalite_to_hf(hf.logical_state_dict(model), config)
+
+    # One file: transformers loads it offline; the weights and logits are the original ones.
+    files = hf.write_hf_checkpoint(str(tmp_path / "one"), state, hf_config)
+    assert files == ["model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "one"), local_files_only=True, attn_implementation="eager"
+    )
+    assert (
+        type(loaded).__name__ == "LlamaForCausalLM" and loaded.config.rope_parameters["rope_theta"] == 5000.0
+    )
+    ids = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids).logits, hf_model(ids).logits, rtol=0, atol=0)
+
+    # Sharded: several files + index; reading them back gives every tensor exactly.
+    files = hf.write_hf_checkpoint(str(tmp_path / "sharded"), state, hf_config, max_shard_bytes=20_000)
+    assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    read, read_config = hf.read_hf_checkpoint(str(tmp_path / "sharded"))
+    assert read_config == json.loads(json.dumps(hf_config)) and read.keys() == state.keys()
+    assert all(torch.equal(read[k], state[k]) for k in state)
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "sharded"), local_files_only=True
+    )
+    assert all(torch.equal(sharded.state_dict()[k], state[k]) for k in state)
+
+    # GPT-2 as the official files store it: no "transformer." prefix, attention-mask buffers
+    # saved along, no lm_head (tied).
+    g = gpt2_model(5)
+    legacy = {k.removeprefix("transformer."): v for k, v in g.state_dict().items() if k != "lm_head.weight"}
+    legacy["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+    legacy["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    a, _ = hf.hf_to_megalite(legacy, g.config.to_dict())
+    b, _ = hf.hf_to_megalite(g.state_dict(), g.config.to_dict())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unsupported_and_mismatched_inputs_fail_clearly(tmp_path):
+    g = gpt2_model(6)
+    sd, cfg = g.state_dict(), g.config.to_dict()
+    with pytest.raises(hf.HFConversionError, match="unsupported model_type 'bert'"):
+        hf.hf_to_megalite(sd, {**cfg, "model_type": "bert"})
+    with pytest.raises(hf.HFConversionError, match="activation_function 'relu'"):
+        hf.hf_to_megalite(sd, {**cfg, "activation_function": "relu"})
+    with pytest.raises(hf.HFConversionError, match="missing tensor 'h.1.ln_2.bias'"):
+        hf.hf_to_megalite({k: v for k, v in sd.items() if k != "transformer.h.1.ln_2.bias"}, cfg)
+    with pytest.raises(hf.HFConversionError, match=r"unexpected tensors \['h.2.ln_1.weight'\]"):
+        hf.hf_to_megalite({**sd, "transformer.h.2.ln_1.weight": torch.ones(32)}, cfg)
+    with pytest.raises(hf.HFConversionError, match="wte.weight: shape"):
+        hf.hf_to_megalite(sd, {**cfg, "vocab_size": V + 1})
+    llama = llama_model(7).config.to_dict()
+    with pytest.raises(hf.HFConversionError, match="rope scaling 'linear'"):
+        hf.config_from_hf(
+            {**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}
+        )
+    with pytest.raises(hf.HFConversionError, match="no transformers equivalent"):
+        hf.config_to_hf(ModelConfig.llama(add_bias_linear=True))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf.read_hf_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="no weights found"):
+        hf.read_hf_checkpoint(str(tmp_path))
