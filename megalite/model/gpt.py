@@ -1,0 +1,465 @@
+"""GPTModel: a pre-norm decoder-only transformer built from tensor-parallel layers.
+
+One class, two flavours chosen by :class:`ModelConfig`:
+
+* GPT-2: learned absolute positions, LayerNorm, GELU, biases, tied input/output embeddings.
+* Llama: RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention, untied output layer.
+
+Tensor parallelism (Megatron's scheme): every attention block and MLP is one
+ColumnParallelLinear (split the output features, no communication) followed by
+one RowParallelLinear (split the input features, one all-reduce). Each TP rank
+holds ``heads/tp`` attention heads and ``ffn/tp`` MLP features. The vocabulary
+is split too: embedding rows and logit columns, with a cross entropy that never
+gathers the full logits.
+
+Pipeline parallelism: a model object may hold only a chunk of the network
+(``pre_process`` = the embedding, ``layer_range`` = some transformer layers,
+``post_process`` = the final norm and the output head). Parameter names are the
+same in every layout (layers are keyed by their global index), and
+:meth:`GPTModel.init_weights` draws every parameter's full logical tensor from
+a generator seeded by (seed, name), so every TP x PP layout starts from the
+same model.
+
+Layout is ``[b, s, h]`` (batch first) throughout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.model.config import ModelConfig, ModelConfigError
+from megalite.parallel import random as tp_random
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_param_from_full,
+    mark_replicated,
+)
+from megalite.parallel.mappings import copy_to_tensor_model_parallel_region
+from megalite.parallel.mesh import Mesh
+
+# The layers would draw their own init from torch's global RNG; GPTModel.init_weights sets
+# every parameter instead (layout-independent), so skip that work and leave the RNG untouched.
+_NO_INIT = dict(init_method=None)
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: x / rms(x) * weight, computed in fp32 (as HF Llama) for bf16 stability."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def build_norm(config: ModelConfig, dtype, device) -> nn.Module:
+    """LayerNorm (with bias) or RMSNorm; its params are replicated over TP."""
+    if config.normalization == "RMSNorm":
+        norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+    for p in norm.parameters():
+        mark_replicated(p)
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding (HF Llama's "rotate_half" convention)
+# ---------------------------------------------------------------------------------------------
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [b, 1, s, head_dim] for ``position_ids`` [b, s].
+
+    Frequencies are computed in fp32 on the fly (cheap, and no buffer for
+    ``model.to(bf16)`` to round or for checkpoints to carry).
+    """
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
+    )
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [b, s, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # [b, 1, s, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, heads, s, d] by the position angles (cos/sin [b, 1, s, d])."""
+    return x * cos + _rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer layer
+# ---------------------------------------------------------------------------------------------
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head / grouped-query attention; each TP rank holds whole query groups.
+
+    The fused QKV weight's logical rows are group-major (Megatron's layout): for
+    each query group g, ``[q heads of g, k_g, v_g]``, each ``head_dim`` rows.
+    Splitting it contiguously over TP therefore gives each rank
+    ``query_groups/tp`` complete groups, with no communication inside attention.
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device):
+        super().__init__()
+        tp = mesh.tp_size
+        self.head_dim = config.head_dim
+        self.q_per_group = config.num_attention_heads // config.query_groups
+        self.local_groups = config.query_groups // tp
+        self.local_heads = config.num_attention_heads // tp
+        self.attention_dropout = config.attention_dropout
+        self.rng = rng
+        qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
+        bias = config.add_bias_linear
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, mesh, bias=bias, **_NO_INIT, dtype=dtype, device=device
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            mesh,
+            bias=bias,
+            input_is_parallel=True,
+            **_NO_INIT,
+            dtype=dtype,
+            device=device,
+        )
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h] (replicated over TP after linear_proj's all-reduce)."""
+        b, s, _ = x.shape
+        d = self.head_dim
+        qkv = self.linear_qkv(x)  # [b, s, groups/tp * (q_per_group + 2) * d]
+        qkv = qkv.view(b, s, self.local_groups, self.q_per_group + 2, d)
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, d).transpose(1, 2)  # [b, heads/tp, s, d]
+        k = k.squeeze(3).transpose(1, 2)  # [b, groups/tp, s, d]
+        v = v.squeeze(3).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_per_group > 1:
+            # Query heads of group g sit next to each other, so repeat each k/v head in place.
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
+        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        out = out.transpose(1, 2).reshape(b, s, self.local_heads * d)  # [b, s, heads/tp * d]
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """fc1 (ColumnParallel) -> GELU or SwiGLU -> fc2 (RowParallel); each TP rank holds ffn/tp features.
+
+    SwiGLU keeps gate and up as two separate column-parallel layers
+    (``linear_fc1_gate``, ``linear_fc1_up``) so each has a plain contiguous shard layout.
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device):
+        super().__init__()
+        h, ffn, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+
+        def column():
+            return ColumnParallelLinear(h, ffn, mesh, bias=bias, **_NO_INIT, dtype=dtype, device=device)
+
+        if self.swiglu:
+            self.linear_fc1_gate = column()
+            self.linear_fc1_up = column()
+        else:
+            self.linear_fc1 = column()
+        self.linear_fc2 = RowParallelLinear(
+            ffn, h, mesh, bias=bias, input_is_parallel=True, **_NO_INIT, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]."""
+        if self.swiglu:
+            y = F.silu(self.linear_fc1_gate(x)) * self.linear_fc1_up(x)  # [b, s, ffn/tp]
+        else:
+            y = F.gelu(self.linear_fc1(x), approximate=self.gelu_approximate)
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device):
+        super().__init__()
+        self.input_layernorm = build_norm(config, dtype, device)
+        self.self_attention = SelfAttention(config, mesh, rng, dtype, device)
+        self.pre_mlp_layernorm = build_norm(config, dtype, device)
+        self.mlp = MLP(config, mesh, dtype, device)
+        # The residual stream is replicated over TP, so this dropout uses the default
+        # RNG stream, identical on every TP rank (the activations must stay identical).
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x [b, s, h] -> [b, s, h]."""
+        p = self.hidden_dropout if self.training else 0.0
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), rope), p)
+        x = x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), p)
+        return x
+
+
+class TransformerBlock(nn.Module):
+    """The transformer layers of this chunk, keyed by GLOBAL index, plus the final norm on the last chunk."""
+
+    def __init__(self, config, mesh, layer_range, post_process, rng, dtype, device):
+        super().__init__()
+        start, end = layer_range
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, mesh, rng, dtype, device) for i in range(start, end)}
+        )
+        self.final_norm = build_norm(config, dtype, device) if post_process else None
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Token embedding (vocab-parallel) + learned positions (GPT-2 only) + dropout."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size(mesh.tp_size),
+            config.hidden_size,
+            mesh,
+            **_NO_INIT,
+            dtype=dtype,
+            device=device,
+        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device
+            )
+            mark_replicated(self.position_embeddings.weight)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids [b, s] -> [b, s, h]."""
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        return F.dropout(x, self.hidden_dropout if self.training else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+def _generator_for(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, logical parameter name), stable across processes/runs."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+class GPTModel(nn.Module):
+    """GPT-2 / Llama decoder, or one pipeline chunk of it, tensor-parallel over ``mesh.tp_group``.
+
+    Args:
+        config: model shape and flavour; validated against ``mesh.tp_size``.
+        mesh: this rank's DP x TP x PP mesh (``Mesh.single()`` for one process).
+        pre_process: this chunk holds the embedding (first pipeline stage).
+        post_process: this chunk holds the final norm and output head (last stage).
+        layer_range: global ``[start, end)`` of the transformer layers held (None = all).
+        rng: per-TP-rank RNG streams; attention dropout runs in ``rng.fork()``.
+        recompute_activations: recompute each transformer layer in backward
+            (saves activation memory; dropout masks are reproduced exactly).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        mesh: Mesh,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_range: tuple[int, int] | None = None,
+        rng: tp_random.TensorParallelRNG | None = None,
+        recompute_activations: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        config.validate(mesh.tp_size)
+        if layer_range is None:
+            layer_range = (0, config.num_layers)
+        start, end = layer_range
+        if not (0 <= start <= end <= config.num_layers):
+            raise ModelConfigError(
+                f"layer_range {tuple(layer_range)} is outside the model's layers [0, {config.num_layers}) "
+                f"(--num-layers {config.num_layers}); each pipeline stage needs 0 <= start <= end <= "
+                f"num_layers — check --num-layers against --pipeline-model-parallel-size"
+            )
+        self.config = config
+        self.mesh = mesh
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.layer_range = (start, end)
+        self.rng = rng
+        self.recompute_activations = recompute_activations
+        self.tied = not config.untie_embeddings_and_output_weights
+        device = device if device is not None else mesh.device
+
+        self.embedding = LanguageModelEmbedding(config, mesh, dtype, device) if pre_process else None
+        self.decoder = TransformerBlock(config, mesh, (start, end), post_process, rng, dtype, device)
+        self.output_layer = None
+        if post_process and not (self.tied and pre_process):
+            # Own [V_pad/tp, h] head: untied (Llama), or the tied copy on a last stage that does
+            # not hold the embedding (its grads are summed with the embedding's over the
+            # embedding group by the pipeline code).
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                config.padded_vocab_size(mesh.tp_size),
+                mesh,
+                bias=False,
+                **_NO_INIT,
+                dtype=dtype,
+                device=device,
+            )
+        if self.tied and pre_process != post_process:
+            # The two copies of one tied matrix live on different pipeline stages.
+            self.shared_embedding_or_output_weight().shared_embedding = True
+        self.init_weights(config.seed)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The word embedding on a first stage, else the output head weight (None if neither)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.output_layer is not None else None
+
+    def _init_spec(self, name: str):
+        """(logical name to seed from, init_fn) for parameter ``name``."""
+        cfg = self.config
+        std = cfg.init_method_std
+        if name == "output_layer.weight" and self.tied:
+            name = "embedding.word_embeddings.weight"  # same logical tensor as the embedding
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            vocab = cfg.vocab_size
+
+            def vocab_init(t, g):
+                # Real rows first, padding zero: the real rows do not depend on the TP-dependent
+                # padded size, so TP=1 and TP=4 produce the same logits on real tokens.
+                t.zero_()
+                t[:vocab].normal_(0.0, std, generator=g)
+
+            return name, vocab_init
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:  # input_layernorm, pre_mlp_layernorm, final_norm
+            return name, (lambda t, g: t.fill_(1.0)) if leaf == "weight" else (lambda t, g: t.zero_())
+        if leaf == "bias":
+            return name, lambda t, g: t.zero_()
+        if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            # Megatron's scaled init for the projections that write into the residual stream.
+            std = std / math.sqrt(2.0 * cfg.num_layers)
+        return name, lambda t, g, std=std: t.normal_(0.0, std, generator=g)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init: each parameter's full logical tensor from a (seed, name) generator."""
+        for name, param in self.named_parameters():
+            seed_name, init_fn = self._init_spec(name)
+            init_param_from_full(
+                param, init_fn, _generator_for(seed, seed_name), self.mesh.tp_rank, self.mesh.tp_size
+            )
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements held by this rank (TP shards and this pipeline chunk only)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        input_tensor: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this chunk.
+
+        input_ids [b, s] long (first stage) or input_tensor [b, s, h] (later stages);
+        position_ids [b, s] (default 0..s-1). Returns hidden states [b, s, h] (not the last
+        stage), logits [b, s, V_pad/tp] (last stage, no labels; this rank's vocab shard) or
+        the per-token loss [b, s] fp32 (last stage, labels [b, s]).
+        """
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage (pre_process=True) needs input_ids [b, s]")
+            b, s = input_ids.shape
+            device = input_ids.device
+        else:
+            if input_tensor is None:
+                raise ValueError("a later pipeline stage (pre_process=False) needs input_tensor [b, s, h]")
+            b, s = input_tensor.shape[:2]
+            device = input_tensor.device
+        if position_ids is None:
+            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+
+        if self.pre_process:
+            if self.embedding.position_embeddings is not None and s > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {s} exceeds --max-position-embeddings "
+                    f"({self.config.max_position_embeddings}); lower --seq-length or raise the limit"
+                )
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            hidden = input_tensor
+
+        rope = None
+        if self.config.position_embedding_type == "rope":
+            rope = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype)
+
+        for layer in self.decoder.layers.values():
+            if self.recompute_activations and torch.is_grad_enabled():
+                hidden = tp_random.recompute(lambda x, layer=layer: layer(x, rope), self.rng, hidden)
+            else:
+                hidden = layer(hidden, rope)
+
+        if not self.post_process:
+            return hidden
+        hidden = self.decoder.final_norm(hidden)
+        # Tied on one stage: the head reuses the embedding matrix itself.
+        weight = (
+            self.output_layer.weight
+            if self.output_layer is not None
+            else self.embedding.word_embeddings.weight
+        )
+        # Column-parallel head: the replicated input's grad is summed over TP in backward.
+        logits = F.linear(copy_to_tensor_model_parallel_region(hidden, self.mesh.tp_group), weight)
+        if labels is None:
+            return logits  # [b, s, V_pad/tp]
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.mesh.tp_group, vocab_size=self.config.vocab_size
+        )
+
+
+__all__ = ["GPTModel", "apply_rotary", "rotary_cos_sin"]
