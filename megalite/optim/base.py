@@ -1,0 +1,204 @@
+"""The optimizer step both megalite optimizers share (Megatron's MixedPrecisionOptimizer).
+
+AdamW always runs on fp32 *main* params. Each main param is either a view of
+an fp32 model param (no copy) or an fp32 copy of a bf16/fp16 one; with the
+distributed optimizer it covers only this DP rank's shard. Its gradient is the
+DP-reduced ``main_grad`` that DistributedDataParallel produced (fp32 buffer).
+
+One step::
+
+    main.grad <- main_grad (view; cast only if the buffer is not fp32)
+    fp16: unscale, inf/NaN check agreed by every rank -> on overflow: skip, back off
+    clip by the global norm (TP / PP / tied embedding / ZeRO shards each counted once)
+    AdamW on the main params
+    copy main params back into the model params (subclass: cast, or all-gather)
+
+Subclasses decide which main params exist (``_main_params``) and how updated
+values reach the model (``_copy_main_params_to_model_params``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm
+from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.mesh import Mesh
+
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+
+
+@dataclass
+class MainParam:
+    """One fp32 tensor AdamW updates, and where it comes from.
+
+    ``main`` [n] or the model param's shape; ``grad`` has the same shape and is
+    a view of the DDP grad buffer; ``model_range`` is the ``[start, end)`` of the
+    flattened model param that ``main`` covers; ``is_copy`` is False when
+    ``main`` shares storage with the (fp32) model param.
+    """
+
+    main: nn.Parameter
+    model: nn.Parameter
+    grad: torch.Tensor
+    model_range: tuple[int, int]
+    is_copy: bool
+
+
+def make_main_param(model: nn.Parameter, grad: torch.Tensor, start: int, end: int) -> MainParam:
+    """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param."""
+    whole = start == 0 and end == model.numel()
+    source = model.detach() if whole else model.detach().view(-1)[start:end]
+    is_copy = model.dtype != torch.float32
+    main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
+    for name in _TP_ATTRIBUTES:  # grad-norm rules read these
+        if hasattr(model, name):
+            setattr(main, name, getattr(model, name))
+    return MainParam(main, model, grad, (start, end), is_copy)
+
+
+def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for c in chunks:
+        if not isinstance(c, DistributedDataParallel):
+            raise TypeError(
+                f"the optimizer needs model chunks wrapped in megalite.parallel.data_parallel."
+                f"DistributedDataParallel (it reads param.main_grad), got {type(c).__name__}"
+            )
+    return chunks
+
+
+class MegatronOptimizer(ABC):
+    """AdamW on fp32 main params with loss scaling and global-norm clipping.
+
+    Not constructed directly: see :func:`megalite.optim.build_optimizer`.
+    """
+
+    dp_sharded = False  # the distributed optimizer's grads are DP shards
+
+    def __init__(
+        self,
+        model_chunks: list[DistributedDataParallel],
+        mesh: Mesh,
+        main_params: list[MainParam],
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        grad_scaler,
+    ):
+        self.model_chunks = model_chunks
+        self.mesh = mesh
+        self.main_params = main_params
+        self.weight_decay = weight_decay  # the scheduler's default start/end weight decay
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+        # Megatron's rule: no weight decay on biases and norm weights, i.e. any 1-D param.
+        decay = [m.main for m in main_params if m.model.dim() > 1]
+        no_decay = [m.main for m in main_params if m.model.dim() <= 1]
+        groups = [
+            {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay},
+            {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0},
+        ]
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    # What the training loop uses ------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def get_loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` before backward (identity without a grad scaler)."""
+        return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
+
+    def zero_grad(self) -> None:
+        """Zero the DDP grad buffers (every ``main_grad``) before the next iteration."""
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self._release_main_grads()
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, None]:
+        """Returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's."""
+        grads = self._prepare_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf(grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._release_main_grads()
+                return False, None, None
+        grad_norm = None
+        if self.clip_grad > 0.0:
+            mains = [m.main for m in self.main_params]
+            grad_norm = clip_grad_norm(mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded)
+        self.inner.step()
+        self._release_main_grads()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, None
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: Adam moments (+ step) and fp32 main-param copies."""
+        state = sum(t.nbytes for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t))
+        copies = sum(m.main.nbytes for m in self.main_params if m.is_copy)
+        return state + copies
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (AdamW state of its main params, loss scaler, fp32 copies)."""
+        return {
+            "optimizer": self.inner.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "main_params": [m.main.detach().clone() for m in self.main_params if m.is_copy],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        copies = [m for m in self.main_params if m.is_copy]
+        saved = state_dict["main_params"]
+        if len(saved) != len(copies):
+            raise ValueError(
+                f"optimizer checkpoint has {len(saved)} fp32 main params, this model has {len(copies)}: "
+                "was it saved with another --fp16/--bf16 setting or parallel layout?"
+            )
+        for m, value in zip(copies, saved):
+            m.main.copy_(value)
+        self._copy_main_params_to_model_params()
+
+    # Pieces of the step --------------------------------------------------------------------
+    def _prepare_main_grads(self) -> list[torch.Tensor]:
+        for m in self.main_params:
+            m.main.grad = m.grad if m.grad.dtype == torch.float32 else m.grad.float()
+        return [m.main.grad for m in self.main_params]
+
+    def _release_main_grads(self) -> None:
+        for m in self.main_params:
+            m.main.grad = None
+
+    def _unscale_and_check_for_inf(self, grads: list[torch.Tensor]) -> bool:
+        """Divide grads by the loss scale; True if any grad on ANY rank is inf/NaN."""
+        device = grads[0].device if grads else self.mesh.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+            for g in grads:
+                found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
+        # Every rank must take the same decision, or the next collective deadlocks:
+        # TP/PP ranks hold different params, and ZeRO DP ranks different shards.
+        all_reduce_over(found_inf, dist.ReduceOp.MAX, self.mesh.mp_group, self.mesh.dp_group)
+        return bool(found_inf.item() > 0)
+
+    @abstractmethod
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the updated main params into the model params (cast, or all-gather over DP)."""

@@ -1,0 +1,106 @@
+"""Global gradient norm and clipping across TP, PP and (with ZeRO-1) DP.
+
+The norm must be that of the FULL model's gradient, every logical element
+counted exactly once, whatever the layout:
+
+* TP-sharded params (``tensor_model_parallel=True``): each TP rank holds a
+  distinct shard -> its squares are summed over TP.
+* TP-replicated params (norm weights, row-parallel biases): identical on every
+  TP rank -> counted on TP rank 0 only.
+* ``shared_embedding`` params (the word embedding and its tied copy in the
+  output layer of the last stage, whose grads the pipeline all-reduces): counted
+  on the first pipeline stage only.
+* Squares are summed over ``mesh.mp_group`` (TP x PP); with the distributed
+  optimizer every DP rank holds a distinct shard of the grads, so also over
+  ``mesh.dp_group``.
+
+Inf and NaN propagate to the result (the fp16 path checks for them first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.mesh import Mesh
+
+
+def all_reduce_over(tensor: torch.Tensor, op, *groups) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over each group in turn; ``None`` groups are skipped."""
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
+    """Megatron's filters: not a TP duplicate, and not the tied copy of the embedding."""
+    tp_duplicate = not getattr(param, "tensor_model_parallel", False) and mesh.tp_rank != 0
+    tied_copy = getattr(param, "shared_embedding", False) and not mesh.is_first_stage
+    return not tp_duplicate and not tied_copy
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer uses: ``main_grad`` under DDP, else ``.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def get_grad_norm(
+    params: Iterable[torch.Tensor],
+    mesh: Mesh,
+    *,
+    norm_type: float = 2.0,
+    dp_sharded: bool = False,
+) -> float:
+    """Norm of the whole model's gradient (see module docstring for what counts once).
+
+    Args:
+        params: this rank's parameters (or optimizer main params carrying the same
+            attributes); their gradient is ``main_grad`` if present, else ``.grad``.
+        norm_type: 2.0 or ``math.inf``.
+        dp_sharded: the grads are this DP rank's ZeRO-1 shard; sum over DP too.
+    """
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    grads = [g for p in params if counts_in_grad_norm(p, mesh) and (g := grad_of(p)) is not None]
+    device = grads[0].device if grads else mesh.device
+    groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+    if norm_type == math.inf:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local = torch.maximum(local, g.detach().abs().max().float())
+        return float(all_reduce_over(local, dist.ReduceOp.MAX, *groups))
+    if grads:
+        norms = torch._foreach_norm(
+            [g.detach().float() if g.dtype != torch.float32 else g.detach() for g in grads]
+        )
+        total = torch.stack(norms).pow(2).sum()
+    else:  # a rank may own no grads (e.g. its ZeRO shard is all padding); it still joins the all-reduce
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups)) ** 0.5
+
+
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    mesh: Mesh,
+    *,
+    norm_type: float = 2.0,
+    dp_sharded: bool = False,
+) -> float:
+    """Scale every gradient in place so the global norm is at most ``max_norm``; return the norm before.
+
+    Like Megatron (and ``torch.nn.utils.clip_grad_norm_``) the coefficient is
+    ``max_norm / (norm + 1e-6)``, applied only when below 1.
+    """
+    params = list(params)
+    total_norm = get_grad_norm(params, mesh, norm_type=norm_type, dp_sharded=dp_sharded)
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        grads = [g for p in params if (g := grad_of(p)) is not None]
+        torch._foreach_mul_(grads, clip_coeff)
+    return total_norm

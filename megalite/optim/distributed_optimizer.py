@@ -1,0 +1,69 @@
+"""The distributed optimizer (ZeRO-1): fp32 main params and Adam state sharded over DP.
+
+DistributedDataParallel (``use_distributed_optimizer=True``) pads every grad
+bucket to a multiple of dp and reduce-scatters it, so DP rank ``r`` ends the
+backward with the averaged gradient of ``grad_data[r * n:(r + 1) * n]`` of each
+bucket. This optimizer keeps fp32 main params and Adam moments for exactly
+those elements:
+
+    bucket     | p0 ........ | p1 ..... | p2 ...... |pad|
+    DP ranks   |  rank 0        |  rank 1        | rank 2 ...
+
+A parameter straddling a shard boundary is split: each rank's main param is
+its contiguous piece of the flattened parameter. After AdamW updates the
+shard, every bucket's updated values (in the model dtype) are all-gathered
+over DP and copied into the model params. Per rank the optimizer state is
+about 1/dp of the replicated optimizer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.optim.base import MainParam, MegatronOptimizer, make_main_param
+from megalite.parallel.data_parallel import Bucket, DistributedDataParallel, all_gather_flat
+from megalite.parallel.mesh import Mesh
+
+
+def shard_main_params(bucket: Bucket, dp_rank: int) -> list[MainParam]:
+    """Main params for the pieces of ``bucket``'s params inside DP rank ``dp_rank``'s shard."""
+    shard_lo, shard_hi = bucket.shard_range(dp_rank)
+    out = []
+    for p, (p_lo, p_hi) in bucket.param_ranges.items():
+        lo, hi = max(p_lo, shard_lo), min(p_hi, shard_hi)
+        if lo < hi:  # this param overlaps the shard
+            out.append(make_main_param(p, bucket.grad_data[lo:hi], lo - p_lo, hi - p_lo))
+    return out
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """AdamW on this DP rank's shard of every grad bucket; params all-gathered after the step."""
+
+    dp_sharded = True
+
+    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, **kwargs):
+        self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
+        self._bucket_main_params = [shard_main_params(b, mesh.dp_rank) for b in self._buckets]
+        main_params = [m for ms in self._bucket_main_params for m in ms]
+        super().__init__(model_chunks, mesh, main_params, **kwargs)
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        # Launch every bucket's all-gather first, then unpack: buckets overlap each other.
+        gathered = []
+        for bucket, mains in zip(self._buckets, self._bucket_main_params):
+            full = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.grad_data.device)
+            lo, hi = bucket.shard_range(self.mesh.dp_rank)
+            p_ranges = bucket.param_ranges
+            for m in mains:
+                start = p_ranges[m.model][0] + m.model_range[0]
+                full[start : start + m.main.numel()].copy_(m.main.view(-1))
+            handle = None
+            if self.mesh.dp_size > 1:
+                handle = all_gather_flat(full, full[lo:hi], self.mesh.dp_group, async_op=True)
+            gathered.append((bucket, full, handle))
+        for bucket, full, handle in gathered:
+            if handle is not None:
+                handle.wait()
+            for p, (p_lo, p_hi) in bucket.param_ranges.items():
+                p.view(-1).copy_(full[p_lo:p_hi])

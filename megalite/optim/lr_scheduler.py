@@ -1,0 +1,169 @@
+"""Learning-rate and weight-decay schedule (Megatron's OptimizerParamScheduler).
+
+lr: linear warm-up from 0 to ``max_lr`` over ``lr_warmup_steps``, then decay to
+``min_lr`` at ``lr_decay_steps`` (constant / linear / cosine), ``min_lr`` after.
+Weight decay: ``start_wd`` -> ``end_wd`` over ``wd_incr_steps`` (constant /
+linear / cosine). Each param group's weight decay is the schedule's value times
+its ``wd_mult`` (0 for biases and norm weights), its lr times ``lr_mult``.
+"""
+
+from __future__ import annotations
+
+import math
+
+_LR_STYLES = ("constant", "linear", "cosine")
+_WD_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` and ``weight_decay`` of every ``optimizer.param_groups`` entry at each step.
+
+    Args:
+        optimizer: anything with ``param_groups`` (the megalite optimizer or a torch one).
+        max_lr / min_lr: ``--lr`` / ``--min-lr``.
+        lr_warmup_steps / lr_decay_steps: ``--lr-warmup-iters`` / ``--lr-decay-iters``.
+        lr_decay_style: ``--lr-decay-style``, one of constant, linear, cosine.
+        start_wd / end_wd: ``--start-weight-decay`` / ``--end-weight-decay``; both ``None``
+            keeps the optimizer's own weight decay, constant.
+        wd_incr_steps: steps over which weight decay moves (default ``lr_decay_steps``).
+        wd_incr_style: ``--weight-decay-incr-style``.
+        use_checkpoint_opt_param_scheduler: on load, take schedule values from the checkpoint.
+        override_opt_param_scheduler: on load, keep this object's values.
+        (neither: values must match the checkpoint.)
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float | None = None,
+        end_wd: float | None = None,
+        wd_incr_steps: int | None = None,
+        wd_incr_style: str = "constant",
+        use_checkpoint_opt_param_scheduler: bool = True,
+        override_opt_param_scheduler: bool = False,
+    ):
+        if lr_decay_style not in _LR_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {_LR_STYLES}, got {lr_decay_style!r}")
+        if wd_incr_style not in _WD_STYLES:
+            raise ValueError(f"--weight-decay-incr-style must be one of {_WD_STYLES}, got {wd_incr_style!r}")
+        if not 0.0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
+        if lr_decay_steps <= 0:
+            raise ValueError(f"--lr-decay-iters must be > 0, got {lr_decay_steps}")
+        if not 0 <= lr_warmup_steps < lr_decay_steps:
+            raise ValueError(
+                f"--lr-warmup-iters ({lr_warmup_steps}) must be >= 0 and < --lr-decay-iters ({lr_decay_steps})"
+            )
+        if (start_wd is None) != (end_wd is None):
+            raise ValueError("give both --start-weight-decay and --end-weight-decay, or neither")
+        if start_wd is None:
+            start_wd = end_wd = float(getattr(optimizer, "weight_decay", 0.0))
+        if not 0.0 <= start_wd <= end_wd:
+            raise ValueError(f"need 0 <= --start-weight-decay ({start_wd}) <= --end-weight-decay ({end_wd})")
+        if wd_incr_style == "constant" and start_wd != end_wd:
+            raise ValueError(
+                "--start-weight-decay differs from --end-weight-decay: set --weight-decay-incr-style "
+                "to linear or cosine"
+            )
+        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"
+            )
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.start_wd = float(start_wd)
+        self.end_wd = float(end_wd)
+        self.wd_incr_steps = lr_decay_steps if wd_incr_steps is None else wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        self.step(0)  # set the step-0 values (lr 0 when warming up)
+
+    def get_lr(self) -> float:
+        """The scheduled learning rate at ``num_steps`` (before ``lr_mult``)."""
+        n = self.num_steps
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.max_lr * n / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def get_wd(self) -> float:
+        """The scheduled weight decay at ``num_steps`` (before ``wd_mult``)."""
+        n = self.num_steps
+        if n > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = n / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment: int = 1) -> None:
+        """Advance ``increment`` steps and write lr / weight decay into every param group."""
+        self.num_steps += increment
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict:
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "lr_decay_steps": self.lr_decay_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "num_steps": self.num_steps,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_steps": self.wd_incr_steps,
+            "wd_incr_style": self.wd_incr_style,
+        }
+
+    def _check_and_set(self, name: str, flag: str, checkpoint_value):
+        mine = getattr(self, name)
+        if self.override_opt_param_scheduler:
+            return mine
+        if not self.use_checkpoint_opt_param_scheduler and mine != checkpoint_value:
+            raise ValueError(
+                f"{flag} is {mine} but the checkpoint has {checkpoint_value}: pass "
+                "--use-checkpoint-opt_param-scheduler to take the checkpoint's value or "
+                "--override-opt_param-scheduler to keep yours"
+            )
+        return checkpoint_value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for name, flag in [
+            ("max_lr", "--lr"),
+            ("min_lr", "--min-lr"),
+            ("lr_warmup_steps", "--lr-warmup-iters"),
+            ("lr_decay_steps", "--lr-decay-iters"),
+            ("lr_decay_style", "--lr-decay-style"),
+            ("start_wd", "--start-weight-decay"),
+            ("end_wd", "--end-weight-decay"),
+            ("wd_incr_steps", "--lr-decay-iters (weight-decay increment steps)"),
+            ("wd_incr_style", "--weight-decay-incr-style"),
+        ]:
+            setattr(self, name, self._check_and_set(name, flag, state_dict[name]))
+        self.num_steps = int(state_dict["num_steps"])
+        self.step(0)

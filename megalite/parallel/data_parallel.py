@@ -1,0 +1,291 @@
+"""Data parallelism: gradients reduced over the DP group in buckets, while backward runs.
+
+Megatron-Core's DistributedDataParallel, in one readable file:
+
+* Every parameter's gradient lives in ONE flat, contiguous buffer (fp32 by
+  default, whatever the parameter dtype) and the parameter gets
+  ``param.main_grad``, a view of its slice. A post-accumulate-grad hook adds
+  ``param.grad`` into ``main_grad`` and frees ``param.grad``, so the model never
+  holds two copies of its gradients, and microbatch gradients accumulate in
+  fp32.
+* The buffer is cut into buckets in the REVERSE of parameter registration order
+  (the order backward produces gradients). When every parameter of a bucket has
+  its gradient, the bucket's collective starts asynchronously over
+  ``mesh.dp_group`` while backward carries on with earlier layers: an
+  all-reduce, or a reduce-scatter when the distributed optimizer (ZeRO-1) only
+  needs this rank's 1/dp shard of each bucket.
+* Buckets launch strictly in bucket order. Every DP rank then issues the same
+  collectives in the same order even when some parameter gets no gradient (an
+  unused layer): its bucket, and the ones after it, wait for
+  :meth:`finish_grad_sync`, which launches whatever is left and waits for all.
+* Gradients are averaged over DP by scaling the bucket by ``1/dp`` and then
+  summing: gloo refuses ``PREMUL_SUM`` (and some versions ``AVG``), and one
+  code path is the rule for CPU and GPU.
+
+Gradient accumulation over microbatches: run all but the last microbatch under
+:meth:`no_sync` (gradients just accumulate in ``main_grad``), the last one
+outside it, then call :meth:`finish_grad_sync` before the optimizer step and
+:meth:`zero_grad_buffer` before the next iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.parallel.mesh import Mesh
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """All-gather equal 1-D shards into the flat ``output`` [n * dp] (in place when ``shard`` is its own slice)."""
+    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+
+
+class Bucket:
+    """A contiguous slice of the grad buffer holding the gradients of a few parameters.
+
+    ``grad_data`` [numel_padded] is a view of the flat buffer; ``param_ranges``
+    maps each parameter to its ``(start, end)`` inside ``grad_data``. With the
+    distributed optimizer ``numel_padded`` is a multiple of dp and DP rank ``r``
+    owns ``grad_data[r * shard_size:(r + 1) * shard_size]``.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], grad_data: torch.Tensor, dp_size: int):
+        self.index = index
+        self.params = params  # backward order
+        self.grad_data = grad_data
+        self.dtype = params[0].dtype  # every parameter of a bucket has one dtype (param all-gather)
+        self.param_ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        offset = 0
+        for p in params:
+            self.param_ranges[p] = (offset, offset + p.numel())
+            offset += p.numel()
+        self.numel = offset
+        self.shard_size = grad_data.numel() // dp_size
+        self.ready: set[nn.Parameter] = set()
+        self.handle = None
+        self.launched = False
+
+    @property
+    def numel_padded(self) -> int:
+        return self.grad_data.numel()
+
+    def shard_range(self, dp_rank: int) -> tuple[int, int]:
+        """The ``[start, end)`` of ``grad_data`` that DP rank ``dp_rank`` owns under ZeRO-1."""
+        return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.handle = None
+        self.launched = False
+
+
+def _split_into_buckets(params: list[nn.Parameter], bucket_size: int, own_bucket) -> list[list[nn.Parameter]]:
+    """Group params (already in backward order) into buckets of about ``bucket_size`` elements.
+
+    A bucket closes once it reaches ``bucket_size`` elements, and before a
+    parameter of a different dtype (the param all-gather of the distributed
+    optimizer works on one dtype per bucket). ``own_bucket(p)`` params get a
+    bucket to themselves.
+    """
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    numel = 0
+
+    def close():
+        nonlocal current, numel
+        if current:
+            buckets.append(current)
+        current, numel = [], 0
+
+    for p in params:
+        if current and (p.dtype != current[0].dtype or own_bucket(p)):
+            close()
+        current.append(p)
+        numel += p.numel()
+        if numel >= bucket_size or own_bucket(p):
+            close()
+    close()
+    return buckets
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so its gradients are averaged over ``mesh.dp_group`` during backward.
+
+    Args:
+        module: the model chunk; its parameters may carry TP attributes, DDP ignores them.
+        mesh: supplies ``dp_group`` / ``dp_size`` / ``dp_rank``.
+        bucket_size: elements per bucket (Megatron's ``--ddp-bucket-size``); smaller
+            buckets start communicating earlier, larger ones use the network better.
+        use_distributed_optimizer: reduce-scatter instead of all-reduce; each bucket is
+            padded to a multiple of dp so every rank owns an equal contiguous shard.
+        grad_reduce_dtype: dtype of the grad buffer and of the collectives
+            (fp32 = Megatron's ``--accumulate-allreduce-grads-in-fp32``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        *,
+        bucket_size: int = 40_000_000,
+        use_distributed_optimizer: bool = False,
+        grad_reduce_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        if bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {bucket_size}")
+        self.module = module
+        self.mesh = mesh
+        self.dp_size = mesh.dp_size
+        self.dp_rank = mesh.dp_rank
+        self.dp_group = mesh.dp_group
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.grad_reduce_dtype = grad_reduce_dtype
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedDataParallel got a module without trainable parameters")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters of a model chunk must be on one device, found {devices}")
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(
+                    "DistributedDataParallel needs contiguous parameters (main_grad is a flat view)"
+                )
+
+        # Megatron-Core gives the tied embedding its own bucket under ZeRO-1: the
+        # first and last stages then shard it identically, so the embedding-group
+        # all-reduce of main_grad after the DP reduce-scatter sums matching shards.
+        def own_bucket(p):
+            return use_distributed_optimizer and getattr(p, "shared_embedding", False)
+
+        groups = _split_into_buckets(list(reversed(params)), bucket_size, own_bucket)
+        # Padding keeps each rank's shard equal (and 128-element aligned for NCCL on GPU).
+        pad_to = math.lcm(self.dp_size, 128) if use_distributed_optimizer else 1
+        sizes = [math.ceil(sum(p.numel() for p in g) / pad_to) * pad_to for g in groups]
+        self.grad_buffer = torch.zeros(sum(sizes), dtype=grad_reduce_dtype, device=devices.pop())
+
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        start = 0
+        for i, (group, size) in enumerate(zip(groups, sizes)):
+            bucket = Bucket(i, group, self.grad_buffer[start : start + size], self.dp_size)
+            for p in group:
+                lo, hi = bucket.param_ranges[p]
+                p.main_grad = bucket.grad_data[lo:hi].view(p.shape)
+                self._bucket_of[p] = bucket
+            self.buckets.append(bucket)
+            start += size
+
+        self._sync_enabled = True
+        self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    # Forward / state pass straight through, so parameter names stay the model's.
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Backward hook -------------------------------------------------------------
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None  # main_grad holds it now; free the model-dtype copy
+        if not self._sync_enabled:
+            return
+        bucket = self._bucket_of[param]
+        if param in bucket.ready or bucket.launched:
+            raise RuntimeError(
+                "a parameter received a second gradient before finish_grad_sync(): run all but the "
+                "last microbatch under ddp.no_sync(), then call finish_grad_sync() and zero_grad_buffer()"
+            )
+        bucket.ready.add(param)
+        self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].is_complete:
+            self._launch(self.buckets[self._next_bucket])
+
+    def _launch(self, bucket: Bucket) -> None:
+        assert bucket.index == self._next_bucket and not bucket.launched
+        if self.dp_size > 1:
+            bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
+            if self.use_distributed_optimizer:
+                lo, hi = bucket.shard_range(self.dp_rank)
+                bucket.handle = _reduce_scatter_flat(
+                    bucket.grad_data[lo:hi], bucket.grad_data, group=self.dp_group, async_op=True
+                )
+            else:
+                bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
+        bucket.launched = True
+        self._next_bucket += 1
+
+    # Public API ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward only accumulates into ``main_grad``; no DP communication."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not launched yet (params without a grad this step), wait for all.
+
+        Afterwards ``main_grad`` holds the DP average: for every parameter with
+        all-reduce; only this rank's shard of each bucket with reduce-scatter.
+        """
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket])
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+        self._reset_buckets()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (call before each iteration's first microbatch)."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:  # never zero memory a collective still writes
+                bucket.handle.wait()
+        self._reset_buckets()
+        self.grad_buffer.zero_()
+        for p in self._bucket_of:
+            p.grad = None
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0
+
+    def broadcast_params(self) -> None:
+        """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
+        if self.dp_size == 1:
+            return
+        for p in self._bucket_of:
+            dist.broadcast(p.data, src=self.mesh.dp_ranks[0], group=self.dp_group)
+
+    def num_buckets_launched(self) -> int:
+        """How many buckets have started their collective since the last sync (for tests / logs)."""
+        return sum(b.launched for b in self.buckets)

@@ -1,0 +1,292 @@
+"""DistributedDataParallel and the distributed optimizer against one process on the whole batch.
+
+Each spawn (dp = 2, dp = 4) runs, on every rank, a single-process reference
+(full global batch, plain torch AdamW + torch clipping) next to the DP run
+(its slice of the batch, two microbatches with no_sync), and checks:
+averaged main_grad, overlap (buckets launched while backward still runs),
+several optimizer steps with the replicated and the ZeRO-1 optimizer, the
+ZeRO-1 state shrinking ~1/dp, bf16 ZeRO-1 = bf16 replicated, unused params,
+and fp16 overflow decisions agreed by every rank.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.optim import build_optimizer
+from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.testing import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 2, 3
+HP = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5)
+
+
+class ToyMLP(nn.Module):
+    """Params of mixed sizes (2-D weights, 1-D biases / norm) so buckets split several ways."""
+
+    def __init__(self, hidden=64, with_unused=False):
+        super().__init__()
+        self.fc1 = nn.Linear(16, hidden)
+        if with_unused:  # registered mid-model: its bucket never completes during backward
+            self.unused = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        x = x.to(self.fc1.weight.dtype)
+        return self.fc3(torch.tanh(self.fc2(self.norm(torch.tanh(self.fc1(x))))))
+
+
+def make_model(dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    return ToyMLP(**kw).to(dtype)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+
+
+def loss_fn(model, x, y):
+    return ((model(x).float() - y) ** 2).mean()
+
+
+def reference_run(steps):
+    """One process, whole batch, torch AdamW (no wd on 1-D params) + torch clipping."""
+    model = make_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": HP["weight_decay"]},
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+        ],
+        lr=HP["lr"],
+        betas=(HP["adam_beta1"], HP["adam_beta2"]),
+        eps=HP["adam_eps"],
+    )
+    grads, states = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, *batch(step)).backward()
+        grads.append([p.grad.clone() for p in params])
+        torch.nn.utils.clip_grad_norm_(params, HP["clip_grad"])
+        opt.step()
+        states.append([p.detach().clone() for p in params])
+    return grads, states
+
+
+def dp_backward(ddp, mesh, step, log=None):
+    """This rank's slice of the global batch, in MICROBATCHES, no_sync for all but the last."""
+    x, y = batch(step)
+    per_rank = GLOBAL_BATCH // mesh.dp_size
+    rows = slice(mesh.dp_rank * per_rank, (mesh.dp_rank + 1) * per_rank)
+    x, y = x[rows], y[rows]
+    mb = per_rank // MICROBATCHES
+    for i in range(MICROBATCHES):
+        xs, ys = x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb]
+        if i < MICROBATCHES - 1:
+            with ddp.no_sync():
+                (loss_fn(ddp, xs, ys) / MICROBATCHES).backward()
+            assert ddp.num_buckets_launched() == 0, "no_sync must not communicate"
+        else:
+            if log is not None:
+                log.clear()
+            (loss_fn(ddp, xs, ys) / MICROBATCHES).backward()
+
+
+def record_launches(ddp, log):
+    """After each param's grad hook (DDP's runs first), note how many buckets have launched."""
+    for p in ddp.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: log.append(ddp.num_buckets_launched()))
+
+
+def check_overlap_and_grads(mesh, ref_grads):
+    ddp = DistributedDataParallel(make_model(), mesh, bucket_size=500)
+    assert len(ddp.buckets) >= 3
+    # Buckets follow backward order: the first bucket holds the LAST registered params.
+    assert ddp.buckets[0].params[0] is ddp.module.fc3.bias
+    assert ddp.buckets[-1].params[-1] is ddp.module.fc1.weight
+    log = []
+    record_launches(ddp, log)
+    dp_backward(ddp, mesh, 0, log)
+    # Before the last gradient of backward arrived, several collectives were already in flight.
+    assert log[-2] >= 2 and log[-1] == len(ddp.buckets), log
+    ddp.finish_grad_sync()
+    assert all(p.grad is None for p in ddp.module.parameters())  # freed: main_grad holds it
+    assert_reduced_grads(ddp, mesh, ref_grads[0])
+    return len(ddp.buckets)
+
+
+def train(mesh, steps, *, distributed, dtype=torch.float32, bucket_size=500):
+    ddp = DistributedDataParallel(
+        make_model(dtype), mesh, bucket_size=bucket_size, use_distributed_optimizer=distributed
+    )
+    opt = build_optimizer([ddp], mesh, params_dtype=dtype, use_distributed_optimizer=distributed, **HP)
+    states, grad_norms = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        dp_backward(ddp, mesh, step)
+        ddp.finish_grad_sync()
+        ok, grad_norm, zeros = opt.step()
+        assert ok and zeros is None
+        grad_norms.append(grad_norm)
+        states.append([p.detach().clone() for p in ddp.module.parameters()])
+    return ddp, opt, states, grad_norms
+
+
+def assert_reduced_grads(ddp, mesh, ref_grads):
+    """All-reduce: every main_grad is the average. Reduce-scatter: this rank's shard of each bucket is."""
+    ref = dict(zip(ddp.module.parameters(), ref_grads))
+    if not ddp.use_distributed_optimizer:
+        for p, g in ref.items():
+            torch.testing.assert_close(p.main_grad, g, **TOL)
+        return
+    for bucket in ddp.buckets:
+        assert bucket.numel_padded % mesh.dp_size == 0
+        expected = torch.zeros(bucket.numel_padded)
+        for p, (lo, hi) in bucket.param_ranges.items():
+            expected[lo:hi] = ref[p].view(-1)
+        lo, hi = bucket.shard_range(mesh.dp_rank)
+        torch.testing.assert_close(bucket.grad_data[lo:hi], expected[lo:hi], **TOL)
+
+
+def check_reduce_scatter_shard(mesh, ref_grads):
+    ddp = DistributedDataParallel(make_model(), mesh, bucket_size=500, use_distributed_optimizer=True)
+    dp_backward(ddp, mesh, 0)
+    ddp.finish_grad_sync()
+    assert_reduced_grads(ddp, mesh, ref_grads[0])
+
+
+def check_unused_params(mesh, distributed):
+    """A param with no grad must not hang its bucket; finish_grad_sync launches it."""
+    for _ in range(2):  # twice: bucket state resets between iterations
+        ddp = DistributedDataParallel(
+            make_model(with_unused=True), mesh, bucket_size=500, use_distributed_optimizer=distributed
+        )
+        ref = make_model(with_unused=True)
+        loss_fn(ref, *batch(0)).backward()
+        dp_backward(ddp, mesh, 0)
+        # The bucket holding `unused` (and every later bucket) waits for finish_grad_sync.
+        unused_bucket = ddp._bucket_of[ddp.module.unused.weight]
+        assert ddp.num_buckets_launched() == unused_bucket.index
+        ddp.finish_grad_sync()
+        ref_grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in ref.parameters()]
+        assert_reduced_grads(ddp, mesh, ref_grads)
+
+
+def check_fp16_overflow_agreed(mesh, distributed):
+    """Only one DP rank sees an inf: every rank skips the step and backs off the scale."""
+    ddp = DistributedDataParallel(
+        make_model(torch.float16), mesh, bucket_size=500, use_distributed_optimizer=distributed
+    )
+    opt = build_optimizer(
+        [ddp],
+        mesh,
+        params_dtype=torch.float16,
+        use_distributed_optimizer=distributed,
+        initial_loss_scale=1024.0,
+        hysteresis=1,
+        **HP,
+    )
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    ddp.grad_buffer.fill_(1.0)
+    if mesh.dp_rank == 1:  # inside rank 1's own ZeRO shard of bucket 0
+        lo, _ = ddp.buckets[0].shard_range(1)
+        ddp.buckets[0].grad_data[lo] = float("inf")
+    ok, grad_norm, _ = opt.step()
+    assert (ok, grad_norm) == (False, None)
+    assert opt.get_loss_scale() == 512.0
+    for p, b in zip(ddp.module.parameters(), before):
+        assert torch.equal(p, b)
+
+
+def _dp_worker(ref_grads, ref_states):
+    mesh = initialize_model_parallel(1, 1)
+    dp = mesh.dp_size
+    out = {"buckets": check_overlap_and_grads(mesh, ref_grads)}
+
+    # Replicated optimizer: same params as one process after every step.
+    _, plain_opt, plain_states, plain_norms = train(mesh, STEPS, distributed=False)
+    for step in range(STEPS):
+        for got, want in zip(plain_states[step], ref_states[step]):
+            torch.testing.assert_close(got, want, **TOL)
+    ref_norm = torch.linalg.vector_norm(torch.cat([g.view(-1) for g in ref_grads[0]])).item()
+    assert abs(plain_norms[0] - ref_norm) <= 1e-5 * ref_norm
+
+    # ZeRO-1: the same trajectory; state sharded ~1/dp.
+    check_reduce_scatter_shard(mesh, ref_grads)
+    _, dist_opt, dist_states, dist_norms = train(mesh, STEPS, distributed=True)
+    for step in range(STEPS):
+        for got, want in zip(dist_states[step], ref_states[step]):
+            torch.testing.assert_close(got, want, **TOL)
+    assert abs(dist_norms[0] - ref_norm) <= 1e-5 * ref_norm
+    plain_bytes, dist_bytes = plain_opt.optimizer_state_bytes(), dist_opt.optimizer_state_bytes()
+    moments = lambda o: sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in o.inner.state.values())
+    total_moments = torch.tensor([moments(dist_opt)])
+    dist.all_reduce(total_moments, group=mesh.dp_group)
+    assert total_moments.item() == moments(plain_opt)  # every element owned by exactly one rank
+    assert dist_bytes <= 1.1 * plain_bytes / dp, (dist_bytes, plain_bytes)
+    out["state_bytes"] = (plain_bytes, dist_bytes)
+
+    # bf16 model, fp32 main params: ZeRO-1 matches the replicated optimizer.
+    bf_plain_ddp, bf_plain, _, _ = train(mesh, 2, distributed=False, dtype=torch.bfloat16)
+    bf_dist_ddp, bf_dist, _, _ = train(mesh, 2, distributed=True, dtype=torch.bfloat16)
+    plain_main = {id(m.model): m.main for m in bf_plain.main_params}
+    plain_model = list(bf_plain_ddp.module.parameters())
+    for i, p in enumerate(bf_dist_ddp.module.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p, plain_model[i], rtol=0, atol=0)
+    by_name = dict(zip(bf_dist_ddp.module.parameters(), bf_plain_ddp.module.parameters()))
+    for m in bf_dist.main_params:
+        assert m.main.dtype == torch.float32 and m.is_copy
+        lo, hi = m.model_range
+        want = plain_main[id(by_name[m.model])].detach().view(-1)[lo:hi]
+        torch.testing.assert_close(m.main.detach(), want, **TOL)
+
+    for distributed in (False, True):
+        check_unused_params(mesh, distributed)
+        check_fp16_overflow_agreed(mesh, distributed)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_matches_single_process(world):
+    # The reference runs here, once: a rank's first torch.optim call imports torch._dynamo (~5 s CPU).
+    ref_grads, ref_states = reference_run(STEPS)
+    results = run_distributed(_dp_worker, world, ref_grads, ref_states, timeout=120)
+    plain_bytes, dist_bytes = results[0]["state_bytes"]
+    assert results[0]["buckets"] >= 3
+    print(f"dp={world}: optimizer state bytes per rank plain={plain_bytes} zero1={dist_bytes}")
+
+
+def test_second_grad_without_no_sync_is_an_error():
+    ddp = DistributedDataParallel(make_model(), Mesh.single(), bucket_size=500)
+    x, y = batch(0)
+    loss_fn(ddp, x, y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        loss_fn(ddp, x, y).backward()
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    assert all(torch.count_nonzero(p.main_grad) == 0 for p in ddp.module.parameters())
+
+
+def test_single_process_ddp_accumulates_like_plain_backward():
+    """dp = 1: main_grad is the plain .grad sum over microbatches; no process group needed."""
+    ddp = DistributedDataParallel(make_model(), Mesh.single(), bucket_size=500)
+    ref = copy.deepcopy(ddp.module)
+    x, y = batch(0)
+    with ddp.no_sync():
+        loss_fn(ddp, x[:4], y[:4]).backward()
+    loss_fn(ddp, x[4:], y[4:]).backward()
+    ddp.finish_grad_sync()
+    loss_fn(ref, x[:4], y[:4]).backward()
+    loss_fn(ref, x[4:], y[4:]).backward()
+    for p, r in zip(ddp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.main_grad, r.grad, **TOL)
+    assert list(ddp.state_dict()) == list(ref.state_dict())  # names pass through unprefixed
