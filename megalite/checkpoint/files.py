@@ -1,0 +1,219 @@
+"""The checkpoint directory: Megatron-LM's layout, an atomic publish, and the JSON metadata.
+
+::
+
+    SAVE/
+      latest_checkpointed_iteration.txt     the iteration number; replaced atomically, LAST
+      iter_0000100/
+        .metadata                           DCP's index of every tensor piece
+        __0_0.distcp, __1_0.distcp, ...     each rank's pieces (torch.distributed.checkpoint)
+        megalite_checkpoint.json            model config, layout, iteration, samples, schedule
+
+A save writes into ``iter_0000100.tmp/``, renames it to ``iter_0000100/`` when
+every rank is done and only then replaces the tracker; so a crash at any
+moment leaves the tracker naming a complete, earlier checkpoint. (Re-saving an
+existing iteration moves the old folder to ``iter_0000100.old`` for the
+instant of the swap; a reader falls back to it.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from megalite.model.config import ModelConfig
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "megalite_checkpoint.json"
+FORMAT = "megalite-dcp"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the flag and the fix."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def staging_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}.tmp"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not every filesystem lets a directory be opened; rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old content or the new, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_tracker(root: str | Path) -> int | None:
+    """The iteration named by ``root``'s tracker, or None without a tracker."""
+    path = Path(root) / TRACKER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} holds {text!r}, not an iteration number (Megatron 'release' checkpoints are not "
+            f"megalite checkpoints); pass --ckpt-step N to pick an iter_N folder"
+        ) from None
+
+
+def finished_iterations(root: str | Path) -> list[int]:
+    """Iterations with a complete (published) checkpoint folder under ``root``."""
+    out = []
+    for p in Path(root).glob("iter_*"):
+        if p.is_dir() and p.name[5:].isdigit() and (p / METADATA).is_file():
+            out.append(int(p.name[5:]))
+    return sorted(out)
+
+
+def resolve(root: str | Path, iteration: int | None = None, flag: str = "--load") -> tuple[Path, int]:
+    """``(folder, iteration)`` of the checkpoint to read: ``iteration``, else the tracker's.
+
+    ``root`` may also be an ``iter_N`` folder itself. Errors name what is missing.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise CheckpointError(f"{flag} {root}: no such directory")
+    if (root / METADATA).is_file() and iteration is None:  # an iter_N folder given directly
+        return root, int(read_metadata(root)["iteration"])
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            found = finished_iterations(root)
+            hint = (
+                f"; it has {', '.join(f'iter_{i:07d}' for i in found)}: pass --ckpt-step N" if found else ""
+            )
+            raise CheckpointError(
+                f"{flag} {root}: no {TRACKER} (not a directory written by --save, or no save "
+                f"finished yet){hint}"
+            )
+    path = iteration_dir(root, iteration)
+    if not (path / METADATA).is_file():
+        old = path.with_name(path.name + ".old")
+        if (old / METADATA).is_file():  # interrupted while replacing this very iteration
+            return old, iteration
+        found = finished_iterations(root)
+        raise CheckpointError(
+            f"{flag} {root}: no finished checkpoint for iteration {iteration} ({path} is missing or "
+            f"incomplete); available: {found or 'none'} — pick one with --ckpt-step N"
+        )
+    return path, iteration
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Move a fully written ``staging`` folder to ``final`` (rank 0, after every rank wrote)."""
+    _fsync_dir(staging)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def remove_stale_staging(root: Path) -> None:
+    """Delete ``*.tmp`` folders left by saves that were killed (never published)."""
+    for p in root.glob("iter_*.tmp"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_metadata(folder: Path, metadata: dict) -> None:
+    write_file_atomic(folder / METADATA, json.dumps(metadata, indent=1, sort_keys=True))
+
+
+def read_metadata(folder: str | Path) -> dict:
+    path = Path(folder) / METADATA
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no {METADATA} (not a megalite checkpoint folder)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt JSON ({e})") from None
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
+    if int(data.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {data['format_version']} is newer than this megalite reads "
+            f"({FORMAT_VERSION}); upgrade megalite"
+        )
+    return data
+
+
+def directory_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------------------- model identity
+# Fields that decide what function the network computes (and its tensor shapes), with the flag
+# that sets each. Dropout, init, seed and the TP-dependent vocab padding may differ.
+_IDENTITY = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "vocab_size": "--vocab-size / the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file)",
+    "ffn_size": "--ffn-hidden-size",
+    "query_groups": "--group-query-attention --num-query-groups",
+    "head_dim": "--kv-channels",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "add_bias_linear": "--disable-bias-linear",
+    "openai_gelu": "--openai-gelu",
+    "rotary_base": "--rotary-base",
+    "norm_epsilon": "--norm-epsilon",
+}
+
+
+def _identity(config: ModelConfig) -> dict:
+    out = {name: getattr(config, name) for name in _IDENTITY}
+    if config.position_embedding_type == "learned_absolute":  # the position table's size
+        out["max_position_embeddings"] = config.max_position_embeddings
+    if config.position_embedding_type != "rope":
+        out.pop("rotary_base")
+    return out
+
+
+def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """Human-readable differences between two models' identities (empty: same model)."""
+    a, b = _identity(saved), _identity(current)
+    flags = dict(_IDENTITY, max_position_embeddings="--max-position-embeddings")
+    return [
+        f"{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r} ({flags[k]})"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+
+
+def config_from_metadata(metadata: dict) -> ModelConfig:
+    fields = set(ModelConfig.__dataclass_fields__)
+    return ModelConfig(**{k: v for k, v in metadata["model_config"].items() if k in fields})

@@ -1,0 +1,102 @@
+"""When the training loop saves and stops: ``--save-interval``, end of training, exit conditions.
+
+``CheckpointHooks(state)`` is created after the checkpoint is loaded; the loop
+calls ``after_step(state)`` after every iteration (True = save done, stop now)
+and ``at_end(state)`` once the loop is over.
+
+Exit conditions (Megatron-LM's flags), each saving first when ``--save`` is set:
+
+* ``--exit-interval N``: stop after an iteration divisible by N;
+* ``--exit-duration-in-mins M``: stop once the run has lasted M minutes;
+* ``--exit-signal-handler``: on SIGTERM (SLURM's preemption warning) the
+  current iteration finishes, then save and stop; the process exits 0.
+
+Every rank must stop at the same iteration (the save is collective), but a
+signal reaches ranks at different moments and clocks differ, so the two
+non-deterministic conditions are agreed on with one tiny all-reduce (MAX) per
+iteration — only when one of those flags is given.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint.checkpointing import save_checkpoint
+
+
+class SignalFlag:
+    """Remembers that ``sig`` arrived instead of dying of it (Megatron's DistributedSignalHandler)."""
+
+    def __init__(self, sig: int = signal.SIGTERM):
+        self.sig = sig
+        self.received = False
+        self._previous = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(self.sig, self._previous)
+
+
+class CheckpointHooks:
+    def __init__(self, state):
+        args = state.args
+        self.args = args
+        self.start = time.monotonic()
+        # A loaded checkpoint needs no re-save at the same iteration.
+        self.last_saved = state.iteration if state.iteration > 0 else None
+        self.signal = SignalFlag() if args.exit_signal_handler else None
+        self.exit_reason: str | None = None
+
+    def close(self) -> None:
+        if self.signal is not None:
+            self.signal.restore()
+            self.signal = None
+
+    def _agreed_flags(self, state) -> tuple[bool, bool]:
+        """(SIGTERM seen on some rank, time limit passed on some rank), the same on every rank."""
+        args = self.args
+        if self.signal is None and args.exit_duration_in_mins is None:
+            return False, False
+        got_signal = self.signal is not None and self.signal.received
+        minutes = (time.monotonic() - self.start) / 60.0
+        late = args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins
+        flags = torch.tensor([float(got_signal), float(late)], device=state.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _save(self, state) -> None:
+        if self.args.save and self.last_saved != state.iteration:
+            save_checkpoint(state)
+            self.last_saved = state.iteration
+
+    def after_step(self, state) -> bool:
+        """Save if due; True when the run must stop now (after saving)."""
+        args, it = self.args, state.iteration
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            self._save(state)
+        got_signal, late = self._agreed_flags(state)
+        if got_signal:
+            self.exit_reason = "SIGTERM received (--exit-signal-handler)"
+        elif late:
+            self.exit_reason = f"ran longer than --exit-duration-in-mins {args.exit_duration_in_mins}"
+        elif args.exit_interval and it % args.exit_interval == 0:
+            self.exit_reason = f"--exit-interval {args.exit_interval}"
+        if self.exit_reason is None:
+            return False
+        self._save(state)
+        if state.mesh.rank == 0:
+            saved = f"checkpoint saved in {args.save}" if args.save else "no --save given: nothing saved"
+            print(f" exiting at iteration {it}: {self.exit_reason}; {saved}", flush=True)
+        return True
+
+    def at_end(self, state) -> None:
+        """The save at the end of training (Megatron: unless this iteration was just saved)."""
+        if state.iteration > 0:
+            self._save(state)

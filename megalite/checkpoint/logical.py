@@ -1,0 +1,98 @@
+"""From a rank's local tensors to pieces of the logical (single-process) model, and back.
+
+A checkpoint stores every tensor under the name it has in a single-process
+GPTModel, with its full shape (see /work/notes/checkpoint_contract.md). A rank
+holds, for each of its parameters, its TP shard: the contiguous chunk
+``tp_rank`` of the logical tensor along ``param.partition_dim`` (the layers'
+invariant). So the local tensor is the piece at offset ``tp_rank * local_size``
+along that dim, and :func:`logical_piece` says so to DCP.
+
+Two exceptions:
+
+* the vocab tables (``embedding.word_embeddings.weight``,
+  ``output_layer.weight``) are padded to a TP-dependent size; the logical
+  tensor keeps the real ``vocab_size`` rows only, so a rank's piece is the real
+  part of its rows (the last ranks may hold fewer, or none);
+* the tied GPT-2 output head on a last stage without the embedding is a copy
+  of ``embedding.word_embeddings.weight``: it is not stored, and it is loaded
+  from the embedding's entry.
+
+The same mapping serves any tensor shaped like a parameter's shard (Adam
+moments, fp32 main params), so optimizer state reshards exactly like weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megalite.checkpoint.storage import Shard
+from megalite.model.config import ModelConfig
+
+VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The GPTModel inside a DistributedDataParallel wrapper (or the model itself)."""
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def is_tied_copy(model: nn.Module, name: str) -> bool:
+    """The last stage's copy of the tied embedding (GPT-2 flavour with pp > 1)."""
+    return name == "output_layer.weight" and getattr(model, "tied", False)
+
+
+def storage_name(model: nn.Module, name: str) -> str:
+    """The checkpoint entry parameter ``name`` of ``model`` is saved under / loaded from."""
+    return EMBEDDING if is_tied_copy(model, name) else name
+
+
+def named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Parameter]]:
+    """``(name, model, param)`` over this rank's model chunks; names are global (layer index)."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            yield name, model, param
+
+
+def logical_piece(
+    name: str, local: torch.Tensor, param: torch.Tensor, config: ModelConfig, tp_rank: int, tp_size: int
+) -> Shard | torch.Tensor | None:
+    """This rank's piece of the logical tensor ``name``, given ``local`` shaped like ``param``'s shard.
+
+    Returns a :class:`Shard` for TP-sharded tensors and vocab tables, ``local``
+    itself for replicated ones, or None when this rank holds no real vocab row.
+    ``local`` is used in place (a view when it is a vocab table), so the piece
+    can be a load destination too.
+    """
+    sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    vocab = name in VOCAB_TABLES
+    if not sharded and not vocab:
+        return local
+    dim = param.partition_dim if sharded else 0
+    offsets = [0] * local.dim()
+    shape = list(local.shape)
+    if sharded:
+        offsets[dim] = tp_rank * local.shape[dim]
+        shape[dim] = local.shape[dim] * tp_size
+    if vocab:
+        if dim != 0:
+            raise ValueError(f"{name}: vocab tables are split along rows (partition_dim 0), got {dim}")
+        real = max(0, min(local.shape[0], config.vocab_size - offsets[0]))
+        if real == 0:
+            return None  # only padding rows here
+        local = local.narrow(0, 0, real)
+        shape[0] = config.vocab_size
+    return Shard(local, tuple(offsets), tuple(shape))
+
+
+def vocab_padding(name: str, local: torch.Tensor, config: ModelConfig, tp_rank: int) -> torch.Tensor | None:
+    """The padding rows of a vocab table's local shard (zeroed after a load), or None."""
+    if name not in VOCAB_TABLES:
+        return None
+    start = tp_rank * local.shape[0]
+    real = max(0, min(local.shape[0], config.vocab_size - start))
+    return local.narrow(0, real, local.shape[0] - real) if real < local.shape[0] else None

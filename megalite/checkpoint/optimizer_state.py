@@ -1,0 +1,171 @@
+"""Optimizer state as logical tensors: Adam moments and fp32 main params per parameter.
+
+megalite's optimizers (megalite/optim) run AdamW on fp32 *main params*, one
+``MainParam`` per (piece of a) model parameter: the whole local TP shard with
+the replicated optimizer, a contiguous range of its flattened elements with the
+distributed optimizer (ZeRO-1), where each DP rank owns a slice of every grad
+bucket. Whatever the optimizer, the checkpoint stores, for each logical
+parameter NAME (see :mod:`megalite.checkpoint.logical`):
+
+    optimizer.exp_avg.NAME, optimizer.exp_avg_sq.NAME   Adam moments, fp32, logical shape
+    optimizer.main.NAME                                 fp32 main params, only when the model
+                                                        params are bf16/fp16 (for fp32 models
+                                                        they are the model weights themselves)
+
+plus AdamW's step count and the loss scaler in the JSON metadata. So a
+checkpoint written with or without the distributed optimizer loads into either,
+at any TP / PP / DP layout.
+
+ZeRO-1 on save: the DP ranks' slices of each bucket are all-gathered so every
+DP rank holds the full local TP shard of each state tensor (as Megatron's
+legacy ``distrib_optim.pt`` assembly does); DCP then writes each piece once.
+This costs one bucket-sized buffer per state kind, transiently. On load every
+DP rank reads its full local TP shards and keeps its slices.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.checkpoint.logical import logical_piece, named_parameters, storage_name
+from megalite.model.config import ModelConfig
+from megalite.parallel.data_parallel import all_gather_flat
+from megalite.parallel.mesh import Mesh
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def key(kind: str, name: str) -> str:
+    return f"optimizer.{kind}.{name}"
+
+
+def _param_names(chunks: list[nn.Module]) -> dict[nn.Parameter, tuple[str, nn.Module]]:
+    return {param: (name, model) for name, model, param in named_parameters(chunks)}
+
+
+def stores_main_params(optimizer) -> bool:
+    """True when the main params are fp32 copies (bf16/fp16 model), so they must be stored."""
+    return any(m.is_copy for m in optimizer.main_params)
+
+
+def adam_step(optimizer) -> int:
+    """AdamW's step count (every main param steps together; 0 before the first step)."""
+    for state in optimizer.inner.state.values():
+        if "step" in state:
+            return int(state["step"].item()) if torch.is_tensor(state["step"]) else int(state["step"])
+    return 0
+
+
+def _state_tensor(optimizer, m, kind: str) -> torch.Tensor:
+    """``kind`` of main param ``m`` (flat view): a moment, or the main param itself."""
+    if kind == "main":
+        return m.main.detach()
+    state = optimizer.inner.state.get(m.main, {})
+    return state[kind].detach() if kind in state else torch.zeros_like(m.main)
+
+
+@torch.no_grad()
+def _full_local_tensors(optimizer, chunks: list[nn.Module], mesh: Mesh, kinds: list[str]) -> dict:
+    """``{(kind, param): tensor shaped like param's local TP shard}`` for every model param.
+
+    With the replicated optimizer the state already covers whole params. With
+    ZeRO-1 each bucket's DP slices are all-gathered (the same collective the
+    optimizer uses for params), so every DP rank ends with the full local shard.
+    """
+    out = {}
+    if not getattr(optimizer, "dp_sharded", False):
+        for m in optimizer.main_params:
+            for kind in kinds:
+                out[(kind, m.model)] = _state_tensor(optimizer, m, kind).view(m.model.shape)
+        return out
+    mains_of = {}
+    for m in optimizer.main_params:
+        mains_of.setdefault(m.model, []).append(m)
+    for chunk in chunks:
+        for bucket in chunk.buckets:
+            lo, hi = bucket.shard_range(mesh.dp_rank)
+            for kind in kinds:
+                full = torch.zeros(bucket.numel_padded, dtype=torch.float32, device=bucket.grad_data.device)
+                for p, (p_lo, _) in bucket.param_ranges.items():
+                    for m in mains_of.get(p, []):
+                        start = p_lo + m.model_range[0]
+                        full[start : start + m.main.numel()].copy_(_state_tensor(optimizer, m, kind).view(-1))
+                if mesh.dp_size > 1:
+                    all_gather_flat(full, full[lo:hi].clone(), mesh.dp_group)
+                for p, (p_lo, p_hi) in bucket.param_ranges.items():
+                    out[(kind, p)] = full[p_lo:p_hi].view(p.shape)
+    return out
+
+
+def save_pieces(optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh) -> dict:
+    """Collective over DP (ZeRO-1 only): this rank's optimizer pieces, ``{key: Shard | Tensor}``."""
+    kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
+    tensors = _full_local_tensors(optimizer, chunks, mesh, kinds)
+    names = _param_names(chunks)
+    pieces = {}
+    for (kind, param), local in tensors.items():
+        name, model = names[param]
+        if storage_name(model, name) != name:
+            continue  # the tied output copy: its state equals the embedding's, stored once
+        piece = logical_piece(name, local, param, config, mesh.tp_rank, mesh.tp_size)
+        if piece is not None:
+            pieces[key(kind, name)] = piece
+    return pieces
+
+
+class OptimizerLoad:
+    """Load targets for the optimizer state, then :meth:`apply` them to the optimizer.
+
+    Every DP rank reads the full local TP shard of each state tensor into a
+    temporary buffer; :meth:`apply` gives each main param its range.
+    """
+
+    def __init__(self, optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh, stored: set[str]):
+        self.optimizer = optimizer
+        self.buffers: dict[tuple[str, nn.Parameter], torch.Tensor] = {}
+        self.pieces: dict = {}
+        names = _param_names(chunks)
+        wanted = {m.model for m in optimizer.main_params}
+        load_main = stores_main_params(optimizer)
+        for param in wanted:
+            name, model = names[param]
+            source = storage_name(model, name)
+            kinds = [(kind, key(kind, source)) for kind in MOMENTS]
+            if load_main:
+                # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights.
+                main_key = key("main", source)
+                kinds.append(("main", main_key if main_key in stored else source))
+            for kind, entry in kinds:
+                buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                self.buffers[(kind, param)] = buf
+                piece = logical_piece(source, buf, param, config, mesh.tp_rank, mesh.tp_size)
+                if piece is not None:
+                    self.pieces[entry] = piece
+
+    @torch.no_grad()
+    def apply(self, step: int) -> None:
+        """Install the loaded moments (and fp32 main params) and AdamW's ``step``."""
+        inner = self.optimizer.inner
+        index = {p: i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+        state = {}
+        for m in self.optimizer.main_params:
+            lo, hi = m.model_range
+            entry = {"step": torch.tensor(float(step), dtype=torch.float32)}
+            for kind in MOMENTS:
+                flat = self.buffers[(kind, m.model)].view(-1)[lo:hi]
+                entry[kind] = flat.view(m.main.shape).to(m.main.device).clone()
+            state[index[m.main]] = entry
+            if ("main", m.model) in self.buffers:
+                m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
+        groups = inner.state_dict()["param_groups"]  # keep this run's hyper-parameters
+        inner.load_state_dict({"state": state, "param_groups": groups})
+
+
+@torch.no_grad()
+def reload_main_params(optimizer) -> None:
+    """fp32 main copies <- the (just loaded) model params, when the optimizer state is not loaded."""
+    for m in optimizer.main_params:
+        if m.is_copy:
+            lo, hi = m.model_range
+            m.main.copy_(m.model.detach().view(-1)[lo:hi].view(m.main.shape).float())

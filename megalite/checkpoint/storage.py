@@ -1,0 +1,308 @@
+"""torch.distributed.checkpoint (DCP) underneath: each rank writes only its own pieces.
+
+A state dict handed to :func:`write` / :func:`read` is flat: ``{name: value}``
+where a value is either
+
+* a plain ``torch.Tensor`` — a tensor that is the same on every rank that
+  passes it (replicated); DCP's planner writes it once (on whichever rank has
+  the least to write), or
+* a :class:`Shard` — this rank's rectangular piece of a larger logical tensor,
+  with its offsets in it. Ranks holding the same piece (data-parallel
+  replicas) are deduplicated the same way.
+
+That is all the TP x PP x DP layout needs, including the vocab tables whose
+pieces are uneven (the last TP rank holds fewer real rows, or none), which
+DTensor's even ``Shard`` placement cannot describe. On load, DCP's resharding
+(``create_read_items_for_chunk_list``) reads the overlap of every saved piece
+with the piece this rank asks for, so any layout can read any other.
+
+Nothing in the files is unpickled with code execution:
+
+* tensors are stored as torch serialised tensors and read back by DCP with
+  ``torch.load(weights_only=True)``;
+* we never write non-tensor objects into DCP (DCP would ``torch.save`` them and
+  read them back with ``weights_only=False``) — plain data goes into a JSON file;
+* DCP's own ``.metadata`` file is a pickle that ``FileSystemReader`` loads with
+  plain ``pickle.load``; :class:`SafeFileSystemReader` loads it with an
+  unpickler that only resolves DCP's metadata dataclasses, ``torch.Size``,
+  torch dtypes/layout and ``pathlib`` paths, and refuses everything else.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint that cannot be read (corrupt, foreign, or refused as unsafe)."""
+
+
+@dataclass
+class Shard:
+    """This rank's piece ``tensor`` of a logical tensor of shape ``global_shape``.
+
+    ``tensor`` [*sizes] sits at ``offsets`` (one per dim) in the whole. On load,
+    ``tensor`` is the destination: DCP copies into it in place, so it may be a
+    view of a parameter.
+    """
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        self.offsets = tuple(int(o) for o in self.offsets)
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        if not (len(self.offsets) == len(self.global_shape) == self.tensor.dim()):
+            raise ValueError(
+                f"Shard: offsets {self.offsets} / shape {self.global_shape} vs {self.tensor.dim()}-d"
+            )
+        for o, n, g in zip(self.offsets, self.tensor.shape, self.global_shape):
+            if o < 0 or o + n > g:
+                raise ValueError(
+                    f"Shard [{self.offsets}, +{tuple(self.tensor.shape)}] outside {self.global_shape}"
+                )
+
+    @property
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.tensor.shape)
+
+
+# ---------------------------------------------------------------------------------- planners
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, plus :class:`Shard` values (uneven pieces at explicit offsets)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for name, value in self.state_dict.items():
+            if isinstance(value, Shard):
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(name, torch.Size(value.offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=value.chunk,
+                            properties=TensorProperties.create_from_tensor(value.tensor),
+                            size=torch.Size(value.global_shape),
+                        ),
+                    )
+                )
+            elif isinstance(value, torch.Tensor):
+                # Offsets (all zero) in the index too, so replicas dedup against each other.
+                offsets = torch.Size([0] * value.dim())
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(name, offsets),
+                        type=WriteItemType.TENSOR,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=value.shape),
+                            properties=TensorProperties.create_from_tensor(value),
+                            size=value.shape,
+                        ),
+                    )
+                )
+            else:
+                raise TypeError(
+                    f"checkpoint value {name!r} is a {type(value).__name__}; only tensors are stored"
+                )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        if isinstance(value, Shard):
+            return value.tensor.detach().contiguous()
+        return value.detach().contiguous()
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Reads every value of the state dict (tensor or :class:`Shard`) from any saved layout."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # The default also materialises meta tensors, and in doing so replaces values it does not
+        # know (our Shards) with None; our values are always real tensors, so keep them as given.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        requests = []
+        for name, value in self.state_dict.items():
+            md = stored.get(name)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointFormatError(f"the checkpoint has no tensor {name!r}")
+            if isinstance(value, Shard):
+                shape, chunk = value.global_shape, value.chunk
+            else:
+                shape = tuple(value.shape)
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.shape)
+            if tuple(md.size) != tuple(shape):
+                raise CheckpointFormatError(
+                    f"{name}: the checkpoint holds shape {tuple(md.size)}, this run expects {tuple(shape)}"
+                )
+            requests += create_read_items_for_chunk_list(name, md, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict[index.fqn]
+        return value.tensor if isinstance(value, Shard) else value
+
+
+# ---------------------------------------------------------------------------------- metadata
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+}
+_ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+_ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
+_ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+for _cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
+    _ALLOWED_GLOBALS[("pathlib", _cls)] = getattr(pathlib, _cls)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the names DCP's metadata is made of; anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return _ALLOWED_GLOBALS[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointFormatError(
+            f"refusing to unpickle {module}.{name} from a checkpoint's .metadata: only DCP metadata "
+            f"classes are allowed (the file is corrupt or not a torch.distributed.checkpoint file)"
+        )
+
+
+def read_dcp_metadata(path: str | pathlib.Path) -> Metadata:
+    """DCP's ``.metadata`` of checkpoint folder ``path``, unpickled with the allowlist above."""
+    file = pathlib.Path(path) / ".metadata"
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path}: no .metadata file (not a finished checkpoint)") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointFormatError:
+        raise
+    except Exception as e:
+        raise CheckpointFormatError(f"{file}: unreadable DCP metadata ({e})") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointFormatError(f"{file}: expected DCP Metadata, found {type(metadata).__name__}")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` unpickling resolves DCP's own classes only."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointFormatError("per-rank DCP metadata files are not used by megalite")
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---------------------------------------------------------------------------------- write / read
+def _no_dist(no_dist: bool) -> bool:
+    return no_dist or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def write(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
+    """Collective (every rank of the default group): write ``state`` into folder ``path``.
+
+    Each rank writes one ``__<rank>_0.distcp`` file with its pieces; the
+    coordinator (rank 0) writes ``.metadata`` once every rank has finished.
+    ``no_dist``: this process alone writes (single-process tools).
+    """
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(), no_dist=_no_dist(no_dist))
+
+
+def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
+    """Collective: fill every tensor / :class:`Shard` of ``state`` in place from folder ``path``.
+
+    The metadata is read and checked first (with the safe unpickler), so a
+    missing or foreign folder fails with a clear message before any collective.
+    """
+    read_dcp_metadata(path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=ShardLoadPlanner(),
+            no_dist=_no_dist(no_dist),
+        )
+
+
+def stored_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
+    """``{name: logical shape}`` of every tensor in a checkpoint's DCP metadata."""
+    return {
+        name: tuple(md.size)
+        for name, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def stored_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
+    return {
+        name: md.properties.dtype
+        for name, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+__all__ = [
+    "CheckpointFormatError",
+    "SafeFileSystemReader",
+    "Shard",
+    "ShardLoadPlanner",
+    "ShardSavePlanner",
+    "read",
+    "read_dcp_metadata",
+    "stored_dtypes",
+    "stored_shapes",
+    "write",
+]
