@@ -172,6 +172,10 @@ def test_stage_chunks_chained_match_full_model(flavour):
         same = "embedding.word_embeddings.weight" if n not in full_params else n  # the tied copy
         torch.testing.assert_close(p, full_params[same], rtol=0, atol=0)
 
+    # The chunks together hold the full model, plus the tied copy of the head.
+    tied_copy = cfg.padded_vocab_size(1) * cfg.hidden_size if tied else 0
+    assert sum(c.num_parameters() for c in chunks) == full.num_parameters() + tied_copy
+
     emb = chunks[0].embedding.word_embeddings.weight
     out = chunks[-1].output_layer.weight
     assert chunks[0].shared_embedding_or_output_weight() is emb
