@@ -115,3 +115,16 @@ def test_no_data_is_an_error():
         validate_args(parse_args(["--vocab-size", "100"]), 1)
     with pytest.raises(ArgumentError, match="NullTokenizer needs --vocab-size"):
         validate_args(parse_args(["--mock-data"]), 1)
+
+
+def test_flag_reference_is_up_to_date():
+    """docs/flags.md is generated from the parser; a new flag without a regenerated doc fails here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "tools/gen_flags_doc.py", "--check"], cwd=root, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
