@@ -59,7 +59,7 @@ def make_main_param(model: nn.Parameter, grad: torch.Tensor, start: int, end: in
     for name in _TP_ATTRIBUTES:  # grad-norm rules read these
         if hasattr(model, name):
             setattr(main, name, getattr(model, name))
-    return MainParam(main, model, grad, (start, end), is_copy)
+    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy)
 
 
 def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:

@@ -100,7 +100,7 @@ def clip_grad_norm(
     params = list(params)
     total_norm = get_grad_norm(params, mesh, norm_type=norm_type, dp_sharded=dp_sharded)
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        grads = [g for p in params if (g := grad_of(p)) is not None]
+    grads = [g for p in params if (g := grad_of(p)) is not None]
+    if clip_coeff < 1.0 and grads:  # a ZeRO rank may own no params at all
         torch._foreach_mul_(grads, clip_coeff)
     return total_norm
