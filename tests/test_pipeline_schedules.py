@@ -134,6 +134,18 @@ def build_chunks(mesh: Mesh, vp: int, first=None, last=None, cls=ToyChunk):
 
 
 # ---- the single-process reference ------------------------------------------------------------
+@contextlib.contextmanager
+def one_thread():
+    # The reference runs in the pytest process; extra OpenMP threads only slow tiny matmuls.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@one_thread()
 def reference(m: int, dp_rank: int):
     full = ToyChunk((0, NUM_LAYERS), True, True)
     losses = []
