@@ -1,6 +1,11 @@
 """HF transformers <-> megalite: random GPT-2 / Llama models give the same logits and round-trip exactly."""
 
+import importlib.util
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,9 +14,11 @@ from megalite.checkpoint import hf
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
+from megalite.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 V = 100  # not a multiple of 128: the megalite model carries padding rows the HF one does not have
 SEQ = 24
 
@@ -178,3 +185,111 @@ def test_unsupported_and_mismatched_inputs_fail_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FileNotFoundError, match="no weights found"):
         hf.read_hf_checkpoint(str(tmp_path))
+
+
+# ---- through megalite checkpoints: any layout loads a converted model ---------------------------
+
+
+def _logits_at_tp2_pp2(folders, ids, labels):
+    """On 4 ranks (tp=2, pp=2): load each checkpoint into this rank's chunk; last stage returns logits/loss."""
+    import torch.distributed as dist
+
+    from megalite.checkpoint import files, storage
+    from megalite.checkpoint.checkpointing import model_pieces, zero_vocab_padding
+    from megalite.parallel import p2p
+    from megalite.parallel.mesh import initialize_model_parallel
+    from megalite.parallel.pipeline_layout import build_model_chunks
+
+    mesh = initialize_model_parallel(2, 2)
+    out = []
+    for folder in folders:
+        config = files.config_from_metadata(files.read_metadata(folder))
+        chunks = build_model_chunks(config, mesh)
+        storage.read(model_pieces(chunks, config, mesh, for_load=True), folder)
+        zero_vocab_padding(chunks, config, mesh)
+        (model,) = chunks
+        model.eval()
+        shape = (*ids.shape, config.hidden_size)
+        with torch.no_grad():
+            if mesh.is_first_stage:
+                p2p.send_forward(model(ids), shape, torch.float32, mesh)
+                out.append(None)
+                continue
+            hidden = p2p.recv_forward(shape, torch.float32, mesh)
+            local = model(input_tensor=hidden)  # [b, s, V_pad/2]
+            parts = [torch.empty_like(local) for _ in range(mesh.tp_size)]
+            dist.all_gather(parts, local.contiguous(), group=mesh.tp_group)
+            loss = model(input_tensor=hidden, labels=labels)
+            out.append((torch.cat(parts, dim=-1)[..., : config.vocab_size], loss))
+    return out
+
+
+def convert_main(*argv) -> int:
+    """tools/convert_checkpoint.py's main() in this process (the subprocess path is run once too)."""
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", REPO / "tools" / "convert_checkpoint.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))
+
+
+def test_hf_to_megalite_loads_at_tp2_pp2_and_round_trips_through_the_cli(tmp_path, capsys):
+    """HF dir -> convert CLI -> megalite checkpoint -> tp=2, pp=2 logits/loss == transformers'; -> HF again: exact."""
+    models = {"gpt2": gpt2_model(8, n_layer=4), "llama": llama_model(9, num_hidden_layers=4)}
+    ids = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(10))
+    labels = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    folders = []
+    for name, model in models.items():
+        model.save_pretrained(str(tmp_path / f"{name}-hf"))  # transformers' own files as the input
+        argv = ["--input", str(tmp_path / f"{name}-hf"), "--input-format", "hf",
+                "--output", str(tmp_path / f"{name}-ml"), "--output-format", "megalite"]  # fmt: skip
+        if name == "gpt2":  # the real command line, once
+            done = subprocess.run(
+                [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), *argv],
+                capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert "[convert] model: gpt2: 4 layers" in done.stdout and "[convert] done in" in done.stdout
+        else:
+            assert convert_main(*argv) == 0
+        folders.append(str(tmp_path / f"{name}-ml" / "iter_0000000"))
+
+    results = run_distributed(_logits_at_tp2_pp2, 4, folders, ids, labels, timeout=120)
+    for i, (name, model) in enumerate(models.items()):
+        with torch.no_grad():
+            ref_logits = model(ids).logits
+            ref_loss = torch.nn.functional.cross_entropy(
+                ref_logits.flatten(0, 1), labels.flatten(), reduction="none"
+            )
+        for rank in (2, 3):  # the last stage's two TP ranks
+            logits, loss = results[rank][i]
+            diff = (logits - ref_logits).abs().max().item()
+            print(f"{name} at tp=2 pp=2 (rank {rank}): max |logits diff| vs transformers = {diff:.3g}")
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loss.flatten(), ref_loss, rtol=1e-5, atol=1e-6)
+
+        # And back: megalite -> HF gives transformers' tensors exactly.
+        out = tmp_path / f"{name}-hf-again"
+        argv = ["--input", str(tmp_path / f"{name}-ml"), "--input-format", "megalite",
+                "--output", str(out), "--output-format", "hf"]  # fmt: skip
+        assert convert_main(*argv) == 0
+        back, back_config = hf.read_hf_checkpoint(str(out))
+        expected = {k: v for k, v in model.state_dict().items() if k in back}
+        assert back.keys() == expected.keys() and all(torch.equal(back[k], expected[k]) for k in back)
+        assert hf.config_from_hf(back_config) == hf.config_from_hf(model.config.to_dict())
+
+    # Clear errors for the usual mistakes.
+    capsys.readouterr()
+    assert convert_main("--input", str(tmp_path / "gpt2-hf"), "--input-format", "megalite",
+                        "--output", str(tmp_path / "x"), "--output-format", "hf") == 2  # fmt: skip
+    assert "holds a transformers checkpoint (config.json): use --input-format hf" in capsys.readouterr().err
+    assert convert_main("--input", str(tmp_path / "gpt2-ml"), "--input-format", "megalite",
+                        "--output", str(tmp_path / "gpt2-hf"), "--output-format", "hf") == 2  # fmt: skip
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert convert_main("--input", str(tmp_path / "gpt2-ml"), "--input-format", "megalite", "--ckpt-step", "7",
+                        "--output", str(tmp_path / "y"), "--output-format", "hf") == 2  # fmt: skip
+    assert "no finished checkpoint for iteration 7" in capsys.readouterr().err
+    assert convert_main("--input", str(tmp_path / "gpt2-hf"), "--input-format", "hf",
+                        "--output", str(tmp_path / "z"), "--output-format", "hf") == 2  # fmt: skip
+    assert "nothing to convert" in capsys.readouterr().err

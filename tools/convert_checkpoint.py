@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Convert checkpoints between megalite and Hugging Face transformers (GPT-2, Llama).
+
+    # a megalite checkpoint (any TP/PP/DP layout it was saved in) -> transformers
+    python tools/convert_checkpoint.py --input-format megalite --input SAVE \
+        --output-format hf --output hf_model/
+    # transformers (GPT2LMHeadModel / LlamaForCausalLM, safetensors) -> megalite
+    python tools/convert_checkpoint.py --input-format hf --input hf_model/ \
+        --output-format megalite --output SAVE2/
+
+The HF side is a directory with config.json and model.safetensors (or a sharded
+model.safetensors.index.json); ``AutoModelForCausalLM.from_pretrained(dir)``
+loads what this writes. The megalite side is a model-only checkpoint stored
+under logical names, so no target TP/PP size is needed: continue from it at any
+layout with ``pretrain_gpt.py --load SAVE2 --finetune`` (or ``--no-load-optim
+--no-load-rng``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+# Runnable as a plain script from a checkout: make the repository importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megalite.checkpoint import files as ckpt_files  # noqa: E402
+from megalite.checkpoint import hf  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ConvertError(ValueError):
+    """Bad flags or inputs; printed as ``convert_checkpoint.py: error: ...``."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert_checkpoint.py",
+        description="Convert checkpoints between megalite and Hugging Face transformers (GPT-2, Llama).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--input", required=True, help="Checkpoint directory to read.")
+    p.add_argument("--input-format", required=True, choices=["megalite", "hf"], help="Format of --input.")
+    p.add_argument("--output", required=True, help="Directory to write (must not exist or be empty).")
+    p.add_argument("--output-format", required=True, choices=["megalite", "hf"], help="Format of --output.")
+    p.add_argument(
+        "--ckpt-step", type=int, default=None, help="megalite input: this iteration instead of the latest."
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="Cast the weights to this dtype on the way (default: keep the stored dtype).",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="hf output: split model.safetensors into shards of at most this size (e.g. 500MB, 5GB).",
+    )
+    return p
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    if not m:
+        raise ConvertError(f"--max-shard-size {text!r}: expected a size such as 500MB or 5GB")
+    scale = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+    return max(1, int(float(m.group(1)) * scale[m.group(2)]))
+
+
+def log(msg: str) -> None:
+    print(f"[convert] {msg}", flush=True)
+
+
+def describe(config) -> str:
+    flavour = hf.hf_flavour(config)
+    return (
+        f"{flavour}: {config.num_layers} layers, hidden {config.hidden_size}, heads "
+        f"{config.num_attention_heads} (kv groups {config.query_groups}), ffn {config.ffn_size}, "
+        f"vocab {config.vocab_size}, {'untied' if config.untie_embeddings_and_output_weights else 'tied'} "
+        "output layer"
+    )
+
+
+def read_megalite(path: str, iteration: int | None):
+    """(logical state dict, ModelConfig) of a megalite checkpoint, whatever layout saved it."""
+    from megalite.checkpoint import load_model
+
+    model, config = load_model(path, iteration=iteration)
+    return hf.logical_state_dict(model), config
+
+
+def write_megalite(state: dict, config, path: str) -> str:
+    from megalite.checkpoint import save_model_checkpoint
+
+    return str(save_model_checkpoint(state, config, path, iteration=0))
+
+
+def convert(args: argparse.Namespace) -> None:
+    if args.input_format == args.output_format:
+        raise ConvertError(
+            f"--input-format and --output-format are both {args.input_format}: nothing to convert "
+            "(megalite checkpoints load at any layout as they are)"
+        )
+    if not os.path.isdir(args.input):
+        raise ConvertError(f"--input {args.input}: no such directory")
+    looks_hf = os.path.isfile(os.path.join(args.input, "config.json"))
+    looks_megalite = any(
+        os.path.isfile(os.path.join(args.input, name)) for name in (ckpt_files.TRACKER, ckpt_files.METADATA)
+    )
+    if args.input_format == "megalite" and looks_hf and not looks_megalite:
+        raise ConvertError(
+            f"--input {args.input} holds a transformers checkpoint (config.json): use --input-format hf"
+        )
+    if args.input_format == "hf" and looks_megalite and not looks_hf:
+        raise ConvertError(f"--input {args.input} holds a megalite checkpoint: use --input-format megalite")
+    if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
+        raise ConvertError(f"--output {args.output} exists and is not an empty directory; pick a new one")
+    max_shard = parse_size(args.max_shard_size)
+    start = time.perf_counter()
+
+    if args.input_format == "hf":
+        log(f"reading transformers checkpoint {args.input}")
+        hf_state, hf_config = hf.read_hf_checkpoint(args.input)
+        state, config = hf.hf_to_megalite(hf_state, hf_config)
+    else:
+        step = "latest" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
+        log(f"reading megalite checkpoint {args.input} ({step})")
+        state, config = read_megalite(args.input, args.ckpt_step)
+    if args.dtype is not None:
+        state = {k: v.to(DTYPES[args.dtype]) for k, v in state.items()}
+    n_params = sum(t.numel() for t in state.values())
+    log(f"model: {describe(config)}; {n_params:,} parameters")
+
+    if args.output_format == "hf":
+        hf_state, hf_config = hf.megalite_to_hf(state, config)
+        log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
+        files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)
+        log(f"wrote config.json and {', '.join(files)}")
+    else:
+        log(f"writing megalite checkpoint to {args.output}")
+        where = write_megalite(state, config, args.output)
+        log(f"wrote {where}")
+    log(f"done in {time.perf_counter() - start:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megalite.checkpoint import CheckpointError, CheckpointFormatError
+
+    args = build_parser().parse_args(argv)
+    try:
+        convert(args)
+    except (
+        ConvertError,
+        hf.HFConversionError,
+        CheckpointError,
+        CheckpointFormatError,
+        FileNotFoundError,
+    ) as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
