@@ -164,9 +164,11 @@ class ToyMLP(nn.Module):
         return self.fc2(self.norm(torch.tanh(self.fc1(x.to(self.fc1.weight.dtype)))))
 
 
-def toy(dtype, **opt_kw):
+def toy(dtype, grad_reduce_dtype=torch.float32, **opt_kw):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(ToyMLP().to(dtype), Mesh.single(), bucket_size=100)
+    ddp = DistributedDataParallel(
+        ToyMLP().to(dtype), Mesh.single(), bucket_size=100, grad_reduce_dtype=grad_reduce_dtype
+    )
     kw = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, params_dtype=dtype) | opt_kw
     return ddp, build_optimizer([ddp], Mesh.single(), **kw)
 
@@ -248,6 +250,14 @@ def test_bf16_params_with_fp32_main_params_train():
     n = sum(p.numel() for p in ddp.module.parameters())
     # Adam moments (2 x fp32) + fp32 main copy + a 4-byte step per param.
     assert opt.optimizer_state_bytes() == 12 * n + 4 * len(opt.main_params)
+
+
+def test_bf16_grad_buffer_still_steps_fp32_main_params():
+    ddp, opt = toy(torch.bfloat16, grad_reduce_dtype=torch.bfloat16)
+    assert all(p.main_grad.dtype == torch.bfloat16 for p in ddp.module.parameters())
+    losses = [train_step(ddp, opt, step % 4)[0] for step in range(40)]
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert all(m.main.dtype == torch.float32 for m in opt.main_params)
 
 
 def test_fp32_main_params_are_the_model_params_and_groups_follow_megatron():

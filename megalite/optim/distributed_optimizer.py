@@ -52,7 +52,7 @@ class DistributedOptimizer(MegatronOptimizer):
         # Launch every bucket's all-gather first, then unpack: buckets overlap each other.
         gathered = []
         for bucket, mains in zip(self._buckets, self._bucket_main_params):
-            full = torch.zeros(bucket.numel_padded, dtype=bucket.dtype, device=bucket.grad_data.device)
+            full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=bucket.grad_data.device)
             lo, hi = bucket.shard_range(self.mesh.dp_rank)
             p_ranges = bucket.param_ranges
             for m in mains:

@@ -134,6 +134,9 @@ class DistributedDataParallel(nn.Module):
             padded to a multiple of dp so every rank owns an equal contiguous shard.
         grad_reduce_dtype: dtype of the grad buffer and of the collectives
             (fp32 = Megatron's ``--accumulate-allreduce-grads-in-fp32``).
+
+    Wrap the module after moving it to its device and dtype: ``main_grad`` views
+    and the grad hooks are bound to the parameter objects present at construction.
     """
 
     def __init__(
@@ -203,8 +206,10 @@ class DistributedDataParallel(nn.Module):
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+    def load_state_dict(self, state_dict, strict: bool = True):
+        # Copies into the existing params (never assign=True): main_grad views and the
+        # grad hooks belong to these parameter objects.
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     # Backward hook -------------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
