@@ -430,3 +430,126 @@ def test_p2p_refuses_a_tensor_of_the_wrong_shape():
         p2p.send_forward(torch.zeros(2, 4, 8), (2, 3, 8), torch.float32, mesh)
     with pytest.raises(ValueError, match="torch.bfloat16"):
         p2p.send_forward(torch.zeros(2, 3, 8), (2, 3, 8), torch.bfloat16, mesh)
+
+
+# ---- the schedules' timing, on a model of the communication ------------------------------------
+class _Timed(torch.autograd.Function):
+    """Identity that logs a compute event of a fixed duration in forward and in backward."""
+
+    @staticmethod
+    def forward(ctx, x, log, fwd, bwd):
+        ctx.log, ctx.bwd = log, bwd
+        log.append(("compute", fwd))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("compute", ctx.bwd))
+        return grad, None, None, None
+
+
+def _record(monkeypatch, schedule: str, p: int, rank: int, m: int, v: int, fwd: float, bwd: float) -> list:
+    """Run the real schedule for one rank with p2p replaced by a log of what it would post."""
+    log: list = []
+
+    def communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, dtype, mesh):
+        ops = []
+        if tensor_send_next is not None:
+            ops.append(("send", mesh.next_rank))
+        if recv_prev:
+            ops.append(("recv", mesh.prev_rank))
+        if tensor_send_prev is not None:
+            ops.append(("send", mesh.prev_rank))
+        if recv_next:
+            ops.append(("recv", mesh.next_rank))
+        if ops:
+            log.append(("exchange", ops))
+        return (
+            torch.zeros(tensor_shape) if recv_prev else None,
+            torch.zeros(tensor_shape) if recv_next else None,
+        )
+
+    monkeypatch.setattr(p2p, "_communicate", communicate)
+    w = nn.Parameter(torch.ones(()))
+    mesh = _fake_mesh(p, rank)
+
+    def forward_step(chunk_id, mb, x):
+        y = _Timed.apply((torch.ones(1, 1, 1) if x is None else x) * w, log, fwd / v, bwd / v)
+        is_loss = rank == p - 1 and chunk_id == v - 1
+        return y.mean() if is_loss else y
+
+    forward_backward(
+        forward_step_func=forward_step,
+        microbatches=[None] * m,
+        model=list(range(v)),  # a chunk is only handed back to forward_step: its index will do
+        mesh=mesh,
+        num_microbatches=m,
+        tensor_shape=(1, 1, 1),
+        dtype=torch.float32,
+        schedule=schedule,
+    )
+    return log
+
+
+def _makespan(logs: list[list]) -> float:
+    """Replay every rank's log with zero-latency rendezvous p2p; return when the last rank ends.
+
+    A batched exchange ends when each of its sends has met its receive and vice
+    versa; messages on one (src, dst) link match in posting order, as with NCCL
+    or gloo with one tag. A state where no rank can move is a deadlock.
+    """
+    p = len(logs)
+    clock, pos, waiting = [0.0] * p, [0] * p, [None] * p
+    posted: dict[tuple, float] = {}
+    count: dict[tuple, int] = {}
+    while not all(pos[r] == len(logs[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(logs[r]):
+                kind, what = logs[r][pos[r]]
+                if kind == "compute":
+                    clock[r] += what
+                    pos[r] += 1
+                    moved = True
+                    continue
+                if waiting[r] is None:  # post the batch
+                    waiting[r] = []
+                    for op, peer in what:
+                        link = (r, peer) if op == "send" else (peer, r)
+                        n = count.get((op, link), 0)
+                        count[op, link] = n + 1
+                        posted[op, link, n] = clock[r]
+                        waiting[r].append(("recv" if op == "send" else "send", link, n))
+                    moved = True
+                partners = [posted.get(key) for key in waiting[r]]
+                if any(t is None for t in partners):
+                    break
+                clock[r] = max([clock[r], *partners])
+                waiting[r] = None
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"deadlock: ranks stuck at events {pos}")
+    links = {link for _, link in count}
+    assert all(count.get(("send", lk)) == count.get(("recv", lk)) for lk in links), "unmatched messages"
+    return max(clock)
+
+
+def test_schedules_reach_the_theoretical_bubble(monkeypatch):
+    """With free communication, the schedules as written take exactly the textbook time.
+
+    GPipe and 1F1B: (m + p - 1)(f + b); interleaved: (v*m + p - 1)(f + b)/v, i.e.
+    a bubble fraction (p-1)/(m+p-1), and (p-1)/(v*m+p-1). Also: no deadlock and
+    every message matched, for pipelines longer than the spawned tests use.
+    """
+    fwd, bwd = 1.0, 2.0
+    for p in (2, 3, 4, 8):
+        for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p} - {0}):
+            for schedule in ("gpipe", "1f1b"):
+                logs = [_record(monkeypatch, schedule, p, r, m, 1, fwd, bwd) for r in range(p)]
+                assert _makespan(logs) == pytest.approx((m + p - 1) * (fwd + bwd)), (schedule, p, m)
+        for v in (2, 3, 4):
+            for m in (p, 2 * p, 3 * p):
+                logs = [_record(monkeypatch, "interleaved", p, r, m, v, fwd, bwd) for r in range(p)]
+                want = (v * m + p - 1) * (fwd + bwd) / v
+                assert _makespan(logs) == pytest.approx(want), ("interleaved", p, m, v)
