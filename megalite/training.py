@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.arguments import model_config, parse_args, validate_args
+from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.data import build_pretraining_data_loader, build_tokenizer, build_train_valid_test_datasets
 from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
 from megalite.model.config import ModelConfig
@@ -210,7 +211,8 @@ def forward_step(chunk, microbatch, input_tensor):
     gpt = chunk.module if hasattr(chunk, "module") else chunk
     out = chunk(
         input_ids=microbatch["tokens"] if gpt.pre_process else None,
-        position_ids=microbatch["position_ids"] if gpt.pre_process else None,
+        # Every chunk gets the positions: RoPE needs them on every stage.
+        position_ids=microbatch["position_ids"] if microbatch is not None else None,
         labels=microbatch["labels"] if gpt.post_process else None,
         input_tensor=input_tensor,
     )
@@ -238,6 +240,7 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
         dtype=params_dtype(args),
         schedule=schedule,
         forward_only=forward_only,
+        grad_scale_func=None if forward_only else state.optimizer.scale_loss,
     )
 
 
@@ -310,7 +313,7 @@ def describe_layout(state: TrainState) -> str:
     )
 
 
-def train(state: TrainState, sinks: MetricSinks) -> dict:
+def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None = None) -> dict:
     args, mesh = state.args, state.mesh
     train_ds, valid_ds, _ = state.datasets
     data_iter = microbatch_iterator(train_ds, state.consumed_train_samples, args, mesh)
@@ -360,6 +363,10 @@ def train(state: TrainState, sinks: MetricSinks) -> dict:
             sinks.console(
                 f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {values['ppl']:.3f}"
             )
+        if hooks is not None and hooks.after_step(state):  # --save-interval, --exit-*, SIGTERM
+            break
+    if hooks is not None:
+        hooks.at_end(state)  # the final save
     return last
 
 
@@ -386,6 +393,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
     """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
     args = parse_args(argv)
     state = setup(args)
+    load_checkpoint(state)  # --load: weights, optimizer, schedule, iteration, samples, RNG
+    hooks = CheckpointHooks(state)
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
     sinks = MetricSinks(log_here, args.tensorboard_dir, args.metrics_file)
@@ -393,6 +402,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)
     try:
-        return train(state, sinks)
+        return train(state, sinks, hooks)
     finally:
+        hooks.close()
         sinks.close()
