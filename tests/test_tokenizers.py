@@ -1,0 +1,188 @@
+"""Tokenizers: GPT-2 BPE against transformers' GPT2Tokenizer, sentencepiece, HF, Null, errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalite.data.gpt2_bpe import GPT2BPE, bytes_to_unicode, compile_pretokenizer
+from megalite.data.tokenizers import TokenizerError, build_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# unicode, whitespace runs, contractions, emoji, digits, code, control characters
+STRINGS = [
+    "Hello world",
+    " Hello  world   ",
+    "I'm sure you'll see we've done it, they're here, she'd know. IT'S DON'T",
+    "tabs\tand\nnewlines\n\n   indented\r\n",
+    "naïve café, Ünïcödé façade; 日本語のテキスト。 Ελληνικά русский",
+    "emoji 😀🎉 👍🏽 family 👨‍👩‍👧 flags 🇫🇷!!",
+    "numbers 123 4567 3.14159 ½ ² ٣ Ⅻ",
+    "def f(x):\n    return x ** 2  # square\n",
+    "    leading and trailing spaces    ",
+    "a\u00a0b\u2003c\u3000d zero\u200bwidth",
+    "combining e\u0301 a\u0308 o\u0302",
+    "x\x1cy\x1fz\x0b",
+    "",
+    "!!!???...---",
+    "'s 's's '''",
+]
+
+TRAIN_TEXT = (
+    "The quick brown fox jumps over the lazy dog. It's the dog's bone, isn't it? "
+    "We'll see: they're sure you've read 1234 pages of naïve café text. "
+    "def function(argument):\n    return argument + 1\n\n"
+    "日本語のテキスト 😀 emoji emoji 👍🏽 Ünïcödé ½ ² "
+) * 3
+
+
+def train_tiny_bpe(text: str, num_merges: int):
+    """A minimal byte-level BPE trainer: GPT-2's pre-tokenization, most frequent pair first."""
+    b2u = bytes_to_unicode()
+    words = collections.Counter(
+        tuple(b2u[b] for b in piece.encode("utf-8")) for piece in compile_pretokenizer().findall(text)
+    )
+    vocab = [b2u[b] for b in range(256)]
+    merges = []
+    for _ in range(num_merges):
+        pairs = collections.Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best)
+        vocab.append(best[0] + best[1])
+        merged = collections.Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    vocab.append("<|endoftext|>")
+    return {s: i for i, s in enumerate(vocab)}, merges
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt2")
+    vocab, merges = train_tiny_bpe(TRAIN_TEXT, 120)
+    (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (d / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+    return str(d / "vocab.json"), str(d / "merges.txt"), vocab
+
+
+def test_gpt2_bpe_matches_transformers(gpt2_files):
+    transformers = pytest.importorskip("transformers")
+    vocab_file, merge_file, vocab = gpt2_files
+    ref = transformers.GPT2Tokenizer(vocab=vocab_file, merges=merge_file)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert tok.vocab_size == len(vocab) and tok.eod == vocab["<|endoftext|>"]
+    merged_tokens = 0
+    for s in STRINGS + [TRAIN_TEXT]:
+        ids = tok.tokenize(s)
+        assert ids == ref(s)["input_ids"], s
+        assert ids == ref.encode(s, add_special_tokens=False), s
+        assert tok.detokenize(ids) == s
+        merged_tokens += sum(1 for i in ids if i >= 256)
+    assert merged_tokens > 50  # the merges were exercised, not just single bytes
+
+
+def test_stdlib_re_fallback_splits_like_regex(gpt2_files):
+    pytest.importorskip("regex")
+    vocab_file, merge_file, _ = gpt2_files
+    with_regex = GPT2BPE(vocab_file, merge_file, use_regex=True)
+    with_re = GPT2BPE(vocab_file, merge_file, use_regex=False)
+    assert type(with_regex.pattern).__module__ != type(with_re.pattern).__module__
+    for s in STRINGS + [TRAIN_TEXT]:
+        assert with_re.pattern.findall(s) == with_regex.pattern.findall(s), s
+        assert with_re.encode(s) == with_regex.encode(s)
+
+
+def test_huggingface_tokenizer_from_local_dir(gpt2_files, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vocab_file, merge_file, vocab = gpt2_files
+    transformers.GPT2Tokenizer(vocab=vocab_file, merges=merge_file).save_pretrained(tmp_path)
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert hf.vocab_size == len(vocab) and hf.eod == vocab["<|endoftext|>"]
+    texts = [s for s in STRINGS if s]
+    assert hf.tokenize_batch(texts) == [ours.tokenize(s) for s in texts]
+    assert hf.detokenize(hf.tokenize("Hello world")) == "Hello world"
+
+
+def test_sentencepiece_trained_by_the_tool_round_trips(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"{TRAIN_TEXT}\nline {i}: x = {i * 7}\n"}) + "\n")
+    prefix = tmp_path / "tok"
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "train_tokenizer.py"), "--input", str(corpus)]
+        + ["--model-prefix", str(prefix), "--vocab-size", "400", "--num-threads", "1"],
+        check=True,
+        capture_output=True,
+    )
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(prefix) + ".model")
+    alias = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(prefix) + ".model")
+    assert tok.vocab_size == alias.vocab_size == 400
+    assert tok.eod == 2  # </s>, the end-of-document id
+    for s in STRINGS:
+        ids = tok.tokenize(s)
+        assert ids == alias.tokenize(s)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.detokenize(ids) == s  # identity normalization + byte fallback: lossless
+    assert tok.tokenize_batch(STRINGS) == [tok.tokenize(s) for s in STRINGS]
+    assert len(tok.tokenize(TRAIN_TEXT)) < len(TRAIN_TEXT.encode()) / 2  # it learned merges
+
+
+def test_null_tokenizer_megatron_semantics():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.vocab_size == 101 and tok.eod == 100  # ids 0..99 plus eod = 100
+    assert tok.tokenize("5 17  3\n99") == [5, 17, 3, 99]
+    assert tok.detokenize([5, 17, 100]) == "5 17 100"
+    with pytest.raises(TokenizerError, match="--vocab-size"):
+        tok.tokenize("101")
+    with pytest.raises(TokenizerError, match="integers"):
+        tok.tokenize("hello")
+
+
+def test_build_tokenizer_errors_name_the_flag(tmp_path, gpt2_files):
+    vocab_file, _, _ = gpt2_files
+    cases = [
+        (dict(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
+        (
+            dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "no.model")),
+            "--tokenizer-model",
+        ),
+        (dict(tokenizer_type="GPT2BPETokenizer", merge_file="m.txt"), "--vocab-file"),
+        (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file), "--merge-file"),
+        (
+            dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file="nope.txt"),
+            "--merge-file",
+        ),
+        (
+            dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "nodir")),
+            "--tokenizer-model",
+        ),
+        (dict(tokenizer_type="NullTokenizer"), "--vocab-size"),
+        (dict(tokenizer_type="BertWordPieceLowerCase"), "--tokenizer-type"),
+    ]
+    for kwargs, flag in cases:
+        with pytest.raises(TokenizerError, match=flag):
+            build_tokenizer(**kwargs)
