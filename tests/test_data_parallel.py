@@ -249,6 +249,14 @@ def _dp_worker(ref_grads, ref_states):
         want = plain_main[id(by_name[m.model])].detach().view(-1)[lo:hi]
         torch.testing.assert_close(m.main.detach(), want, **TOL)
 
+    # broadcast_params: DP rank 0's values win.
+    ddp = DistributedDataParallel(make_model(), mesh)
+    with torch.no_grad():
+        for p in ddp.module.parameters():
+            p.add_(float(mesh.dp_rank))
+    ddp.broadcast_params()
+    assert all(torch.equal(p, q) for p, q in zip(ddp.module.parameters(), make_model().parameters()))
+
     for distributed in (False, True):
         check_unused_params(mesh, distributed)
         check_fp16_overflow_agreed(mesh, distributed)
