@@ -1,0 +1,102 @@
+"""Blend several datasets by weight (``--data-path 0.3 A 0.7 B``) with exact proportions.
+
+Megatron-LM's greedy rule (``helpers.build_blending_indices``): for sample ``t`` pick
+the dataset with the largest deficit ``weight_k * max(t, 1) - taken_k`` (the first
+on ties) and take its next unused sample. After any prefix of ``t`` samples each
+dataset has contributed ``weight_k * t`` samples up to less than one sample, so
+the proportions hold at every point of the run, not only on average.
+
+The rule is sequential; this loop runs at ~0.5 us per sample in Python (a minute
+for 10^8 samples), once, and the result is cached like the GPT indices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from megalite.data.gpt_dataset import DatasetError, cached_arrays
+
+
+def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (dataset_index [size] int16, dataset_sample_index [size] int64)."""
+    w = [float(x) for x in weights]
+    n = len(w)
+    counts = [0] * n
+    dataset_index = [0] * size
+    sample_index = [0] * size
+    for t in range(size):
+        td = float(t) if t > 1 else 1.0
+        best, best_err = 0, w[0] * td - counts[0]
+        for k in range(1, n):
+            err = w[k] * td - counts[k]
+            if err > best_err:
+                best, best_err = k, err
+        dataset_index[t] = best
+        sample_index[t] = counts[best]
+        counts[best] += 1
+    return np.array(dataset_index, np.int16), np.array(sample_index, np.int64)
+
+
+def normalize_weights(weights) -> list[float]:
+    w = [float(x) for x in weights]
+    if not w or any(x < 0 for x in w) or sum(w) <= 0:
+        raise DatasetError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    total = sum(w)
+    return [x / total for x in w]
+
+
+class BlendedDataset:
+    """``size`` samples drawn from ``datasets`` in the proportions ``weights``.
+
+    ``ds[i]`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``. Each dataset
+    must hold enough samples for its share.
+    """
+
+    def __init__(
+        self, datasets: list, weights, size: int, cache_dir: str | None = None, split: str = "train"
+    ):
+        if len(datasets) != len(weights):
+            raise DatasetError(f"{len(datasets)} datasets but {len(weights)} weights in --data-path")
+        if len(datasets) > np.iinfo(np.int16).max:
+            raise DatasetError(f"at most {np.iinfo(np.int16).max} datasets can be blended")
+        if size < 1:
+            raise DatasetError(f"a blended {split} dataset needs >= 1 samples, got {size}")
+        self.datasets = datasets
+        self.weights = normalize_weights(weights)
+        self.size = int(size)
+        description = {
+            "class": "BlendedDataset",
+            "split": split,
+            "weights": self.weights,
+            "size": self.size,
+            "datasets": [getattr(d, "description", repr(type(d))) for d in datasets],
+        }
+        # the datasets' own descriptions are long; a digest of them keeps the file readable
+        description["datasets"] = hashlib.sha256(
+            json.dumps(description["datasets"], sort_keys=True).encode()
+        ).hexdigest()
+        (self.dataset_index, self.dataset_sample_index), _ = cached_arrays(
+            cache_dir,
+            f"BlendedDataset-{split}",
+            description,
+            ("dataset_index", "dataset_sample_index"),
+            lambda: build_blending_indices(self.weights, self.size),
+        )
+        for k, ds in enumerate(datasets):
+            taken = self.dataset_sample_index[self.dataset_index == k]
+            if taken.size and int(taken.max()) >= len(ds):
+                raise DatasetError(
+                    f"blended {split} dataset: dataset {k} (weight {self.weights[k]:.4f}) must supply "
+                    f"{int(taken.max()) + 1} samples but has {len(ds)}"
+                )
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict:
+        if not 0 <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range [0, {self.size})")
+        return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]
