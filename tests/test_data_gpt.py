@@ -231,7 +231,7 @@ def test_data_loader_batches_resume_and_mock_data():
     successors = {}
     for x, y in pairs:
         successors.setdefault(x, set()).add(y)
-    assert len(pairs) > 100 and max(len(v) for v in successors.values()) == 1
+    assert len(successors) > 40 and max(len(v) for v in successors.values()) == 1  # one successor each
 
     # DP loaders: rank slices of the single-rank global batch; resume skips exactly what was consumed
     mbs, dp = 2, 2
