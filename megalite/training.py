@@ -165,14 +165,15 @@ def needs_data(mesh: Mesh) -> bool:
 
 def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple:
     gbs = args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
+    # Every evaluation reads the same validation batches, so eval losses compare across the run.
+    eval_samples = args.eval_iters * gbs if args.eval_interval else 0
     return build_train_valid_test_datasets(
         data_path=args.data_path or [],
         split=args.split,
         seq_length=args.seq_length,
         seed=args.seed,
         train_samples=args.train_iters * gbs,
-        valid_samples=eval_runs * args.eval_iters * gbs,
+        valid_samples=eval_samples,
         test_samples=args.eval_iters * gbs,
         cache_dir=args.data_cache_path,
         mock=args.mock_data,
@@ -192,7 +193,11 @@ def microbatch_iterator(dataset, consumed_samples: int, args: argparse.Namespace
         mesh.dp_size,
         num_workers=args.num_workers,
     )
-    return iter(loader)
+    # Making a DataLoader iterator draws a seed from torch's global RNG; keep that draw off the
+    # training RNG, so a run resumed from a checkpoint (RNG restored, then a new iterator) replays
+    # the same dropout masks as an uninterrupted one.
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
 
 
 def next_microbatches(data_iter, n: int, device: torch.device) -> list:
