@@ -92,13 +92,15 @@ def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     return torch.cat(parts, dim=p.partition_dim)
 
 
-CASES = [  # (schedule, vp, m as a multiple of pp, extra)
-    ("gpipe", 1, 1, 0),
-    ("gpipe", 1, 2, 1),
-    ("1f1b", 1, 1, 0),
-    ("1f1b", 1, 2, 1),
-    ("interleaved", 2, 1, 0),
-    ("interleaved", 2, 2, 0),
+CASES = [  # (schedule, vp, m as a multiple of pp, extra, recompute_activations)
+    ("gpipe", 1, 1, 0, False),
+    ("gpipe", 1, 2, 1, False),
+    ("1f1b", 1, 1, 0, False),
+    ("1f1b", 1, 2, 1, False),
+    ("interleaved", 2, 1, 0, False),
+    ("interleaved", 2, 2, 0, False),
+    # Activation recomputation under the pipeline (freed stage outputs + checkpointed layers).
+    ("interleaved", 2, 2, 0, True),
 ]
 
 
@@ -107,9 +109,9 @@ def _run(layouts):
     for tp, pp, ddp in layouts:
         mesh = initialize_model_parallel(tp, pp)
         for flavour, config in flavours().items():
-            for schedule, vp, times, extra in CASES:
+            for schedule, vp, times, extra, recompute in CASES:
                 m = times * pp + extra
-                chunks = build_model_chunks(config, mesh, vp=vp)
+                chunks = build_model_chunks(config, mesh, vp=vp, recompute_activations=recompute)
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                     chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
                 losses = forward_backward(
@@ -135,7 +137,7 @@ def _run(layouts):
                             layout=(tp, pp, ddp),
                             dp_rank=mesh.dp_rank,
                             pp_rank=mesh.pp_rank,
-                            case=(flavour, schedule, vp, m),
+                            case=(flavour, schedule, vp, m, recompute),
                             losses=torch.stack(losses).numpy() if losses else None,
                             grads={n: g.numpy() for n, g in grads.items()},
                             shared=shared,
@@ -154,7 +156,7 @@ def _check(results, layouts, world):
     seen_layouts = set()
     for (layout, dp_rank, case), stages in by_case.items():
         seen_layouts.add(layout)
-        (tp, pp, ddp), (flavour, _schedule, _vp, m) = layout, case
+        (tp, pp, ddp), (flavour, _schedule, _vp, m, _recompute) = layout, case
         assert sorted(s["pp_rank"] for s in stages) == list(range(pp)), case
         for d in range(world // (tp * pp)):
             if (flavour, m, d) not in refs:
