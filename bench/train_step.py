@@ -8,7 +8,8 @@ Prints one JSON object:
   overhead_ratio            plain / megalite (1.0 = no overhead)
   three_d_tokens_per_sec    pretrain() with tp=2, pp=2, dp=2 on `--world` gloo processes
 Both one-process figures come from the same run, the same model and the same batch shape; the
-first iterations are warm-up and are not timed. On a 2-core CPU the 8-process run is
+first iterations are warm-up and are not timed. On a GPU machine both loops run on the GPU
+(add --bf16 for bf16 params) and the 3D run is skipped (one GPU). On a 2-core CPU the 8-process run is
 oversubscribed: compare it with itself across changes, not with the one-process figure.
 """
 
@@ -40,9 +41,10 @@ def model_flags(a) -> list[str]:
     ]  # fmt: skip
 
 
-def plain_loop(a) -> float:
+def plain_loop(a, device: torch.device) -> float:
     """Tokens/s of the simplest correct loop over the same model."""
     torch.manual_seed(0)
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
     config = ModelConfig(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,
@@ -50,10 +52,10 @@ def plain_loop(a) -> float:
         vocab_size=a.vocab_size,
         max_position_embeddings=a.seq_length,
     )
-    model = GPTModel(config, Mesh.single())
+    model = GPTModel(config, Mesh.single(device), dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     b = a.micro_batch_size * a.microbatches
-    tokens = torch.randint(0, a.vocab_size, (b, a.seq_length + 1))
+    tokens = torch.randint(0, a.vocab_size, (b, a.seq_length + 1), device=device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     times = []
     for i in range(a.iters + a.warmup):
@@ -65,6 +67,8 @@ def plain_loop(a) -> float:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     return b * a.seq_length / (sum(times) / len(times))
@@ -77,13 +81,17 @@ def _megalite_run(argv, metrics_file):
 
 
 def megalite_tokens_per_sec(a, extra: list[str], world: int) -> float:
+    """Tokens/s from pretrain()'s own log: in this process for world 1, else on gloo ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         gbs = a.micro_batch_size * a.microbatches * (2 if world == 8 else 1)
-        argv = model_flags(a) + extra
+        argv = model_flags(a) + extra + (["--bf16"] if a.bf16 else [])
         argv += ["--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(gbs)]
         argv += ["--train-iters", str(a.iters + a.warmup), "--log-interval", "1"]
-        run_distributed(_megalite_run, world, argv, metrics, timeout=1200)
+        if world == 1:
+            _megalite_run(argv, metrics)
+        else:
+            run_distributed(_megalite_run, world, argv, metrics, timeout=1200)
         with open(metrics) as f:
             lines = [json.loads(x) for x in f if '"train"' in x]
         timed = lines[a.warmup :]
@@ -102,10 +110,13 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--world", type=int, default=8, help="processes for the 3D run (0 skips it)")
+    p.add_argument("--world", type=int, default=8, help="processes for the 3D run on CPU (0 skips it)")
+    p.add_argument("--bf16", action="store_true", help="bf16 params in both loops (GPU)")
     a = p.parse_args()
-    torch.set_num_threads(1)  # the same for both one-process loops and every rank
-    plain = plain_loop(a)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the same for both one-process loops and every rank
+    plain = plain_loop(a, device)
     mega = megalite_tokens_per_sec(a, [], 1)
     result = {
         "model": {
@@ -119,9 +130,10 @@ def main() -> None:
         "megalite_tokens_per_sec": round(mega, 1),
         "overhead_ratio": round(plain / mega, 3),
         "torch": torch.__version__,
-        "threads_per_process": 1,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread per process)",
+        "dtype": "bf16" if a.bf16 else "fp32",
     }
-    if a.world:
+    if a.world and device.type == "cpu":
         three_d = megalite_tokens_per_sec(
             a, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], a.world
         )
