@@ -17,7 +17,9 @@ from megalite.testing import run_distributed
 ITERS = 20
 COMMON = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-    "--make-vocab-size-divisible-by", "16",  # padded 112 / 128 / 128 at tp 1 / 2 / 4: uneven real rows
+    # NullTokenizer adds an eod id: 101 real rows, padded to 112 / 128 / 128 at tp 1 / 2 / 4, so the
+    # TP ranks hold 64 + 37 real rows (tp 2) or 32 + 32 + 32 + 5 (tp 4).
+    "--make-vocab-size-divisible-by", "16",
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
@@ -86,10 +88,11 @@ def _training_vs_load_model_logits(argv, ckpt):
         return None
     pieces = [torch.empty_like(out) for _ in range(mesh.tp_size)]
     dist.all_gather(pieces, out.contiguous(), group=mesh.tp_group)
-    logits = torch.cat(pieces, dim=-1)[..., :100]
     model, config = load_model(ckpt)
     assert config.num_query_groups == 4 and config.untie_embeddings_and_output_weights
-    torch.testing.assert_close(logits, model(tokens)[..., :100], rtol=1e-5, atol=1e-5)
+    v = config.vocab_size
+    logits = torch.cat(pieces, dim=-1)
+    torch.testing.assert_close(logits[..., :v], model(tokens)[..., :v], rtol=1e-5, atol=1e-5)
     return float(logits.abs().max())
 
 
@@ -178,7 +181,7 @@ def test_exact_resume_and_reshard(tmp_path):
     assert abs(no_optim[1][1] - ref[11]) > 1e-5 * ref[11]  # fresh moments -> another update
 
     assert "hidden_size: checkpoint 32, this run 64 (--hidden-size)" in messages[0]
-    assert "vocab_size: checkpoint 100, this run 120 (--vocab-size" in messages[1]
+    assert "vocab_size: checkpoint 101, this run 121 (--vocab-size" in messages[1]
     for diff in ("normalization: checkpoint 'RMSNorm', this run 'LayerNorm'", "swiglu: checkpoint True"):
         assert diff in messages[2]
     assert "no such directory" in messages[3]
@@ -196,9 +199,36 @@ def test_exact_resume_and_reshard(tmp_path):
     from megalite.checkpoint import storage
 
     shapes = storage.stored_shapes(storage.read_dcp_metadata(root / "iter_0000020"))
-    assert shapes["output_layer.weight"] == shapes["embedding.word_embeddings.weight"] == (100, 32)
+    assert shapes["output_layer.weight"] == shapes["embedding.word_embeddings.weight"] == (101, 32)
     assert shapes["optimizer.exp_avg_sq.decoder.layers.3.mlp.linear_fc1_up.weight"] == (128, 32)
     assert sum(k.startswith("rng.") and k.endswith(".torch_cpu") for k in shapes) == 8
+
+
+def test_bf16_resume_restores_fp32_main_params(tmp_path):
+    """bf16 weights + fp32 main params (ZeRO-sharded over dp 2): bitwise resume; also into tp 2."""
+    base = COMMON + ["--bf16", "--train-iters", "8"]
+    ck = str(tmp_path / "ck")
+
+    def out(name):
+        return ["--metrics-file", str(tmp_path / name)]
+
+    runs = [
+        base + DISTOPT + ["--save", ck, "--save-interval", "4"] + out("a"),
+        base + DISTOPT + ["--load", ck, "--ckpt-step", "4"] + out("b"),
+        base + layout(2, 1) + ["--load", ck, "--ckpt-step", "4", "--exit-interval", "6"] + out("c"),
+    ]
+    run_distributed(_pretrain_runs, 2, runs, timeout=120)
+    a, b, c = (metrics(tmp_path / n) for n in "abc")
+    assert b == a[4:]
+    assert [it for it, _ in c] == [5, 6]
+    for (it, got), (_, want) in zip(c, a[4:6]):
+        assert abs(got - want) <= 1e-3 * want, f"iteration {it}: {got} vs {want}"  # bf16 rounding
+    from megalite.checkpoint import storage
+
+    dtypes = storage.stored_dtypes(storage.read_dcp_metadata(tmp_path / "ck" / "iter_0000004"))
+    assert dtypes["decoder.layers.0.mlp.linear_fc1.weight"] == torch.bfloat16
+    assert dtypes["optimizer.main.decoder.layers.0.mlp.linear_fc1.weight"] == torch.float32
+    assert dtypes["optimizer.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"] == torch.float32
 
 
 # ------------------------------------------------------------------------------------- kill
