@@ -1,5 +1,10 @@
 """Generation: greedy equals the teacher-forced argmax, top-k=1 is greedy, seeds reproduce, no padding ids."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -8,6 +13,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 V = 50  # padded to 128 rows by the model: 78 ids the tokenizer does not have
 
 
@@ -87,3 +93,33 @@ def test_eos_stops_and_pads():
         assert out.shape[1] == greedy.shape[1] and torch.equal(out[1], greedy[1])
     with pytest.raises(ValueError, match="vocab size"):
         generate(model, [V], 1)
+
+
+def test_generate_cli_on_a_checkpoint(tmp_path):
+    """tools/generate.py (a real subprocess) prints the continuation generate() computes on load_model."""
+    from megalite.checkpoint import load_model, save_model_checkpoint
+
+    model = tiny_model("llama")
+    save_model_checkpoint(model, model.config, tmp_path / "ckpt", iteration=4)
+    loaded, _ = load_model(tmp_path / "ckpt")
+    prompt = [7, 1, 30, 2]
+    tool = [sys.executable, str(REPO / "tools" / "generate.py"), "--load", str(tmp_path / "ckpt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(*flags):
+        return subprocess.run([*tool, *flags], capture_output=True, text=True, timeout=120, env=env)
+
+    # A weights-only checkpoint does not know its tokenizer: the tool says which flag is missing.
+    done = run("--prompt", "1 2")
+    assert done.returncode == 2 and "--tokenizer-type is needed" in done.stderr
+
+    # NullTokenizer: --vocab-size N has ids 0..N-1 and eod N = V - 1 (generation stops there).
+    done = run("--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "9", "--top-k", "3",
+               "--seed", "11", "--tokenizer-type", "NullTokenizer", "--ckpt-step", "4")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    g = torch.Generator().manual_seed(11)
+    expected = generate(loaded, prompt, 9, top_k=3, generator=g, eos_id=V - 1)[0, len(prompt) :].tolist()
+    if V - 1 in expected:
+        expected = expected[: expected.index(V - 1)]
+    assert done.stdout.split() == [str(i) for i in expected] and len(expected) > 0
+    assert "[generate] loaded" in done.stderr and "(iteration 4," in done.stderr

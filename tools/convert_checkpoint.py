@@ -89,11 +89,18 @@ def describe(config) -> str:
 
 
 def read_megalite(path: str, iteration: int | None):
-    """(logical state dict, ModelConfig) of a megalite checkpoint, whatever layout saved it."""
+    """(logical state dict, ModelConfig) of a megalite checkpoint, whatever layout saved it.
+
+    ``load_model`` gives fp32 weights; they are cast back to the dtype the checkpoint
+    stored (e.g. bf16 from a ``--bf16`` run), so the export is not twice the size.
+    """
     from megalite.checkpoint import load_model
 
-    model, config = load_model(path, iteration=iteration)
-    return hf.logical_state_dict(model), config
+    folder, _ = ckpt_files.resolve(path, iteration, flag="--input")
+    stored = str(ckpt_files.read_metadata(folder).get("params_dtype", "torch.float32"))
+    dtype = {str(t): t for t in DTYPES.values()}.get(stored, torch.float32)
+    model, config = load_model(folder)
+    return {k: v.to(dtype) for k, v in hf.logical_state_dict(model).items()}, config
 
 
 def write_megalite(state: dict, config, path: str) -> str:

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Sample text from a megalite checkpoint on one process: greedy, top-k or top-p.
+
+    python tools/generate.py --load SAVE --prompt "Once upon a time" --max-new-tokens 50 \
+        --temperature 0.8 --top-k 40 --seed 1
+
+The checkpoint may have been saved at any TP / PP / DP layout. Tokenizer flags
+are those of pretrain_gpt.py (--tokenizer-type, --tokenizer-model, --vocab-file,
+--merge-file, --vocab-size); when left out they are taken from the flags the
+checkpoint was trained with. ``--temperature 0`` is greedy decoding. The
+continuation goes to stdout, progress lines to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# Runnable as a plain script from a checkout: make the repository importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Generate text from a megalite checkpoint (greedy / top-k / top-p sampling).",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--load", required=True, help="Checkpoint directory (a --save directory or an iter_N folder)."
+    )
+    p.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
+    p.add_argument("--prompt", required=True, help="Text to continue.")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate at most.")
+    p.add_argument("--temperature", type=float, default=1.0, help="Softmax temperature; 0 = greedy.")
+    p.add_argument("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0 = all).")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="Sample from the smallest set holding this probability."
+    )
+    p.add_argument("--seed", type=int, default=1234, help="Random seed of the sampler.")
+    p.add_argument(
+        "--ignore-eod",
+        action="store_true",
+        help="Keep generating after the tokenizer's end-of-document token.",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
+    g = p.add_argument_group("tokenizer (default: the checkpoint's training flags)")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+        default=None,
+    )
+    g.add_argument("--tokenizer-model", default=None, help="sentencepiece model or HF tokenizer directory.")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    return p
+
+
+def log(msg: str) -> None:
+    print(f"[generate] {msg}", file=sys.stderr, flush=True)
+
+
+def tokenizer_flags(args: argparse.Namespace, saved_args: dict, vocab_size: int) -> dict:
+    """Tokenizer flags: the command line's, else the checkpoint's training flags."""
+    flags = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
+    if flags["tokenizer_type"] is None:
+        if "tokenizer_type" not in saved_args:
+            raise ValueError(
+                "--tokenizer-type is needed: this checkpoint does not record the flags it was trained with "
+                "(a converted or weights-only checkpoint)"
+            )
+        flags = {k: saved_args.get(k) for k in TOKENIZER_FLAGS}
+    if flags["tokenizer_type"] == "NullTokenizer" and flags["vocab_size"] is None:
+        flags["vocab_size"] = vocab_size - 1  # Megatron's --vocab-size N means ids 0..N-1 plus eod N
+    return flags
+
+
+def run(args: argparse.Namespace) -> str:
+    from megalite.checkpoint import files, load_model
+    from megalite.data import build_tokenizer
+    from megalite.generation import generate
+
+    start = time.perf_counter()
+    folder, iteration = files.resolve(args.load, args.ckpt_step, flag="--load")
+    saved_args = files.read_metadata(folder).get("args") or {}
+    model, config = load_model(folder)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device)
+    flags = tokenizer_flags(args, saved_args, config.vocab_size)
+    tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}: "
+            "pass the tokenizer flags the checkpoint was trained with"
+        )
+    log(
+        f"loaded {folder} (iteration {iteration}, {model.num_parameters():,} parameters) on {device} "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    prompt_ids = tokenizer.tokenize(args.prompt)
+    eod = None if args.ignore_eod else getattr(tokenizer, "eod", None)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    start = time.perf_counter()
+    out = generate(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+        eos_id=eod,
+    )
+    new_ids = out[0, len(prompt_ids) :].tolist()
+    if eod is not None and eod in new_ids:
+        new_ids = new_ids[: new_ids.index(eod)]
+    log(f"prompt {len(prompt_ids)} tokens, generated {len(new_ids)} in {time.perf_counter() - start:.2f} s")
+    return tokenizer.detokenize(new_ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megalite.checkpoint import CheckpointError, CheckpointFormatError
+
+    args = build_parser().parse_args(argv)
+    try:
+        text = run(args)
+    except (ValueError, CheckpointError, CheckpointFormatError, FileNotFoundError) as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
