@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
-from megalite.data.preprocess import preprocess
+from megalite.data.preprocess import chunk_ranges, preprocess
 from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.data.tokenizers import build_tokenizer
 
@@ -101,6 +101,7 @@ def test_roundtrip_one_and_two_workers_and_the_tool(sp_setup):
     d, corpus, texts, tok_kwargs = sp_setup
     tok = build_tokenizer(**tok_kwargs)
     expected = [tok.tokenize(t) + [tok.eod] for t in texts]
+    assert len(list(chunk_ranges(corpus, 2048))) > 8  # several work items per worker
     outputs = {}
     for workers in (1, 2):
         prefix = str(d / f"w{workers}")

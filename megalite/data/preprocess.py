@@ -136,6 +136,9 @@ def preprocess(
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {k: IndexedDatasetBuilder(output_prefix_for(output_prefix, k), dtype) for k in json_keys}
 
+    if workers > 1:
+        # at least ~8 work items per worker, so the last chunks do not leave workers idle
+        chunk_bytes = min(chunk_bytes, max(1 << 16, os.path.getsize(input_path) // (8 * workers)))
     pool = None
     if workers == 1:
         encoder = _Encoder(input_path, tokenizer, tuple(json_keys), append_eod, dtype)

@@ -1,0 +1,96 @@
+"""Preprocess throughput on the default (stdlib) corpus, 1 and 2 workers; prints JSON.
+
+    python bench/preprocess.py                  # 16 MB of stdlib text, workers 1 and 2
+    python bench/preprocess.py --max-mb 0 --workers 1 2 4   # the whole stdlib
+
+Reports MB/s of JSON input and docs/s for tools/preprocess_data.py's engine, and
+next to it the tokenizer alone (one process, no JSON, no I/O) on the same texts:
+the ceiling one worker can reach, so the pipeline's overhead is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megalite.data import default_corpus  # noqa: E402
+from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
+from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.data.tokenizer_training import train_sentencepiece  # noqa: E402
+from megalite.data.tokenizers import build_tokenizer  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-mb", type=float, default=16.0, help="MB of stdlib text to use (0: all of it)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument(
+        "--tokenizer-model", default=None, help="reuse a sentencepiece model instead of training one"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs per worker count; the best is reported")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as d:
+        jsonl = os.path.join(d, "corpus.jsonl")
+        info = default_corpus.write_jsonl(jsonl, max_bytes=int(args.max_mb * 1e6) if args.max_mb else None)
+        model = args.tokenizer_model or train_sentencepiece([jsonl], os.path.join(d, "tok"), args.vocab_size)
+        tok_kwargs = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model)
+
+        with open(jsonl, encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f]
+        tok = build_tokenizer(**tok_kwargs)
+        t0 = time.perf_counter()
+        n_tokens = sum(len(ids) for ids in tok.tokenize_batch(texts))
+        tok_s = time.perf_counter() - t0
+        text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        del texts
+
+        runs = []
+        for workers in args.workers:
+            best = None
+            for r in range(args.repeats):
+                prefix = os.path.join(d, f"out_w{workers}_{r}")
+                stats = preprocess(jsonl, prefix, tok_kwargs, ("text",), workers, True, log=None)
+                assert len(IndexedDataset(stats["outputs"][0])) == stats["documents"]
+                if best is None or stats["seconds"] < best["seconds"]:
+                    best = stats
+            runs.append(
+                dict(
+                    workers=workers,
+                    seconds=round(best["seconds"], 3),
+                    mb_per_s=round(best["mb_per_s"], 3),
+                    docs_per_s=round(best["docs_per_s"], 1),
+                    tokens_per_s=round(best["tokens"] / best["seconds"]),
+                )
+            )
+    print(
+        json.dumps(
+            dict(
+                bench="preprocess",
+                corpus=dict(
+                    source=info["root"], documents=info["documents"], jsonl_mb=round(info["bytes"] / 1e6, 2)
+                ),
+                tokenizer=dict(
+                    type="SentencePieceTokenizer (BPE)", vocab_size=tok.vocab_size, tokens=n_tokens
+                ),
+                tokenizer_only_one_process=dict(mb_per_s=round(text_mb / tok_s, 3), seconds=round(tok_s, 3)),
+                runs=runs,
+                machine=dict(
+                    cpus=os.cpu_count(), python=platform.python_version(), load_avg_1m=os.getloadavg()[0]
+                ),
+            ),
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
