@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--transformer-impl",
         choices=["local", "transformer_engine"],
         default="local",
-        help="Kernel implementation: pure PyTorch (local) or Transformer Engine if installed.",
+        help="Kernel implementation; only local (pure PyTorch) is built so far.",
     )
 
     g = p.add_argument_group("training")
@@ -340,20 +340,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.save_interval is not None:
         need(args.save is not None, "--save-interval needs --save DIR")
     need(
-        args.transformer_impl == "local" or _te_available(),
-        "--transformer-impl transformer_engine: Transformer Engine is not installed "
-        "(pip install 'megalite[gpu]') — or use --transformer-impl local",
+        args.transformer_impl == "local",
+        "--transformer-impl transformer_engine: megalite does not build Transformer Engine layers yet; "
+        "use --transformer-impl local (the default; attention already uses PyTorch's fused SDPA kernels)",
     )
     model_config(args, vocab_size=args.vocab_size or 1).validate(tp)
     return args
-
-
-def _te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
