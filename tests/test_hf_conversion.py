@@ -190,8 +190,11 @@ def test_unsupported_and_mismatched_inputs_fail_clearly(tmp_path):
 # ---- through megalite checkpoints: any layout loads a converted model ---------------------------
 
 
-def _logits_at_tp2_pp2(folders, ids, labels):
-    """On 4 ranks (tp=2, pp=2): load each checkpoint into this rank's chunk; last stage returns logits/loss."""
+def _at_tp2_pp2(folders, ids, labels, pretrain_runs):
+    """On 4 ranks (tp=2, pp=2): load each checkpoint into this rank's chunk; last stage returns logits/loss.
+
+    Then continue pretraining from each (``pretrain_runs``: pretrain_gpt.py's flags).
+    """
     import torch.distributed as dist
 
     from megalite.checkpoint import files, storage
@@ -221,6 +224,7 @@ def _logits_at_tp2_pp2(folders, ids, labels):
             dist.all_gather(parts, local.contiguous(), group=mesh.tp_group)
             loss = model(input_tensor=hidden, labels=labels)
             out.append((torch.cat(parts, dim=-1)[..., : config.vocab_size], loss))
+    _pretrain(pretrain_runs)
     return out
 
 
@@ -258,7 +262,23 @@ def test_hf_to_megalite_loads_at_tp2_pp2_and_round_trips_through_the_cli(tmp_pat
             assert convert_main(*argv) == 0
         folders.append(str(tmp_path / f"{name}-ml" / "iter_0000000"))
 
-    results = run_distributed(_logits_at_tp2_pp2, 4, folders, ids, labels, timeout=120)
+    # pretrain_gpt.py continues from the converted model at tp=2, pp=2 (lr 0: one step that must not
+    # move a weight), then saves at that layout.
+    tune = {
+        "gpt2": ["--max-position-embeddings", "32", "--openai-gelu"],
+        "llama": ["--max-position-embeddings", "64", "--ffn-hidden-size", "48", "--rotary-base", "5000",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
+                  "--num-query-groups", "2"],
+    }  # fmt: skip
+    runs = [  # later flags override PRETRAIN's
+        PRETRAIN + ["--vocab-size", str(V - 1), "--num-layers", "4", "--lr", "0", "--min-lr", "0",
+                    "--train-iters", "1", "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2", "--load", str(tmp_path / f"{name}-ml"),
+                    "--finetune", "--save", str(tmp_path / f"{name}-tuned")] + tune[name]
+        for name in models
+    ]  # fmt: skip
+    results = run_distributed(_at_tp2_pp2, 4, folders, ids, labels, runs, timeout=180)
     for i, (name, model) in enumerate(models.items()):
         with torch.no_grad():
             ref_logits = model(ids).logits
@@ -272,9 +292,9 @@ def test_hf_to_megalite_loads_at_tp2_pp2_and_round_trips_through_the_cli(tmp_pat
             torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(loss.flatten(), ref_loss, rtol=1e-5, atol=1e-6)
 
-        # And back: megalite -> HF gives transformers' tensors exactly.
+        # And back from the checkpoint saved at tp=2, pp=2: transformers' tensors exactly.
         out = tmp_path / f"{name}-hf-again"
-        argv = ["--input", str(tmp_path / f"{name}-ml"), "--input-format", "megalite",
+        argv = ["--input", str(tmp_path / f"{name}-tuned"), "--input-format", "megalite",
                 "--output", str(out), "--output-format", "hf"]  # fmt: skip
         assert convert_main(*argv) == 0
         back, back_config = hf.read_hf_checkpoint(str(out))
