@@ -173,7 +173,10 @@ def test_unsupported_and_mismatched_inputs_fail_clearly(tmp_path):
         hf.hf_to_megalite({**sd, "transformer.h.2.ln_1.weight": torch.ones(32)}, cfg)
     with pytest.raises(hf.HFConversionError, match="wte.weight: shape"):
         hf.hf_to_megalite(sd, {**cfg, "vocab_size": V + 1})
-    llama = llama_model(7).config.to_dict()
+    llama_sd, llama = llama_model(7).state_dict(), llama_model(7).config.to_dict()
+    bad = {**llama_sd, "model.layers.1.mlp.up_proj.weight": torch.zeros(47, 32)}
+    with pytest.raises(hf.HFConversionError, match=r"layers.1.mlp.linear_fc1_up.weight: shape \(47, 32\)"):
+        hf.hf_to_megalite(bad, llama)
     with pytest.raises(hf.HFConversionError, match="rope scaling 'linear'"):
         hf.config_from_hf(
             {**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}

@@ -356,6 +356,7 @@ def hf_to_megalite(
             _need(head is not None, "Llama checkpoint: tie_word_embeddings=false but no lm_head.weight")
             out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
         take.finish()
+    check_logical_state_dict(out, config)
     return out, config
 
 
@@ -422,6 +423,30 @@ def megalite_to_hf(
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
     dtype = next(iter(tensors.values())).dtype
     return tensors, config_to_hf(c, dtype)
+
+
+def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name: full shape} of the logical state dict of ``config``'s model (vocab tables: real rows)."""
+    from megalite.model.gpt import GPTModel  # the model imports the parallel layers; keep hf.py light
+    from megalite.parallel.mesh import Mesh
+
+    with torch.device("meta"):
+        model = GPTModel(config, Mesh.single("meta"), device="meta")
+    return {
+        name: (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
+        for name, p in model.named_parameters()
+    }
+
+
+def check_logical_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+    """Names and shapes of ``state`` are exactly those of ``config``'s single-process GPTModel."""
+    expected = logical_shapes(config)
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    _need(
+        not missing and not extra, f"converted state dict vs GPTModel: missing {missing}, unexpected {extra}"
+    )
+    for name, shape in expected.items():
+        _check_shape(name, state[name], shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +570,9 @@ __all__ = [
     "config_to_hf",
     "fuse_qkv",
     "hf_flavour",
+    "check_logical_state_dict",
     "hf_to_megalite",
+    "logical_shapes",
     "logical_state_dict",
     "megalite_to_hf",
     "padded_state_dict",
