@@ -6,7 +6,7 @@ Pure functions between a ``transformers`` state dict + ``config.json`` dict
 single-process :class:`~megalite.model.gpt.GPTModel` with full (unsharded)
 shapes, and its vocab tables hold the REAL vocab rows only, ``[vocab_size, h]``
 (Megatron's padding depends on the TP size, so it is not part of the model; see
-/docs/checkpoints.md). That is exactly what ``megalite.checkpoint`` stores, so
+docs/checkpoints.md). That is exactly what ``megalite.checkpoint`` stores, so
 any TP/PP layout can load a converted model.
 
 What differs between the two worlds, and how it is bridged:
@@ -87,7 +87,7 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
 
 
 def hf_flavour(config: ModelConfig) -> str:
-    """ "gpt2" or "llama": the transformers architecture that computes exactly what ``config`` does."""
+    """The transformers architecture ("gpt2" or "llama") that computes exactly what ``config`` does."""
     c = config
     if (
         c.position_embedding_type == "learned_absolute"
