@@ -203,14 +203,24 @@ def _identity(config: ModelConfig) -> dict:
     return out
 
 
+# Derived sizes and the field that sets them explicitly; left to their defaults on both sides, a
+# difference only echoes another one (e.g. --hidden-size changes the default ffn size).
+_DERIVED = {"ffn_size": "ffn_hidden_size", "head_dim": "kv_channels", "query_groups": "num_query_groups"}
+
+
 def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
     """Human-readable differences between two models' identities (empty: same model)."""
     a, b = _identity(saved), _identity(current)
     flags = dict(_IDENTITY, max_position_embeddings="--max-position-embeddings")
+
+    def echo(k: str) -> bool:
+        base = _DERIVED.get(k)
+        return base is not None and getattr(saved, base) is None and getattr(current, base) is None
+
     return [
         f"{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r} ({flags[k]})"
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
+        if a.get(k) != b.get(k) and not echo(k)
     ]
 
 
