@@ -243,7 +243,7 @@ def test_data_loader_batches_resume_and_mock_data():
         assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
         for key in batch:
             assert torch.equal(torch.cat([ranks[r][s][key] for r in range(dp)]), batch[key])
-    resumed = list(build_pretraining_data_loader(train, 5 * mbs * dp, mbs, 1, dp, num_workers=0))
+    resumed = list(build_pretraining_data_loader(train, 5 * mbs * dp, mbs, 1, dp, num_workers=1))
     assert len(resumed) == len(ranks[1]) - 5
     assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(resumed, ranks[1][5:]))
     assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None

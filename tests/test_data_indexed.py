@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import struct
 import subprocess
@@ -186,6 +187,7 @@ def test_reads_a_file_written_by_hand_to_the_spec(tmp_path):
     assert ds.get(2, offset=1, length=2).tolist() == [8, 7] and ds.get(0, 2).tolist() == [2]
     assert ds.sequence_lengths.tolist() == lengths and ds.document_indices.tolist() == doc_idx
     assert [x.tolist() for x in ds[0:2]] == seqs[:2]
+    assert len(pickle.dumps(ds)) < 500 and pickle.loads(pickle.dumps(ds))[2].tolist() == seqs[2]  # by path
     with pytest.raises(IndexError):
         ds.get(1, offset=0, length=2)
 

@@ -351,6 +351,7 @@ class MockGPTDataset:
         self.eod_mask_loss = eod_mask_loss
         self.min_doc_len, self.max_doc_len = min_doc_len, max_doc_len
         self.perm = np.random.default_rng([seed, 0xC0FFEE]).permutation(vocab_size - 1)
+        self._next = self.perm.tolist()  # list indexing: the per-token loop stays cheap
 
     def __len__(self) -> int:
         return self.num_samples
@@ -365,9 +366,11 @@ class MockGPTDataset:
         while pos < n:
             doc_len = int(rng.integers(self.min_doc_len, self.max_doc_len + 1))
             tok = int(rng.integers(0, self.vocab_size - 1))
-            for j in range(pos, min(pos + doc_len, n)):
-                out[j] = tok
-                tok = int(self.perm[tok])
+            chain = []
+            for _ in range(min(doc_len, n - pos)):
+                chain.append(tok)
+                tok = self._next[tok]
+            out[pos : pos + len(chain)] = chain
             pos += doc_len
             if pos < n:
                 out[pos] = self.eod_token

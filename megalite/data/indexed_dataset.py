@@ -181,6 +181,14 @@ class IndexedDataset:
                 f"{self.dtype.name} tokens = {expected_ptr} bytes",
             )
 
+    # DataLoader workers started with spawn get the dataset pickled: send the path and
+    # map the files again there, instead of copying every token through the pickle.
+    def __getstate__(self) -> dict:
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path_prefix"], validate=False)
+
     # ---- access ---------------------------------------------------------------
     def __len__(self) -> int:
         return self.sequence_count
