@@ -7,7 +7,8 @@ and ``at_end(state)`` once the loop is over.
 Exit conditions (Megatron-LM's flags), each saving first when ``--save`` is set:
 
 * ``--exit-interval N``: stop after an iteration divisible by N;
-* ``--exit-duration-in-mins M``: stop once the run has lasted M minutes;
+* ``--exit-duration-in-mins M``: stop once training has run M minutes (counted from the
+  end of setup and checkpoint loading; leave a margin for those and for the save);
 * ``--exit-signal-handler``: on SIGTERM (SLURM's preemption warning) the
   current iteration finishes, then save and stop; the process exits 0.
 
