@@ -84,8 +84,8 @@ def build_pretraining_data_loader(
     dataset,
     consumed_samples: int,
     micro_batch_size: int,
-    data_parallel_rank: int,
-    data_parallel_size: int,
+    dp_rank: int,
+    dp_size: int,
     num_workers: int = 0,
     drop_last: bool = True,
 ):
@@ -97,8 +97,8 @@ def build_pretraining_data_loader(
         total_samples=len(dataset),
         consumed_samples=consumed_samples,
         micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
         drop_last=drop_last,
     )
     return DataLoader(
