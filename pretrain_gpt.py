@@ -7,19 +7,22 @@
 or as a plain single process (``python pretrain_gpt.py ...``). See docs/flags.md.
 """
 
+import os
 import sys
 
 import torch.distributed as dist
 
-from megalite.arguments import ArgumentError
+from megalite.errors import MegaliteError
 from megalite.training import pretrain
 
 
 def main() -> int:
     try:
         pretrain(sys.argv[1:])
-    except ArgumentError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+    except MegaliteError as e:
+        # Bad flags, sizes, files or checkpoints: one line naming the fix, not a traceback.
+        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"pretrain_gpt.py: error: {rank}{e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

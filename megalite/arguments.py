@@ -13,10 +13,11 @@ import os
 
 import yaml
 
+from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
 
-class ArgumentError(ValueError):
+class ArgumentError(MegaliteError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 

@@ -128,3 +128,28 @@ def test_flag_reference_is_up_to_date():
         [sys.executable, "tools/gen_flags_doc.py", "--check"], cwd=root, capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_cli_user_errors_are_one_line_exit_2(tmp_path):
+    """pretrain_gpt.py turns every MegaliteError into one stderr line and exit code 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cases = [
+        (["--hidden-size", "64", "--num-attention-heads", "3"], "--num-attention-heads"),  # ModelConfigError
+        (["--load", str(tmp_path / "missing"), "--train-iters", "1"], "--load"),  # CheckpointError
+        (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size"),  # ArgumentError
+    ]
+    for flags, needle in cases:
+        r = subprocess.run(
+            [sys.executable, "pretrain_gpt.py", *BASE, "--hidden-size", "32", *flags],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, (flags, r.stderr)
+        assert "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+        assert r.stderr.strip().count("\n") == 0, r.stderr

@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -31,7 +32,7 @@ FORMAT = "megalite-dcp"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegaliteError, RuntimeError):
     """A checkpoint that cannot be used as asked; the message names the flag and the fix."""
 
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
 WORD_EMB = "embedding.word_embeddings.weight"
@@ -48,7 +49,7 @@ SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class HFConversionError(ValueError):
+class HFConversionError(MegaliteError, ValueError):
     """A checkpoint or config that has no faithful translation; the message says what and why."""
 
 

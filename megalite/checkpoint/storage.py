@@ -53,8 +53,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megalite.errors import MegaliteError
 
-class CheckpointFormatError(RuntimeError):
+
+class CheckpointFormatError(MegaliteError, RuntimeError):
     """A checkpoint that cannot be read (corrupt, foreign, or refused as unsafe)."""
 
 

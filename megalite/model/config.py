@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megalite.errors import MegaliteError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(MegaliteError, ValueError):
     """A model shape that cannot be built; the message names the flag."""
 
 

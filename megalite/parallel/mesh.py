@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.errors import MegaliteError
 
-class ParallelConfigError(ValueError):
+
+class ParallelConfigError(MegaliteError, ValueError):
     """A parallel size that does not fit the world; the message names the flag."""
 
 

@@ -30,13 +30,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from megalite.errors import MegaliteError
 from megalite.parallel import p2p
 from megalite.parallel.mesh import Mesh
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
-class PipelineScheduleError(ValueError):
+class PipelineScheduleError(MegaliteError, ValueError):
     """A schedule that cannot run with these sizes; the message names the flag."""
 
 
