@@ -193,11 +193,7 @@ def microbatch_iterator(dataset, consumed_samples: int, args: argparse.Namespace
         mesh.dp_size,
         num_workers=args.num_workers,
     )
-    # Making a DataLoader iterator draws a seed from torch's global RNG; keep that draw off the
-    # training RNG, so a run resumed from a checkpoint (RNG restored, then a new iterator) replays
-    # the same dropout masks as an uninterrupted one.
-    with torch.random.fork_rng(devices=[]):
-        return iter(loader)
+    return iter(loader)
 
 
 def next_microbatches(data_iter, n: int, device: torch.device) -> list:

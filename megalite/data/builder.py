@@ -80,7 +80,9 @@ def build_train_valid_test_datasets(
         return tuple(
             None
             if not n
-            else MockGPTDataset(n, seq_length, vocab_size, seed + i, eod_mask_loss=eod_mask_loss)
+            else MockGPTDataset(
+                n, seq_length, vocab_size, seed + i, eod_mask_loss=eod_mask_loss, language_seed=seed
+            )
             for i, n in enumerate(sizes)
         )
     prefixes, weights = parse_data_path(data_path)

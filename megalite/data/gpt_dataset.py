@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.errors import MegaliteError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 _CACHE_FORMAT = 1  # bump when the index algorithm changes, to invalidate old caches
 
 
-class DatasetError(ValueError):
+class DatasetError(MegaliteError, ValueError):
     """Bad dataset arguments; the message names the flag."""
 
 
@@ -324,7 +325,10 @@ class MockGPTDataset:
     fixed random permutation of the vocabulary (``next = perm[prev]``), so every
     token but the first of a document is predictable from the previous one. The
     last id (``vocab_size - 1``, NullTokenizer's eod) ends each document.
-    Sample ``i`` depends only on (seed, i).
+    Sample ``i`` depends only on (seed, i). The permutation (the "language") comes
+    from ``language_seed`` (default: ``seed``): the train / valid / test splits
+    share it and differ only in their samples, so what is learnt on one split
+    carries over to the others.
     """
 
     def __init__(
@@ -336,6 +340,7 @@ class MockGPTDataset:
         min_doc_len: int = 8,
         max_doc_len: int = 128,
         eod_mask_loss: bool = False,
+        language_seed: int | None = None,
     ) -> None:
         if vocab_size is None or vocab_size < 3:
             raise DatasetError(f"--mock-data needs --vocab-size >= 3 (got {vocab_size})")
@@ -350,7 +355,8 @@ class MockGPTDataset:
         self.eod_token = vocab_size - 1
         self.eod_mask_loss = eod_mask_loss
         self.min_doc_len, self.max_doc_len = min_doc_len, max_doc_len
-        self.perm = np.random.default_rng([seed, 0xC0FFEE]).permutation(vocab_size - 1)
+        language_seed = seed if language_seed is None else language_seed
+        self.perm = np.random.default_rng([language_seed, 0xC0FFEE]).permutation(vocab_size - 1)
         self._next = self.perm.tolist()  # list indexing: the per-token loop stays cheap
 
     def __len__(self) -> int:

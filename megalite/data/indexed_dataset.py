@@ -32,13 +32,15 @@ from enum import Enum
 
 import numpy as np
 
+from megalite.errors import MegaliteError
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 _CHECK_CHUNK = 1 << 20  # sequences per chunk when validating pointers (bounded memory)
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegaliteError, ValueError):
     """A ``.bin``/``.idx`` pair that cannot be read; the message names the file."""
 
 

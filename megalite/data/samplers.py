@@ -107,4 +107,8 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         collate_fn=collate,
         persistent_workers=num_workers > 0,
+        # Sample order comes from the sampler; without its own generator, making an iterator
+        # would draw a seed from torch's global RNG and shift the training RNG (dropout masks),
+        # so a resumed run would no longer replay an uninterrupted one.
+        generator=torch.Generator().manual_seed(0),
     )

@@ -27,11 +27,13 @@ import argparse
 import os
 from abc import ABC, abstractmethod
 
+from megalite.errors import MegaliteError
+
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegaliteError, ValueError):
     """Bad tokenizer flags or files; the message names the flag."""
 
 
