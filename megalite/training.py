@@ -355,15 +355,11 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
             sinks.console(format_train_line(state.iteration, args.train_iters, values))
             window_start, window_iters, window_loss = time.perf_counter(), 0, []
         if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_ds is not None:
-            eval_loss = evaluate(state, valid_ds)
-            values = {
-                "loss": eval_loss,
-                "ppl": math.exp(min(eval_loss, 20.0)) if eval_loss is not None else None,
-            }
-            sinks.record("eval", state.iteration, values)
-            sinks.console(
-                f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {values['ppl']:.3f}"
-            )
+            eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
+            if eval_loss is not None:
+                ppl = math.exp(min(eval_loss, 20.0))
+                sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
+                sinks.console(f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {ppl:.3f}")
         if hooks is not None and hooks.after_step(state):  # --save-interval, --exit-*, SIGTERM
             break
     if hooks is not None:

@@ -14,6 +14,7 @@ COMMON = [
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
     "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7",
+    "--eval-interval", "5", "--eval-iters", "2",
 ]  # fmt: skip
 FLAVOURS = {
     "gpt2": [],
@@ -37,10 +38,10 @@ def _train_runs(runs):
     return out
 
 
-def _losses(path):
+def _losses(path, kind="train"):
     with open(path) as f:
         lines = [json.loads(x) for x in f]
-    return [x["loss"] for x in lines if x["kind"] == "train"]
+    return [x["loss"] for x in lines if x["kind"] == kind]
 
 
 @pytest.mark.timeout(600)
@@ -61,6 +62,13 @@ def test_3d_layout_matches_single_process(tmp_path):
         for i, (a, b) in enumerate(zip(ref, got)):
             assert abs(a - b) <= 1e-5 * abs(a) + 1e-6, f"{name}: iteration {i + 1}: single {a} vs 3d {b}"
         assert ref[-1] < ref[0], f"{name}: loss did not fall: {ref}"
+        # Evaluation (forward-only schedule over the validation split) agrees too, and improves.
+        ref_eval = _losses(tmp_path / f"single-{name.replace('-distopt', '')}.jsonl", "eval")
+        got_eval = _losses(tmp_path / f"3d-{name}.jsonl", "eval")
+        assert len(ref_eval) == len(got_eval) == ITERS // 5, name
+        for a, b in zip(ref_eval, got_eval):
+            assert abs(a - b) <= 1e-5 * abs(a) + 1e-6, f"{name}: eval: single {a} vs 3d {b}"
+        assert ref_eval[-1] < ref_eval[0], f"{name}: eval loss did not fall: {ref_eval}"
 
 
 def _records(path):
