@@ -89,7 +89,8 @@ def test_mixed_precision_fp16_skips_overflow_and_recovers_bf16_trains(tmp_path):
         "--loss-scale-window",
         "4",
     ]
-    bf16 = flags + ["--bf16"]
+    tb_dir = tmp_path / "tb"
+    bf16 = flags + ["--bf16", "--tensorboard-dir", str(tb_dir), "--peak-tflops", "0.5"]
     runs = [(fp16, str(tmp_path / "fp16.jsonl")), (bf16, str(tmp_path / "bf16.jsonl"))]
     run_distributed(_train_runs, 2, runs, timeout=350)
 
@@ -109,5 +110,19 @@ def test_mixed_precision_fp16_skips_overflow_and_recovers_bf16_trains(tmp_path):
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0] - 0.05, f"fp16 loss did not fall: {losses}"
 
-    bf16_losses = [x["loss"] for x in _records(tmp_path / "bf16.jsonl") if x["kind"] == "train"]
+    bf16_lines = [x for x in _records(tmp_path / "bf16.jsonl") if x["kind"] == "train"]
+    bf16_losses = [x["loss"] for x in bf16_lines]
     assert bf16_losses[-1] < bf16_losses[0] - 0.05, bf16_losses
+    for x in bf16_lines:  # MFU is model TFLOP/s per device over --peak-tflops
+        assert x["tflops_per_device"] > 0 and x["tokens_per_sec"] > 0
+        assert x["mfu"] == pytest.approx(x["tflops_per_device"] / 0.5, rel=1e-9)
+
+    # The same scalars reach TensorBoard.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu"} <= tags, tags
+    tb_loss = [e.value for e in events.Scalars("train/loss")]
+    assert tb_loss == pytest.approx(bf16_losses, rel=1e-6)
