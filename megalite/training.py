@@ -354,13 +354,16 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
             sinks.record("train", state.iteration, values)
             sinks.console(format_train_line(state.iteration, args.train_iters, values))
             window_start, window_iters, window_loss = time.perf_counter(), 0, []
+        paused = time.perf_counter()  # evaluation and saving are not training time
         if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_ds is not None:
             eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
             if eval_loss is not None:
                 ppl = math.exp(min(eval_loss, 20.0))
                 sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
                 sinks.console(f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {ppl:.3f}")
-        if hooks is not None and hooks.after_step(state):  # --save-interval, --exit-*, SIGTERM
+        stop = hooks is not None and hooks.after_step(state)  # --save-interval, --exit-*, SIGTERM
+        window_start += time.perf_counter() - paused
+        if stop:
             break
     if hooks is not None:
         hooks.at_end(state)  # the final save
