@@ -4,7 +4,8 @@
 #   bash scripts/quickstart.sh
 #
 #   1. environment: the active virtual environment, or .venv (created if missing), with torch
-#      and megalite (pip install -e .) installed unless already importable
+#      and megalite (pip install -e '.[dev,hf]': what `bash scripts/test.sh` needs too)
+#      installed unless already importable
 #   2. data: a sentencepiece tokenizer and a Megatron .bin/.idx dataset built from this
 #      Python's standard library sources (no download)
 #   3. pretraining: a small GPT under torchrun with tp=2 x pp=2 x dp=2 = 8 processes on CPU
@@ -17,6 +18,7 @@
 #   QUICKSTART_TORCH="torch==2.13.0"  pip spec for torch (any pip arguments; used only when
 #                                     torch is not importable yet)
 #   QUICKSTART_VENV=.venv             virtual environment to create / reuse when none is active
+#   QUICKSTART_EXTRAS=dev,hf          megalite extras to install ("" for the bare package)
 #   QUICKSTART_SKIP_INSTALL=1         use the current python as it is (no venv, no pip)
 #   QUICKSTART_DEVICE=auto|cpu|gpu    QUICKSTART_GPUS=N (GPUs to use; default all)
 #   QUICKSTART_MAX_MB, QUICKSTART_VOCAB, QUICKSTART_ITERS, QUICKSTART_LAYERS, QUICKSTART_HIDDEN,
@@ -83,11 +85,17 @@ else
         read -r -a torch_spec <<<"${QUICKSTART_TORCH:-torch==2.13.0}"
         run python -m pip install "${torch_spec[@]}"
     fi
+    # megalite with the extras the test suite needs (dev: pytest, ruff, tensorboard; hf:
+    # transformers), so `bash scripts/test.sh` works in this environment afterwards.
+    EXTRAS=${QUICKSTART_EXTRAS-dev,hf}
+    modules="megalite numpy sentencepiece yaml"
+    [[ ",$EXTRAS," == *,dev,* ]] && modules+=" pytest pytest_timeout ruff tensorboard"
+    [[ ",$EXTRAS," == *,hf,* ]] && modules+=" transformers safetensors"
     # Installed = importable from outside the checkout, with its dependencies.
-    if (cd / && python -c "import megalite, numpy, sentencepiece, yaml") 2>/dev/null; then
-        echo "megalite and its dependencies are already installed"
+    if (cd / && python -c "import ${modules// /, }") 2>/dev/null; then
+        echo "megalite${EXTRAS:+[$EXTRAS]} and its dependencies are already installed"
     else
-        run python -m pip install --quiet -e .
+        run python -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
     fi
 fi
 if [[ "$DRY_RUN" != 1 ]]; then
