@@ -37,6 +37,7 @@ def train_sentencepiece(
     max_sentences: int = 300_000,
     num_threads: int | None = None,
     seed_sentencepiece_size: int = 200_000,
+    seed: int = 1234,
 ) -> str:
     """Train and write ``{model_prefix}.model`` / ``.vocab``; returns the ``.model`` path.
 
@@ -47,6 +48,8 @@ def train_sentencepiece(
 
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    # The sentence sample is shuffled; a fixed seed makes the same corpus give the same tokenizer.
+    spm.set_random_generator_seed(seed)
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter_lines(inputs, json_key),
         model_prefix=model_prefix,
