@@ -40,11 +40,9 @@ def render() -> str:
             flag = ", ".join(f"`{s}`" for s in a.option_strings)
             if a.choices:
                 flag += " {" + ",".join(str(c) for c in a.choices) + "}"
-            elif a.nargs == 0:
-                pass
             elif a.nargs == "*":
                 flag += " …"
-            else:
+            elif a.nargs != 0:  # store_true flags take no value
                 flag += f" {a.dest.upper()}"
             default = "" if a.default in (None, False) or a.default == argparse.SUPPRESS else f"`{a.default}`"
             out.append(f"| {flag} | {default} | {(a.help or '').replace('|', '/')} |")
