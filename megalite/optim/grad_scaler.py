@@ -11,13 +11,10 @@ the host anyway (``found_inf`` is read there to decide whether to step).
 from __future__ import annotations
 
 
-class ConstantGradScaler:
-    """A fixed loss scale (Megatron's ``--loss-scale``); overflowing steps are still skipped."""
+class _GradScaler:
+    """What both scalers share: the current scale and its inverse (used to unscale grads)."""
 
-    def __init__(self, scale: float):
-        if scale <= 0:
-            raise ValueError(f"--loss-scale must be positive, got {scale}")
-        self._scale = float(scale)
+    _scale: float
 
     @property
     def scale(self) -> float:
@@ -27,17 +24,29 @@ class ConstantGradScaler:
     def inv_scale(self) -> float:
         return 1.0 / self._scale
 
+
+class ConstantGradScaler(_GradScaler):
+    """A fixed loss scale (Megatron's ``--loss-scale``); overflowing steps are still skipped.
+
+    It never changes, so it has nothing to update and nothing to checkpoint.
+    """
+
+    def __init__(self, scale: float):
+        if scale <= 0:
+            raise ValueError(f"--loss-scale must be positive, got {scale}")
+        self._scale = float(scale)
+
     def update(self, found_inf: bool) -> None:
-        pass  # constant by definition
+        return None
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        pass
+        return None
 
 
-class DynamicGradScaler:
+class DynamicGradScaler(_GradScaler):
     """Back off on overflow (after ``hysteresis`` overflows), grow after a clean window.
 
     Megatron's flags: ``--initial-loss-scale``, ``--min-loss-scale``,
@@ -74,14 +83,6 @@ class DynamicGradScaler:
         self.hysteresis = hysteresis
         self._growth_tracker = 0
         self._hysteresis_tracker = hysteresis
-
-    @property
-    def scale(self) -> float:
-        return self._scale
-
-    @property
-    def inv_scale(self) -> float:
-        return 1.0 / self._scale
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
