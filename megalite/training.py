@@ -26,6 +26,7 @@ from megalite.model.config import ModelConfig
 from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.pipeline_layout import allreduce_embedding_grads, build_model_chunks
 from megalite.parallel.random import set_random_seed
 from megalite.parallel.schedules import forward_backward
@@ -87,9 +88,7 @@ def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
     for chunk in model_chunks:
         for p in chunk.parameters():
             mine += p.numel()
-            if getattr(p, "shared_embedding", False) and not mesh.is_first_stage:
-                continue
-            if getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
+            if counted_once(p, mesh.tp_rank, mesh.is_first_stage):
                 unique += p.numel()
     total = torch.tensor([unique], dtype=torch.long)
     if mesh.mp_group is not None:

@@ -19,7 +19,6 @@ from megalite.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_param_from_full,
-    param_logical_shape,
     shard_from_full,
 )
 from megalite.parallel.mappings import (
@@ -29,6 +28,7 @@ from megalite.parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.param_attributes import logical_shape
 from megalite.testing import run_distributed
 
 B, S = 2, 3
@@ -277,7 +277,7 @@ def init_fulls(mesh):
         for name, p in layer.named_parameters():
             init_param_from_full(p, fn, g, mesh.tp_rank, mesh.tp_size)
             full = gather(p.data, p.partition_dim, mesh) if p.tensor_model_parallel else p.data
-            assert full.shape == param_logical_shape(p, mesh.tp_size) and full.dtype == p.dtype
+            assert full.shape == logical_shape(p, mesh.tp_size) and full.dtype == p.dtype
             out[f"{i}.{name}"] = full
     out["generator_after"] = torch.rand(4, generator=g)  # advanced alike for every TP size
     torch.manual_seed(7)  # default init draws the full tensor from the global CPU RNG

@@ -30,6 +30,7 @@ from torch import nn
 
 from megalite.checkpoint.storage import Shard
 from megalite.model.config import ModelConfig
+from megalite.parallel.param_attributes import is_tensor_parallel
 
 VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -68,7 +69,7 @@ def logical_piece(
     ``local`` is used in place (a view when it is a vocab table), so the piece
     can be a load destination too.
     """
-    sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    sharded = is_tensor_parallel(param) and tp_size > 1
     vocab = name in VOCAB_TABLES
     if not sharded and not vocab:
         return local

@@ -41,10 +41,10 @@ from megalite.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_param_from_full,
-    mark_replicated,
 )
 from megalite.parallel.mappings import copy_to_tensor_model_parallel_region
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_attributes import mark_replicated, mark_shared_embedding
 
 # The layers would draw their own init from torch's global RNG; GPTModel.init_weights sets
 # every parameter instead (layout-independent), so skip that work and leave the RNG untouched.
@@ -347,7 +347,7 @@ class GPTModel(nn.Module):
             )
         if self.tied and pre_process != post_process:
             # The two copies of one tied matrix live on different pipeline stages.
-            self.shared_embedding_or_output_weight().shared_embedding = True
+            mark_shared_embedding(self.shared_embedding_or_output_weight())
         self.init_weights(config.seed)
 
     # ---- weights ----------------------------------------------------------------------------

@@ -29,8 +29,7 @@ from torch import nn
 from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh
-
-_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+from megalite.parallel.param_attributes import copy_parallel_attributes
 
 
 @dataclass
@@ -56,9 +55,7 @@ def make_main_param(model: nn.Parameter, grad: torch.Tensor, start: int, end: in
     source = model.detach() if whole else model.detach().view(-1)[start:end]
     is_copy = model.dtype != torch.float32
     main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
-    for name in _TP_ATTRIBUTES:  # grad-norm rules read these
-        if hasattr(model, name):
-            setattr(main, name, getattr(model, name))
+    copy_parallel_attributes(model, main)  # grad-norm rules read them
     return MainParam(main, model, grad.view(main.shape), (start, end), is_copy)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_attributes import counted_once, grad_of
 
 
 def all_reduce_over(tensor: torch.Tensor, op, *groups) -> torch.Tensor:
@@ -34,19 +35,6 @@ def all_reduce_over(tensor: torch.Tensor, op, *groups) -> torch.Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(tensor, op=op, group=group)
     return tensor
-
-
-def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
-    """Megatron's filters: not a TP duplicate, and not the tied copy of the embedding."""
-    tp_duplicate = not getattr(param, "tensor_model_parallel", False) and mesh.tp_rank != 0
-    tied_copy = getattr(param, "shared_embedding", False) and not mesh.is_first_stage
-    return not tp_duplicate and not tied_copy
-
-
-def grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer uses: ``main_grad`` under DDP, else ``.grad``."""
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
 
 
 def get_grad_norm(
@@ -66,7 +54,11 @@ def get_grad_norm(
     """
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    grads = [g for p in params if counts_in_grad_norm(p, mesh) and (g := grad_of(p)) is not None]
+    grads = [
+        g
+        for p in params
+        if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
+    ]
     device = grads[0].device if grads else mesh.device
     groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
     if norm_type == math.inf:

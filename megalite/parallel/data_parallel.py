@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_attributes import is_shared_embedding, set_main_grad
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -175,7 +176,7 @@ class DistributedDataParallel(nn.Module):
         # first and last stages then shard it identically, so the embedding-group
         # all-reduce of main_grad after the DP reduce-scatter sums matching shards.
         def own_bucket(p):
-            return use_distributed_optimizer and getattr(p, "shared_embedding", False)
+            return use_distributed_optimizer and is_shared_embedding(p)
 
         groups = _split_into_buckets(list(reversed(params)), bucket_size, own_bucket)
         # Padding keeps each rank's shard equal (and 128-element aligned for NCCL on GPU).
@@ -190,7 +191,7 @@ class DistributedDataParallel(nn.Module):
             bucket = Bucket(i, group, self.grad_buffer[start : start + size], self.dp_size)
             for p in group:
                 lo, hi = bucket.param_ranges[p]
-                p.main_grad = bucket.grad_data[lo:hi].view(p.shape)
+                set_main_grad(p, bucket.grad_data[lo:hi].view(p.shape))
                 self._bucket_of[p] = bucket
             self.buckets.append(bucket)
             start += size

@@ -7,7 +7,8 @@ The MLP pattern shows why the pair exists (one all-reduce per block)::
                -> RowParallelLinear (W2 split by columns)    -> partial [..., h] -> all-reduce
 
 Every parameter carries ``tensor_model_parallel`` (True = sharded over TP) and
-``partition_dim`` (the sharded dim, -1 when replicated). The logical full
+``partition_dim`` (the sharded dim, -1 when replicated); see
+:mod:`megalite.parallel.param_attributes`. The logical full
 tensor of a sharded parameter is the concatenation of the TP-rank shards along
 ``partition_dim``, in TP-rank order; checkpoint resharding, initialisation and
 HF conversion all rely on that.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.parallel import param_attributes
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -32,25 +34,7 @@ from megalite.parallel.mesh import Mesh
 InitFn = Callable[[torch.Tensor, "torch.Generator | None"], object]
 
 
-# ---- parameter attributes and full <-> shard helpers --------------------------------------
-
-
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, partition_dim: int) -> None:
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = partition_dim if is_parallel else -1
-
-
-def mark_replicated(param: torch.Tensor) -> None:
-    """Same full value on every TP rank (norm weights, row-parallel biases, positions, ...)."""
-    set_tensor_model_parallel_attributes(param, False, -1)
-
-
-def param_logical_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
-    """The full (unsharded) shape of ``param``; parameters without attributes count as replicated."""
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
-    return torch.Size(shape)
+# ---- full <-> shard helpers ------------------------------------------------------------------
 
 
 def shard_from_full(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -79,9 +63,9 @@ def init_param_from_full(
     parameters initialised after this one match too. (Costs one full tensor of host
     memory per parameter, as Megatron's ``--use-cpu-initialization``.)
     """
-    full = torch.empty(param_logical_shape(param, tp_size), dtype=torch.float32)
+    full = torch.empty(param_attributes.logical_shape(param, tp_size), dtype=torch.float32)
     init_fn(full, generator)
-    param.copy_(shard_from_full(full, getattr(param, "partition_dim", -1), tp_rank, tp_size))
+    param.copy_(shard_from_full(full, param_attributes.partition_dim(param), tp_rank, tp_size))
 
 
 def normal_init(std: float = 0.02) -> InitFn:
@@ -111,7 +95,7 @@ class _TPModule(nn.Module):
 
     def _param(self, *shape: int, partition_dim: int) -> nn.Parameter:
         p = nn.Parameter(torch.empty(*shape, **self._factory))
-        set_tensor_model_parallel_attributes(p, partition_dim >= 0, partition_dim)
+        param_attributes.set_tensor_model_parallel(p, partition_dim >= 0, partition_dim)
         return p
 
     def _init(self, init_method: InitFn | None) -> None:

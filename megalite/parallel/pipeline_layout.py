@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.mesh import Mesh, ParallelConfigError
+from megalite.parallel.param_attributes import grad_of, is_shared_embedding
 
 LayerRange = tuple[int, int]
 
@@ -156,13 +157,9 @@ def allreduce_embedding_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None
     """
     if mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
-    params = [
-        p for chunk in model_chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)
-    ]
+    params = [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]
     for p in params:
-        grad = getattr(p, "main_grad", None)
-        if grad is None:
-            if p.grad is None:  # no backward touched it: contribute zeros, the peer still waits
-                p.grad = torch.zeros_like(p)
-            grad = p.grad
+        grad = grad_of(p)
+        if grad is None:  # no backward touched it: contribute zeros, the peer still waits
+            p.grad = grad = torch.zeros_like(p)
         dist.all_reduce(grad, group=mesh.embedding_group)

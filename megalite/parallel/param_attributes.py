@@ -1,0 +1,100 @@
+"""The attributes megalite hangs on parameters: the whole contract, read and written here only.
+
+Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
+``state_dict`` see ordinary tensors); the parallel code tags them instead:
+
+``tensor_model_parallel`` (bool)
+    The parameter is this TP rank's shard of a larger logical tensor. Set by the
+    TP layers; absent or False means replicated on every TP rank.
+``partition_dim`` (int)
+    The dim along which the logical tensor is split over TP, in TP-rank order;
+    -1 when replicated. Initialisation, checkpoint resharding and HF conversion
+    rely on it.
+``shared_embedding`` (bool)
+    One of the two copies of the tied word embedding that live on different
+    pipeline stages (first stage: the input embedding; last stage: the output
+    head). Their grads are summed over the embedding group, and grad norms and
+    parameter counts take the copy on the first stage only.
+``main_grad`` (Tensor)
+    Set by ``DistributedDataParallel``: a view of the flat fp32 grad buffer
+    that backward accumulates into and the optimizer reads.
+
+Readers use the functions below, which give the defaults for untagged
+parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------
+def set_tensor_model_parallel(param: torch.Tensor, is_parallel: bool, partition_dim: int) -> None:
+    """Tag ``param`` as a TP shard split along ``partition_dim`` (or replicated)."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim if is_parallel else -1
+
+
+def mark_replicated(param: torch.Tensor) -> None:
+    """Same full value on every TP rank (norm weights, row-parallel biases, positions, ...)."""
+    set_tensor_model_parallel(param, False, -1)
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True when ``param`` is a TP shard (not replicated over TP)."""
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def partition_dim(param: torch.Tensor) -> int:
+    """The dim ``param`` is split along over TP, -1 when replicated."""
+    return param.partition_dim if is_tensor_parallel(param) else -1
+
+
+def logical_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
+    """The full (unsharded) shape of ``param``."""
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.partition_dim] *= tp_size
+    return torch.Size(shape)
+
+
+# ---- the tied embedding across pipeline stages -------------------------------------------------
+def mark_shared_embedding(param: torch.Tensor) -> None:
+    """``param`` is one of the two pipeline copies of the tied word embedding."""
+    param.shared_embedding = True
+
+
+def is_shared_embedding(param: torch.Tensor) -> bool:
+    return getattr(param, "shared_embedding", False)
+
+
+def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` (e.g. an fp32 main param) the TP / tied-embedding tags of ``source``."""
+    for name in _PARALLEL_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(target, name, getattr(source, name))
+
+
+# ---- gradients -----------------------------------------------------------------------------------
+def set_main_grad(param: torch.Tensor, buffer_view: torch.Tensor) -> None:
+    """Point ``param.main_grad`` at its slice of the data-parallel grad buffer."""
+    param.main_grad = buffer_view
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer uses: ``main_grad`` under DistributedDataParallel, else ``.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def counted_once(param: torch.Tensor, tp_rank: int, is_first_stage: bool) -> bool:
+    """Whether this rank's ``param`` counts when summing over the whole model (norms, sizes).
+
+    Megatron's filters: a TP-replicated parameter counts on TP rank 0 only, and
+    the tied output copy of the embedding not at all (its first-stage twin does).
+    """
+    tp_duplicate = not is_tensor_parallel(param) and tp_rank != 0
+    tied_copy = is_shared_embedding(param) and not is_first_stage
+    return not tp_duplicate and not tied_copy
