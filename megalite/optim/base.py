@@ -70,7 +70,7 @@ def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:
     return chunks
 
 
-class MegatronOptimizer(ABC):
+class MixedPrecisionOptimizer(ABC):
     """AdamW on fp32 main params with loss scaling and global-norm clipping.
 
     Not constructed directly: see :func:`megalite.optim.build_optimizer`.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.optim.base import MainParam, MegatronOptimizer, make_main_param
+from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param
 from megalite.parallel.data_parallel import Bucket, DistributedDataParallel, all_gather_flat
 from megalite.parallel.mesh import Mesh
 
@@ -36,7 +36,7 @@ def shard_main_params(bucket: Bucket, dp_rank: int) -> list[MainParam]:
     return out
 
 
-class DistributedOptimizer(MegatronOptimizer):
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """AdamW on this DP rank's shard of every grad bucket; params all-gathered after the step."""
 
     dp_sharded = True

@@ -1,5 +1,9 @@
 """The replicated optimizer and ``build_optimizer`` (Megatron's get_megatron_optimizer).
 
+Names follow Megatron: :class:`MixedPrecisionOptimizer` is the shared step (base.py);
+:class:`ReplicatedOptimizer` (Megatron's Float16OptimizerWithFloat16Params / FP32Optimizer)
+and :class:`DistributedOptimizer` (ZeRO-1) differ only in which main params a rank holds.
+
 Every DP rank keeps fp32 main params and Adam state for ALL of its model
 params. fp32 models use the params themselves as main params (no copy);
 bf16/fp16 models keep an fp32 copy and cast the update back after each step.
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.optim.base import MainParam, MegatronOptimizer, as_ddp_chunks, make_main_param
+from megalite.optim.base import MainParam, MixedPrecisionOptimizer, as_ddp_chunks, make_main_param
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.parallel.data_parallel import DistributedDataParallel
@@ -20,7 +24,7 @@ from megalite.parallel.mesh import Mesh
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class MixedPrecisionOptimizer(MegatronOptimizer):
+class ReplicatedOptimizer(MixedPrecisionOptimizer):
     """AdamW with a full fp32 main copy of the model on every DP rank."""
 
     def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, **kwargs):
@@ -55,7 +59,7 @@ def build_optimizer(
     min_loss_scale: float = 1.0,
     loss_scale_window: int = 1000,
     hysteresis: int = 2,
-) -> MegatronOptimizer:
+) -> MixedPrecisionOptimizer:
     """AdamW over DDP-wrapped ``model_chunks`` (one per virtual pipeline stage, or a single one).
 
     Megatron flags: ``--lr --weight-decay --adam-beta1 --adam-beta2 --adam-eps
@@ -88,7 +92,7 @@ def build_optimizer(
         )
     else:
         grad_scaler = None
-    cls = DistributedOptimizer if use_distributed_optimizer else MixedPrecisionOptimizer
+    cls = DistributedOptimizer if use_distributed_optimizer else ReplicatedOptimizer
     return cls(
         chunks,
         mesh,
