@@ -15,6 +15,7 @@ import yaml
 
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
+from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
 
 class ArgumentError(MegaliteError, ValueError):
@@ -161,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)."
     )
+    g.add_argument(
+        "--start-weight-decay",
+        type=float,
+        default=None,
+        help="Weight decay at step 0 of an increasing schedule (with --end-weight-decay).",
+    )
+    g.add_argument(
+        "--end-weight-decay", type=float, default=None, help="Weight decay reached at --train-iters."
+    )
+    g.add_argument(
+        "--weight-decay-incr-style",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="How weight decay moves from --start-weight-decay to --end-weight-decay.",
+    )
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -267,15 +283,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError(msg)
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    need(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
-    need(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
-    need(
-        world_size % (tp * pp) == 0,
-        f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-        f"--pipeline-model-parallel-size = {tp * pp}; launch a multiple of {tp * pp} processes",
-    )
-    args.data_parallel_size = world_size // (tp * pp)
-    dp = args.data_parallel_size
+    try:  # the mesh owns the rule; here it is a flag error like the others
+        args.data_parallel_size = dp = check_parallel_sizes(world_size, tp, pp)
+    except ParallelConfigError as e:
+        raise ArgumentError(str(e)) from None
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
@@ -303,6 +314,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     need(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
     need(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    # Megatron's rule: a constant weight decay is --weight-decay; a schedule names both ends.
+    wd_ends = (args.start_weight_decay, args.end_weight_decay)
+    if args.weight_decay_incr_style == "constant":
+        need(
+            wd_ends == (None, None),
+            "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+            "(a constant weight decay is --weight-decay)",
+        )
+    else:
+        need(
+            None not in wd_ends,
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both --start-weight-decay "
+            "and --end-weight-decay",
+        )
     if args.group_query_attention:
         need(args.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     else:

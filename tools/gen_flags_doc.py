@@ -44,7 +44,9 @@ def render() -> str:
                 flag += " …"
             elif a.nargs != 0:  # store_true flags take no value
                 flag += f" {a.dest.upper()}"
-            default = "" if a.default in (None, False) or a.default == argparse.SUPPRESS else f"`{a.default}`"
+            # `is`, not `in`: 0 == False, and a zero default must still show
+            blank = a.default is None or a.default is False or a.default == argparse.SUPPRESS
+            default = "" if blank else f"`{a.default}`"
             out.append(f"| {flag} | {default} | {(a.help or '').replace('|', '/')} |")
         out.append("")
     return "\n".join(out)

@@ -140,10 +140,6 @@ class Mesh:
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
