@@ -17,18 +17,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
 from megalite.arguments import model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
-from megalite.data import build_pretraining_data_loader, build_tokenizer, build_train_valid_test_datasets
+from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
+from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
 from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
-from megalite.model.config import ModelConfig
+from megalite.model import ModelConfig, build_model_chunks
 from megalite.optim import OptimizerParamScheduler, build_optimizer
-from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.optim.base import MixedPrecisionOptimizer
+from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
-from megalite.parallel.pipeline_layout import allreduce_embedding_grads, build_model_chunks
-from megalite.parallel.random import set_random_seed
+from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
 
 
@@ -39,15 +41,15 @@ class TrainState:
     args: argparse.Namespace
     mesh: Mesh
     config: ModelConfig
-    model: list  # DDP-wrapped model chunks of this rank
-    optimizer: object
+    model: list[DistributedDataParallel]  # this rank's model chunks, one per virtual pipeline stage
+    optimizer: MixedPrecisionOptimizer
     scheduler: OptimizerParamScheduler
-    rng: object
-    tokenizer: object
+    rng: TensorParallelRNG
+    tokenizer: Tokenizer
     iteration: int = 0
     consumed_train_samples: int = 0
     skipped_iters: int = 0
-    datasets: tuple = ()
+    datasets: tuple[Dataset | None, ...] = ()  # (train, valid, test)
     extra: dict = field(default_factory=dict)
 
 
@@ -78,7 +80,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
+def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) -> tuple[int, int]:
     """(parameters on this rank, parameters of the whole model).
 
     The total counts each logical parameter once: TP shards add up, TP
@@ -90,7 +92,7 @@ def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
             mine += p.numel()
             if counted_once(p, mesh.tp_rank, mesh.is_first_stage):
                 unique += p.numel()
-    total = torch.tensor([unique], dtype=torch.long)
+    total = torch.tensor([unique], dtype=torch.long, device=mesh.device)  # NCCL refuses CPU tensors
     if mesh.mp_group is not None:
         dist.all_reduce(total, group=mesh.mp_group)
     return mine, int(total.item())
@@ -99,13 +101,7 @@ def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
 def setup(args: argparse.Namespace) -> TrainState:
     mesh = initialize_distributed(args)
     rng = set_random_seed(args.seed, mesh, mesh.device)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+    tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
         config,
@@ -162,7 +158,7 @@ def needs_data(mesh: Mesh) -> bool:
     return mesh.is_first_stage or mesh.is_last_stage
 
 
-def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple:
+def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple[Dataset | None, ...]:
     gbs = args.global_batch_size
     # Every evaluation reads the same validation batches, so eval losses compare across the run.
     eval_samples = args.eval_iters * gbs if args.eval_interval else 0
@@ -258,14 +254,10 @@ def average_loss(losses: list, mesh: Mesh, device: torch.device) -> float | None
 def train_step(state: TrainState, data_iter) -> dict:
     """One optimizer step over the global batch; returns the step's metrics."""
     args, mesh = state.args, state.mesh
-    for chunk in state.model:
-        chunk.zero_grad_buffer()
-    state.optimizer.zero_grad()
+    state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
     microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
     losses = run_schedule(state, microbatches, forward_only=False)
-    for chunk in state.model:
-        chunk.finish_grad_sync()
-    allreduce_embedding_grads(state.model, mesh)
+    finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
     ok, grad_norm, _ = state.optimizer.step()
     if ok:
         state.scheduler.step(1)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.optim import build_optimizer
-from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.testing import run_distributed
 
@@ -57,19 +57,24 @@ def loss_fn(model, x, y):
     return ((model(x).float() - y) ** 2).mean()
 
 
+def reference_adamw(params: list, hp: dict) -> torch.optim.AdamW:
+    """torch AdamW with Megatron's rule: no weight decay on 1-D params (biases, norm weights)."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": hp["weight_decay"]},
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+        ],
+        lr=hp["lr"],
+        betas=(hp["adam_beta1"], hp["adam_beta2"]),
+        eps=hp["adam_eps"],
+    )
+
+
 def reference_run(steps):
     """One process, whole batch, torch AdamW (no wd on 1-D params) + torch clipping."""
     model = make_model()
     params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() > 1], "weight_decay": HP["weight_decay"]},
-            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
-        ],
-        lr=HP["lr"],
-        betas=(HP["adam_beta1"], HP["adam_beta2"]),
-        eps=HP["adam_eps"],
-    )
+    opt = reference_adamw(params, HP)
     grads, states = [], []
     for step in range(steps):
         opt.zero_grad()
@@ -329,15 +334,7 @@ def gpt_reference():
 
     model = GPTModel(ModelConfig.gpt2(**GPT_CFG), Mesh.single())
     params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() > 1], "weight_decay": GPT_HP["weight_decay"]},
-            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
-        ],
-        lr=GPT_HP["lr"],
-        betas=(GPT_HP["adam_beta1"], GPT_HP["adam_beta2"]),
-        eps=GPT_HP["adam_eps"],
-    )
+    opt = reference_adamw(params, GPT_HP)
     norms = []
     for step in range(GPT_STEPS):
         opt.zero_grad()
@@ -359,9 +356,9 @@ def _gpt_forward_step(chunk, microbatch, input_tensor):
 
 
 def _gpt_worker(layouts, ref_norms, ref_params):
-    from megalite.model import ModelConfig
+    from megalite.model import ModelConfig, build_model_chunks
     from megalite.parallel.layers import shard_from_full
-    from megalite.parallel.pipeline_layout import allreduce_embedding_grads, build_model_chunks
+    from megalite.parallel.param_attributes import partition_dim
     from megalite.parallel.schedules import forward_backward
 
     for tp, pp, distributed in layouts:
@@ -393,16 +390,13 @@ def _gpt_worker(layouts, ref_norms, ref_params):
                 tensor_shape=(mb, GPT_SEQ, cfg.hidden_size),
                 dtype=torch.float32,
             )
-            for c in chunks:
-                c.finish_grad_sync()
-            allreduce_embedding_grads(chunks, mesh)
+            finalize_model_grads(chunks, mesh)
             ok, norm, _ = opt.step()
             assert ok and abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], (tp, pp, norm, ref_norms)
         for c in chunks:
             for name, p in c.module.named_parameters():
                 full = ref_params[TIED if name == "output_layer.weight" else name]
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
-                want = shard_from_full(full, dim, mesh.tp_rank, mesh.tp_size)
+                want = shard_from_full(full, partition_dim(p), mesh.tp_rank, mesh.tp_size)
                 torch.testing.assert_close(p.detach(), want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return True
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.param_attributes import is_shared_embedding, is_tensor_parallel, partition_dim
 from megalite.parallel.random import TensorParallelRNG
 from megalite.testing import run_distributed
 
@@ -50,11 +51,11 @@ def batch(b=2, s=8, seed=0):
 
 def gather_full(t: torch.Tensor, param: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """The logical full tensor of ``t`` (a param or its grad): TP shards concatenated in rank order."""
-    if not param.tensor_model_parallel or mesh.tp_size == 1:
+    if not is_tensor_parallel(param) or mesh.tp_size == 1:
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
     dist.all_gather(parts, t.detach().contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=partition_dim(param))
 
 
 def gather_vocab(logits: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -182,10 +183,10 @@ def test_stage_chunks_chained_match_full_model(flavour):
     assert chunks[-1].shared_embedding_or_output_weight() is out
     if tied:
         assert torch.equal(out, emb) and out is not emb
-        assert emb.shared_embedding is True and out.shared_embedding is True
-        assert not getattr(full.embedding.word_embeddings.weight, "shared_embedding", False)
+        assert is_shared_embedding(emb) and is_shared_embedding(out)
+        assert not is_shared_embedding(full.embedding.word_embeddings.weight)
     else:
-        assert not getattr(emb, "shared_embedding", False) and not getattr(out, "shared_embedding", False)
+        assert not is_shared_embedding(emb) and not is_shared_embedding(out)
 
     ids, labels, weights = batch()
     pos = POSITIONS.expand(2, 8)  # uneven gaps: RoPE (relative) sees them too; must reach every stage

@@ -2,7 +2,7 @@
 
 Both flavours: GPT-2 (tied embeddings: the first stage's embedding and the
 last stage's output head are two copies of one weight, synced by
-``allreduce_embedding_grads``) and Llama (RoPE, SwiGLU, GQA, untied head).
+``finalize_model_grads``) and Llama (RoPE, SwiGLU, GQA, untied head).
 Layouts: pp = 4, pp = 2 x tp = 2 (world 4) and pp = 4 x tp = 2,
 pp = 2 x tp = 2 x dp = 2 with DistributedDataParallel chunks (world 8); every
 schedule, m = pp and m > pp.
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.model.config import ModelConfig
-from megalite.model.gpt import GPTModel
-from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.parallel.pipeline_layout import allreduce_embedding_grads, build_model_chunks
+from megalite.parallel.param_attributes import grad_of, is_shared_embedding, is_tensor_parallel, partition_dim
 from megalite.parallel.schedules import forward_backward
 from megalite.testing import run_distributed
 
@@ -84,12 +84,12 @@ def reference(config: ModelConfig, m: int, dp_rank: int):
 
 def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """The logical (unsharded) grad: TP shards concatenated along partition_dim in TP-rank order."""
-    g = (p.main_grad if hasattr(p, "main_grad") else p.grad).detach().contiguous()
-    if not p.tensor_model_parallel or mesh.tp_size == 1:
+    g = grad_of(p).detach().contiguous()
+    if not is_tensor_parallel(p) or mesh.tp_size == 1:
         return g
     parts = [torch.empty_like(g) for _ in range(mesh.tp_size)]
     dist.all_gather(parts, g, group=mesh.tp_group)
-    return torch.cat(parts, dim=p.partition_dim)
+    return torch.cat(parts, dim=partition_dim(p))
 
 
 CASES = [  # (schedule, vp, m as a multiple of pp, extra, recompute_activations)
@@ -124,13 +124,10 @@ def _run(layouts):
                     dtype=torch.float32,
                     schedule=schedule,
                 )
-                if ddp:
-                    for c in chunks:
-                        c.finish_grad_sync()
-                allreduce_embedding_grads(chunks, mesh)
+                finalize_model_grads(chunks, mesh)
                 named = [(n, p) for c in chunks for n, p in (c.module if ddp else c).named_parameters()]
                 grads = {n: full_grad(p, mesh) for n, p in named}
-                shared = sorted(n for n, p in named if getattr(p, "shared_embedding", False))
+                shared = sorted(n for n, p in named if is_shared_embedding(p))
                 if mesh.tp_rank == 0:  # numpy: tensors would travel by shared memory of an exiting process
                     out.append(
                         dict(
@@ -162,7 +159,7 @@ def _check(results, layouts, world):
             if (flavour, m, d) not in refs:
                 refs[flavour, m, d] = reference(configs[flavour], m, d)
         ref_losses, ref_grads = refs[flavour, m, dp_rank]
-        if ddp:  # main_grad after finish_grad_sync: the mean over the DP replicas' global batches
+        if ddp:  # main_grad after finalize_model_grads: the mean over the DP replicas' global batches
             replicas = [refs[flavour, m, d][1] for d in range(world // (tp * pp))]
             ref_grads = {n: sum(r[n] for r in replicas) / len(replicas) for n in ref_grads}
         what = f"tp={tp} pp={pp} ddp={ddp} dp_rank={dp_rank} {case}"

@@ -14,13 +14,15 @@ gathers the full logits.
 
 Pipeline parallelism: a model object may hold only a chunk of the network
 (``pre_process`` = the embedding, ``layer_range`` = some transformer layers,
-``post_process`` = the final norm and the output head). Parameter names are the
-same in every layout (layers are keyed by their global index), and
-:meth:`GPTModel.init_weights` draws every parameter's full logical tensor from
-a generator seeded by (seed, name), so every TP x PP layout starts from the
-same model.
+``post_process`` = the final norm and the output head); :func:`build_model_chunks`
+builds this rank's chunks. Parameter names are the same in every layout (layers
+are keyed by their global index), and :meth:`GPTModel.init_weights` draws every
+parameter's full logical tensor from a generator seeded by (seed, name), so every
+TP x PP layout starts from the same model.
 
-Layout is ``[b, s, h]`` (batch first) throughout.
+``GPTModel.forward`` reads embed -> decoder (:class:`TransformerBlock`: the layers, with
+optional recompute, then the final norm) -> head and loss. Layout is ``[b, s, h]``
+(batch first) throughout.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from megalite.parallel.layers import (
 from megalite.parallel.mappings import copy_to_tensor_model_parallel_region
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import mark_replicated, mark_shared_embedding
+from megalite.parallel.pipeline_layout import stage_layer_ranges
 
 # The layers would draw their own init from torch's global RNG; GPTModel.init_weights sets
 # every parameter instead (layout-independent), so skip that work and leave the RNG untouched.
@@ -230,15 +233,26 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """The transformer layers of this chunk, keyed by GLOBAL index, plus the final norm on the last chunk."""
+    """This chunk's transformer layers, keyed by GLOBAL index, then the final norm on the last chunk."""
 
-    def __init__(self, config, mesh, layer_range, post_process, rng, dtype, device):
+    def __init__(self, config, mesh, layer_range, post_process, rng, recompute_activations, dtype, device):
         super().__init__()
-        start, end = layer_range
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, mesh, rng, dtype, device) for i in range(start, end)}
+            {str(i): TransformerLayer(config, mesh, rng, dtype, device) for i in range(*layer_range)}
         )
         self.final_norm = build_norm(config, dtype, device) if post_process else None
+        self.rng = rng
+        self.recompute_activations = recompute_activations
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """hidden [b, s, h] -> [b, s, h], final-normed on the last chunk."""
+        for layer in self.layers.values():
+            if self.recompute_activations and torch.is_grad_enabled():
+                # Keep only the layer's input; backward reruns it with the same dropout masks.
+                hidden = tp_random.recompute(lambda x, layer=layer: layer(x, rope), self.rng, hidden)
+            else:
+                hidden = layer(hidden, rope)
+        return self.final_norm(hidden) if self.final_norm is not None else hidden
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -264,9 +278,15 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [b, s] -> [b, s, h]."""
+        s, positions = input_ids.shape[1], self.position_embeddings
+        if positions is not None and s > positions.num_embeddings:
+            raise ValueError(
+                f"sequence length {s} exceeds --max-position-embeddings ({positions.num_embeddings}); "
+                f"lower --seq-length or raise the limit"
+            )
         x = self.word_embeddings(input_ids)
-        if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
+        if positions is not None:
+            x = x + positions(position_ids)
         return F.dropout(x, self.hidden_dropout if self.training else 0.0)
 
 
@@ -324,13 +344,13 @@ class GPTModel(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.layer_range = (start, end)
-        self.rng = rng
-        self.recompute_activations = recompute_activations
         self.tied = not config.untie_embeddings_and_output_weights
         device = device if device is not None else mesh.device
 
         self.embedding = LanguageModelEmbedding(config, mesh, dtype, device) if pre_process else None
-        self.decoder = TransformerBlock(config, mesh, (start, end), post_process, rng, dtype, device)
+        self.decoder = TransformerBlock(
+            config, mesh, (start, end), post_process, rng, recompute_activations, dtype, device
+        )
         self.output_layer = None
         if post_process and not (self.tied and pre_process):
             # Own [V_pad/tp, h] head: untied (Llama), or the tied copy on a last stage that does
@@ -404,57 +424,34 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         input_tensor: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run this chunk.
+        """Run this chunk: embed (first stage) -> transformer layers -> head and loss (last stage).
 
         input_ids [b, s] long (first stage) or input_tensor [b, s, h] (later stages);
         position_ids [b, s] (default 0..s-1). Returns hidden states [b, s, h] (not the last
         stage), logits [b, s, V_pad/tp] (last stage, no labels; this rank's vocab shard) or
         the per-token loss [b, s] fp32 (last stage, labels [b, s]).
         """
-        if self.pre_process:
-            if input_ids is None:
-                raise ValueError("the first pipeline stage (pre_process=True) needs input_ids [b, s]")
-            b, s = input_ids.shape
-            device = input_ids.device
-        else:
-            if input_tensor is None:
-                raise ValueError("a later pipeline stage (pre_process=False) needs input_tensor [b, s, h]")
-            b, s = input_tensor.shape[:2]
-            device = input_tensor.device
+        x = input_ids if self.pre_process else input_tensor
+        if x is None:
+            raise ValueError(
+                "the first pipeline stage (pre_process=True) needs input_ids [b, s]"
+                if self.pre_process
+                else "a later pipeline stage (pre_process=False) needs input_tensor [b, s, h]"
+            )
+        b, s = x.shape[:2]
         if position_ids is None:
-            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-
-        if self.pre_process:
-            if self.embedding.position_embeddings is not None and s > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {s} exceeds --max-position-embeddings "
-                    f"({self.config.max_position_embeddings}); lower --seq-length or raise the limit"
-                )
-            hidden = self.embedding(input_ids, position_ids)
-        else:
-            hidden = input_tensor
-
+            position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor  # [b, s, h]
         rope = None
-        if self.config.position_embedding_type == "rope":
+        if self.config.position_embedding_type == "rope":  # cos, sin [b, 1, s, d]
             rope = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype)
-
-        for layer in self.decoder.layers.values():
-            if self.recompute_activations and torch.is_grad_enabled():
-                hidden = tp_random.recompute(lambda x, layer=layer: layer(x, rope), self.rng, hidden)
-            else:
-                hidden = layer(hidden, rope)
-
+        hidden = self.decoder(hidden, rope)  # [b, s, h]
         if not self.post_process:
             return hidden
-        hidden = self.decoder.final_norm(hidden)
-        # Tied on one stage: the head reuses the embedding matrix itself.
-        weight = (
-            self.output_layer.weight
-            if self.output_layer is not None
-            else self.embedding.word_embeddings.weight
-        )
-        # Column-parallel head: the replicated input's grad is summed over TP in backward.
-        logits = F.linear(copy_to_tensor_model_parallel_region(hidden, self.mesh.tp_group), weight)
+        # Column-parallel head (tied on one stage: the embedding matrix itself); the replicated
+        # input's grad is summed over TP in backward.
+        head = self.output_layer if self.output_layer is not None else self.embedding.word_embeddings
+        logits = F.linear(copy_to_tensor_model_parallel_region(hidden, self.mesh.tp_group), head.weight)
         if labels is None:
             return logits  # [b, s, V_pad/tp]
         return vocab_parallel_cross_entropy(
@@ -462,4 +459,34 @@ class GPTModel(nn.Module):
         )
 
 
-__all__ = ["GPTModel", "apply_rotary", "rotary_cos_sin"]
+def build_model_chunks(
+    config: ModelConfig,
+    mesh: Mesh,
+    vp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    **gpt_kwargs,
+) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel per virtual pipeline stage it holds.
+
+    Chunk c holds the layers of virtual stage ``c*pp + pp_rank``
+    (:func:`~megalite.parallel.pipeline_layout.stage_layer_ranges`); the embedding
+    lives on virtual stage 0 (rank 0, chunk 0) and the final norm + head on the
+    last one (rank pp-1, chunk vp-1). ``gpt_kwargs`` go to every GPTModel
+    (rng, recompute_activations, dtype, device).
+    """
+    ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first_stage_layers, last_stage_layers)
+    return [
+        GPTModel(
+            config,
+            mesh,
+            pre_process=mesh.is_first_stage and c == 0,
+            post_process=mesh.is_last_stage and c == vp - 1,
+            layer_range=layer_range,
+            **gpt_kwargs,
+        )
+        for c, layer_range in enumerate(ranges[mesh.pp_rank])
+    ]
+
+
+__all__ = ["GPTModel", "apply_rotary", "build_model_chunks", "rotary_cos_sin"]

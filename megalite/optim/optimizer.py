@@ -20,6 +20,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_attributes import grad_of
 
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,7 +33,7 @@ class ReplicatedOptimizer(MixedPrecisionOptimizer):
         for chunk in model_chunks:
             for bucket in chunk.buckets:
                 for p in bucket.params:
-                    main_params.append(make_main_param(p, p.main_grad, 0, p.numel()))
+                    main_params.append(make_main_param(p, grad_of(p), 0, p.numel()))
         super().__init__(model_chunks, mesh, main_params, **kwargs)
 
     @torch.no_grad()

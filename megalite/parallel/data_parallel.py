@@ -24,8 +24,9 @@ Megatron-Core's DistributedDataParallel, in one readable file:
 
 Gradient accumulation over microbatches: run all but the last microbatch under
 :meth:`no_sync` (gradients just accumulate in ``main_grad``), the last one
-outside it, then call :meth:`finish_grad_sync` before the optimizer step and
-:meth:`zero_grad_buffer` before the next iteration.
+outside it, then call :func:`finalize_model_grads` before the optimizer step (it
+finishes every chunk's DP sync and sums the tied embedding's grads over the first
+and last pipeline stage) and :meth:`zero_grad_buffer` before the next iteration.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import is_shared_embedding, set_main_grad
+from megalite.parallel.param_attributes import grad_of, is_shared_embedding, set_main_grad
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -94,12 +95,14 @@ class Bucket:
         self.launched = False
 
 
-def _split_into_buckets(params: list[nn.Parameter], bucket_size: int, own_bucket) -> list[list[nn.Parameter]]:
+def _split_into_buckets(
+    params: list[nn.Parameter], bucket_size: int, use_distributed_optimizer: bool
+) -> list[list[nn.Parameter]]:
     """Group params (already in backward order) into buckets of about ``bucket_size`` elements.
 
     A bucket closes once it reaches ``bucket_size`` elements, and before a
     parameter of a different dtype (the param all-gather of the distributed
-    optimizer works on one dtype per bucket). ``own_bucket(p)`` params get a
+    optimizer works on one dtype per bucket). :func:`own_bucket` params get a
     bucket to themselves.
     """
     buckets: list[list[nn.Parameter]] = []
@@ -113,11 +116,12 @@ def _split_into_buckets(params: list[nn.Parameter], bucket_size: int, own_bucket
         current, numel = [], 0
 
     for p in params:
-        if current and (p.dtype != current[0].dtype or own_bucket(p)):
+        alone = own_bucket(p, use_distributed_optimizer)
+        if current and (p.dtype != current[0].dtype or alone):
             close()
         current.append(p)
         numel += p.numel()
-        if numel >= bucket_size or own_bucket(p):
+        if numel >= bucket_size or alone:
             close()
     close()
     return buckets
@@ -172,13 +176,7 @@ class DistributedDataParallel(nn.Module):
                     "DistributedDataParallel needs contiguous parameters (main_grad is a flat view)"
                 )
 
-        # Megatron-Core gives the tied embedding its own bucket under ZeRO-1: the
-        # first and last stages then shard it identically, so the embedding-group
-        # all-reduce of main_grad after the DP reduce-scatter sums matching shards.
-        def own_bucket(p):
-            return use_distributed_optimizer and is_shared_embedding(p)
-
-        groups = _split_into_buckets(list(reversed(params)), bucket_size, own_bucket)
+        groups = _split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)
         # Padding keeps each rank's shard equal (and 128-element aligned for NCCL on GPU).
         pad_to = math.lcm(self.dp_size, 128) if use_distributed_optimizer else 1
         sizes = [math.ceil(sum(p.numel() for p in g) / pad_to) * pad_to for g in groups]
@@ -295,3 +293,36 @@ class DistributedDataParallel(nn.Module):
     def num_buckets_launched(self) -> int:
         """How many buckets have started their collective since the last sync (for tests / logs)."""
         return sum(b.launched for b in self.buckets)
+
+
+# ---- finishing the step's gradients -----------------------------------------------------------
+def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
+    """Make this rank's grads final for the optimizer step (Megatron-Core's name); collective.
+
+    First every DistributedDataParallel chunk finishes its DP sync (unwrapped chunks keep
+    ``.grad``). Then, with tied embeddings and pp > 1, the two copies of the word embedding
+    (first stage: input embedding, last stage: output head) each saw only their own use in
+    backward: summing their grads over ``mesh.embedding_group`` gives both the grad of the one
+    tied weight, so the copies stay identical after the step.
+    """
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_grad_sync()
+    if mesh.pp_size == 1 or not mesh.in_embedding_group:
+        return
+    shared = [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]
+    for p in shared:
+        grad = grad_of(p)
+        if grad is None:  # no backward touched it: contribute zeros, the peer still waits
+            p.grad = grad = torch.zeros_like(p)
+        dist.all_reduce(grad, group=mesh.embedding_group)
+
+
+def own_bucket(param: nn.Parameter, use_distributed_optimizer: bool) -> bool:
+    """The tied embedding gets a DP grad bucket to itself under ZeRO-1 (as in Megatron-Core).
+
+    Why: after the reduce-scatter each DP rank holds only its shard of a bucket; alone in its
+    bucket, the embedding is sharded identically on the first and last stage, so the
+    embedding-group all-reduce of :func:`finalize_model_grads` sums matching shards.
+    """
+    return use_distributed_optimizer and is_shared_embedding(param)

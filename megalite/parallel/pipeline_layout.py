@@ -1,4 +1,4 @@
-"""Which transformer layers live on which pipeline stage, and the tied-embedding grad sync.
+"""Which transformer layers live on which pipeline stage: pure index arithmetic, no model.
 
 With pp pipeline ranks and vp model chunks per rank there are pp*vp virtual
 stages. Megatron's interleaved order puts virtual stage ``c*pp + r`` in chunk
@@ -9,17 +9,12 @@ The first and last stages also hold the embedding and the output head (the
 largest matrices with a big vocabulary), so Megatron lets them hold fewer
 transformer layers: ``--decoder-first-pipeline-num-layers`` /
 ``--decoder-last-pipeline-num-layers``; the other stages share the rest
-evenly.
+evenly. The model builds its chunks from these ranges (its ``build_model_chunks``).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from megalite.parallel.mesh import Mesh, ParallelConfigError
-from megalite.parallel.param_attributes import grad_of, is_shared_embedding
+from megalite.parallel.mesh import ParallelConfigError
 
 LayerRange = tuple[int, int]
 
@@ -82,12 +77,13 @@ def stage_layer_ranges(
     >>> stage_layer_ranges(8, 2, vp=2)
     [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
     """
-    if num_layers < 1:
-        raise ParallelConfigError(f"--num-layers must be >= 1, got {num_layers}")
-    if pp < 1:
-        raise ParallelConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
-    if vp < 1:
-        raise ParallelConfigError(f"the number of virtual pipeline stages must be >= 1, got {vp}")
+    for what, n in (
+        ("--num-layers", num_layers),
+        ("--pipeline-model-parallel-size", pp),
+        ("the number of virtual pipeline stages", vp),
+    ):
+        if n < 1:
+            raise ParallelConfigError(f"{what} must be >= 1, got {n}")
     if vp > 1 and pp == 1:
         raise ParallelConfigError(
             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
@@ -108,58 +104,3 @@ def stage_layer_ranges(
             ranges[r][c] = (start, start + per_chunk[r])
             start += per_chunk[r]
     return ranges
-
-
-def build_model_chunks(
-    config,
-    mesh: Mesh,
-    vp: int = 1,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-    **gpt_kwargs,
-) -> list[nn.Module]:
-    """This rank's model chunks: one GPTModel per virtual stage it holds.
-
-    Chunk c holds the layers of virtual stage ``c*pp + pp_rank``; the embedding
-    lives on virtual stage 0 (rank 0, chunk 0) and the final norm + head on the
-    last one (rank pp-1, chunk vp-1). ``gpt_kwargs`` go to every GPTModel
-    (rng, recompute_activations, dtype, device).
-    """
-    from megalite.model.gpt import GPTModel  # the model imports parallel/*, not the reverse
-
-    ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first_stage_layers, last_stage_layers)
-    chunks = []
-    for c, layer_range in enumerate(ranges[mesh.pp_rank]):
-        chunks.append(
-            GPTModel(
-                config,
-                mesh,
-                pre_process=mesh.is_first_stage and c == 0,
-                post_process=mesh.is_last_stage and c == vp - 1,
-                layer_range=layer_range,
-                **gpt_kwargs,
-            )
-        )
-    return chunks
-
-
-def allreduce_embedding_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
-    """Sum the grads of the tied word embedding over the first and last pipeline stage.
-
-    With tied embeddings (GPT-2) and pp > 1, the first stage's input embedding
-    and the last stage's output head are two copies of one logical weight
-    (``param.shared_embedding``). Each copy only saw its own use in backward;
-    summing their grads gives both the grad of the tied weight, so the copies
-    stay identical after the optimizer step. Uses ``param.main_grad`` (the
-    data-parallel fp32 grad buffer) when the param has one, else ``.grad``.
-    Call it after the data-parallel grad sync, on every rank (ranks outside
-    the embedding group return at once).
-    """
-    if mesh.pp_size == 1 or not mesh.in_embedding_group:
-        return
-    params = [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]
-    for p in params:
-        grad = grad_of(p)
-        if grad is None:  # no backward touched it: contribute zeros, the peer still waits
-            p.grad = grad = torch.zeros_like(p)
-        dist.all_reduce(grad, group=mesh.embedding_group)
