@@ -147,6 +147,10 @@ def setup(args: argparse.Namespace) -> TrainState:
         lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=max(args.lr_decay_iters, 1),
         lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=max(args.train_iters, 1),  # Megatron: over the whole run
+        wd_incr_style=args.weight_decay_incr_style,
     )
     state = TrainState(args, mesh, config, model, optimizer, scheduler, rng, tokenizer)
     state.datasets = build_datasets(args, state)

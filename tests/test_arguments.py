@@ -155,3 +155,24 @@ def test_cli_user_errors_are_one_line_exit_2(tmp_path):
         assert r.returncode == 2, (flags, r.stderr)
         assert "Traceback" not in r.stderr and needle in r.stderr, r.stderr
         assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_weight_decay_schedule_flags_reach_the_optimizer():
+    """--start/--end-weight-decay move the decay of matrices (not biases/norms) over --train-iters."""
+    from megalite.training import setup
+
+    flags = [
+        "--weight-decay-incr-style",
+        "linear",
+        "--start-weight-decay",
+        "0.0",
+        "--end-weight-decay",
+        "0.1",
+    ]
+    state = setup(parse_args([*BASE, "--train-iters", "10", *flags]))
+    decay, no_decay = state.optimizer.param_groups
+    assert decay["weight_decay"] == 0.0 and no_decay["weight_decay"] == 0.0
+    state.scheduler.step(4)
+    assert decay["weight_decay"] == pytest.approx(0.04) and no_decay["weight_decay"] == 0.0
+    state.scheduler.step(6)
+    assert decay["weight_decay"] == pytest.approx(0.1)

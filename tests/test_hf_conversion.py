@@ -202,9 +202,9 @@ def _at_tp2_pp2(folders, ids, labels, pretrain_runs):
 
     from megalite.checkpoint import files, storage
     from megalite.checkpoint.checkpointing import model_pieces, zero_vocab_padding
+    from megalite.model import build_model_chunks
     from megalite.parallel import p2p
     from megalite.parallel.mesh import initialize_model_parallel
-    from megalite.parallel.pipeline_layout import build_model_chunks
 
     mesh = initialize_model_parallel(2, 2)
     out = []
