@@ -1,10 +1,10 @@
 """Sharded checkpoints on torch.distributed.checkpoint, resharded on load to any layout.
 
-Training (collective, every rank)::
+Training (collective, every rank; ``config``: CheckpointConfig.from_args(args), default from ``state.args``)::
 
-    save_checkpoint(state)          # SAVE/iter_N + tracker, atomically
-    load_checkpoint(state)          # --load / --ckpt-step / --finetune / --no-load-optim / --no-load-rng
-    hooks = CheckpointHooks(state)  # --save-interval, end of training, --exit-* and SIGTERM
+    save_checkpoint(state, config)          # SAVE/iter_N + tracker, atomically
+    load_checkpoint(state, config)          # --load / --ckpt-step / --finetune / --no-load-optim / --no-load-rng
+    hooks = CheckpointHooks(state, config)  # --save-interval, end of training, --exit-* and SIGTERM
 
 One process::
 
@@ -14,13 +14,14 @@ One process::
 See docs/checkpoints.md for the format.
 """
 
-from megalite.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpoint.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from megalite.checkpoint.files import CheckpointError
 from megalite.checkpoint.hooks import CheckpointHooks
 from megalite.checkpoint.single import load_model, save_model_checkpoint
 from megalite.checkpoint.storage import CheckpointFormatError
 
 __all__ = [
+    "CheckpointConfig",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointHooks",

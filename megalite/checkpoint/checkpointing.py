@@ -17,13 +17,13 @@ tensors its own layout needs, whatever layout wrote them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megalite import __version__
 from megalite.checkpoint import files, optimizer_state, rng_state, storage
 from megalite.checkpoint.logical import (
     is_tied_copy,
@@ -36,23 +36,47 @@ from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The run's checkpoint flags (Megatron-LM's names), all that this package reads of them."""
+
+    save: str | None = None  # --save DIR
+    save_interval: int | None = None
+    load: str | None = None
+    ckpt_step: int | None = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    flags: dict = dataclasses.field(default_factory=dict)  # every flag of the run, kept in the metadata
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
+        """From parsed flags; ``flags`` keeps the JSON-able ones, for the record."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "flags"]
+        flags = {}
+        for k, v in vars(args).items():
+            if v is None or isinstance(v, (bool, int, float, str)):
+                flags[k] = v
+            elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+                flags[k] = list(v)
+        return cls(**{k: getattr(args, k) for k in names}, flags=flags)
+
+
 def _log(mesh: Mesh, msg: str) -> None:
     if mesh.rank == 0:
         print(msg, flush=True)
 
 
-def _all_ok(ok: bool, mesh: Mesh) -> bool:
-    """True when ``ok`` holds on every rank (a failure on one rank stops all of them)."""
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over every rank (one all-reduce MAX), so that all ranks take the same decision."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([0.0 if ok else 1.0], device=mesh.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
 
 
 # ---------------------------------------------------------------------------------- model
@@ -78,62 +102,48 @@ def zero_vocab_padding(chunks: list, config: ModelConfig, mesh: Mesh) -> None:
 
 
 # ---------------------------------------------------------------------------------- save
-def _jsonable(args: argparse.Namespace) -> dict:
-    out = {}
-    for k, v in vars(args).items():
-        if v is None or isinstance(v, (bool, int, float, str)):
-            out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
-            out[k] = list(v)
-    return out
-
-
-def _layout(state) -> dict:
-    args, mesh = state.args, state.mesh
+def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False) -> dict:
+    """The metadata's ``parallel`` entry: the layout that wrote a checkpoint."""
     return {
         "tensor_model_parallel_size": mesh.tp_size,
         "pipeline_model_parallel_size": mesh.pp_size,
         "data_parallel_size": mesh.dp_size,
-        "virtual_pipeline_model_parallel_size": getattr(args, "virtual_pipeline_model_parallel_size", 1),
+        "virtual_pipeline_model_parallel_size": vp,
         "world_size": mesh.world_size,
-        "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
+        "use_distributed_optimizer": distributed_optimizer,
     }
 
 
-def save_checkpoint(state, save_dir: str | Path | None = None) -> Path:
-    """Collective: write ``SAVE/iter_N`` for ``state.iteration`` and point the tracker at it."""
-    args, mesh = state.args, state.mesh
-    root = Path(save_dir or args.save)
-    iteration = state.iteration
+def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
+    """Collective: write ``SAVE/iter_N`` for ``state.iteration`` and point the tracker at it.
+
+    ``config``: the checkpoint flags (default: read from ``state.args``).
+    """
+    config = config or CheckpointConfig.from_args(state.args)
+    mesh, optimizer, root, iteration = state.mesh, state.optimizer, Path(config.save), state.iteration
     start = time.perf_counter()
-    staging, final = files.staging_dir(root, iteration), files.iteration_dir(root, iteration)
     if mesh.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        files.remove_stale_staging(root)
-        staging.mkdir()
-    _barrier()  # the staging folder exists for everyone
+        files.new_staging_dir(root, iteration)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # the staging folder exists for everyone
 
     pieces = model_pieces(state.model, state.config, mesh)
-    pieces.update(optimizer_state.save_pieces(state.optimizer, state.model, state.config, mesh))
+    pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
     pieces.update(rng_state.capture(mesh, state.rng))
-    storage.write(pieces, staging)  # returns once every rank's files and .metadata are on disk
+    storage.write(pieces, files.staging_dir(root, iteration))  # returns once every rank's files are on disk
 
-    error = None
+    error, final = None, files.iteration_dir(root, iteration)
     if mesh.rank == 0:
         try:
-            optimizer = state.optimizer
-            scaler = getattr(optimizer, "grad_scaler", None)
-            files.write_metadata(
-                staging,
+            scaler = optimizer.grad_scaler
+            files.finish_save(
+                root,
                 {
-                    "format": files.FORMAT,
-                    "format_version": files.FORMAT_VERSION,
-                    "megalite_version": __version__,
                     "iteration": iteration,
                     "consumed_train_samples": state.consumed_train_samples,
                     "skipped_iters": state.skipped_iters,
                     "model_config": state.config.to_dict(),
-                    "parallel": _layout(state),
+                    "parallel": parallel_layout(mesh, len(state.model), optimizer.dp_sharded),
                     "params_dtype": str(next(p for _, _, p in named_parameters(state.model)).dtype),
                     "contents": {"model": True, "optimizer": True, "rng": True},
                     "optimizer": {
@@ -142,14 +152,12 @@ def save_checkpoint(state, save_dir: str | Path | None = None) -> Path:
                         "grad_scaler": scaler.state_dict() if scaler is not None else None,
                     },
                     "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-                    "args": _jsonable(args),
+                    "args": config.flags,
                 },
             )
-            files.publish(staging, final)
-            files.write_file_atomic(root / files.TRACKER, str(iteration))  # last: the commit point
         except Exception as e:  # every rank must learn of it, or they would carry on without a save
             error = e
-    if not _all_ok(error is None, mesh):
+    if any_rank([error is not None], mesh.device)[0]:
         if error is not None:
             raise error
         raise files.CheckpointError(f"saving {final} failed on rank 0 (see its error)")
@@ -164,19 +172,19 @@ def save_checkpoint(state, save_dir: str | Path | None = None) -> Path:
 
 
 # ---------------------------------------------------------------------------------- load
-def find_checkpoint(args: argparse.Namespace) -> tuple[Path, int] | None:
+def find_checkpoint(config: CheckpointConfig) -> tuple[Path, int] | None:
     """The folder ``--load`` (with ``--ckpt-step``) names; None when a fresh run should start.
 
     A fresh start is only implied when ``--load`` is the ``--save`` directory and
     holds no checkpoint yet (the same command line for the first launch and every
     restart, as with Megatron-LM on SLURM); otherwise a missing checkpoint is an error.
     """
-    root = Path(args.load)
-    same_as_save = args.save is not None and Path(args.save).resolve() == root.resolve()
+    root = Path(config.load)
+    same_as_save = config.save is not None and Path(config.save).resolve() == root.resolve()
     empty = not root.exists() or (files.read_tracker(root) is None and not files.finished_iterations(root))
-    if same_as_save and args.ckpt_step is None and empty:
+    if same_as_save and config.ckpt_step is None and empty:
         return None
-    return files.resolve(root, args.ckpt_step)
+    return files.resolve(root, config.ckpt_step)
 
 
 def check_same_model(saved: ModelConfig, current: ModelConfig, where: Path) -> None:
@@ -189,28 +197,30 @@ def check_same_model(saved: ModelConfig, current: ModelConfig, where: Path) -> N
         )
 
 
-def load_checkpoint(state) -> bool:
+def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     """Collective: resume ``state`` from ``--load``; returns False when there is nothing to load.
 
     ``--finetune``: weights only; iteration, samples and optimizer start fresh.
     ``--no-load-optim``: fresh Adam moments / fp32 copies / loss scale; iteration,
     samples and LR schedule continue. ``--no-load-rng``: keep this run's seeded RNG.
+    ``config``: the checkpoint flags (default: read from ``state.args``).
     """
-    args, mesh, config = state.args, state.mesh, state.config
-    if not args.load:
+    config = config or CheckpointConfig.from_args(state.args)
+    mesh, model_config = state.mesh, state.config
+    if not config.load:
         return False
     start = time.perf_counter()
-    found = find_checkpoint(args)
+    found = find_checkpoint(config)
     if found is None:
-        _log(mesh, f" no checkpoint in --load {args.load} yet: starting from scratch")
+        _log(mesh, f" no checkpoint in --load {config.load} yet: starting from scratch")
         return False
     folder, iteration = found
     meta = files.read_metadata(folder)
-    check_same_model(files.config_from_metadata(meta), config, folder)
+    check_same_model(files.config_from_metadata(meta), model_config, folder)
     stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
 
-    finetune = bool(args.finetune)
-    load_optim = not (finetune or args.no_load_optim)
+    finetune = bool(config.finetune)
+    load_optim = not (finetune or config.no_load_optim)
     contents = meta.get("contents", {})
     if load_optim and not contents.get("optimizer"):
         raise files.CheckpointError(
@@ -218,27 +228,24 @@ def load_checkpoint(state) -> bool:
             f"training from it, or --no-load-optim --no-load-rng to continue its iteration count"
         )
     saved_layout = meta["parallel"]
-    same_layout = all(
-        saved_layout[k] == v
-        for k, v in _layout(state).items()
-        if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    )
-    want_rng = not (finetune or args.no_load_rng) and contents.get("rng", False)
+    sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+    same_layout = all(saved_layout[k] == parallel_layout(mesh)[k] for k in sizes)
+    want_rng = not (finetune or config.no_load_rng) and contents.get("rng", False)
     load_rng = want_rng and same_layout
 
-    targets = model_pieces(state.model, config, mesh, for_load=True)
+    targets = model_pieces(state.model, model_config, mesh, for_load=True)
     opt_load = None
     if load_optim:
-        opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, config, mesh, stored)
+        opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)
         targets.update(opt_load.pieces)
     rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
     targets.update(rng_targets)
     storage.read(targets, folder)
-    zero_vocab_padding(state.model, config, mesh)
+    zero_vocab_padding(state.model, model_config, mesh)
 
     if load_optim:
         opt_load.apply(int(meta["optimizer"]["adam_step"]))
-        scaler = getattr(state.optimizer, "grad_scaler", None)
+        scaler = state.optimizer.grad_scaler
         if scaler is not None and meta["optimizer"].get("grad_scaler") is not None:
             scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
     else:
@@ -268,4 +275,12 @@ def load_checkpoint(state) -> bool:
     return True
 
 
-__all__ = ["check_same_model", "find_checkpoint", "load_checkpoint", "model_pieces", "save_checkpoint"]
+__all__ = [
+    "CheckpointConfig",
+    "check_same_model",
+    "find_checkpoint",
+    "load_checkpoint",
+    "model_pieces",
+    "parallel_layout",
+    "save_checkpoint",
+]

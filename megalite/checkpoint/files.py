@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megalite import __version__
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
@@ -140,11 +141,27 @@ def publish(staging: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def remove_stale_staging(root: Path) -> None:
-    """Delete ``*.tmp`` folders left by saves that were killed (never published)."""
+def new_staging_dir(root: Path, iteration: int) -> Path:
+    """Create ``root/iter_N.tmp/`` for a save, first deleting the ones of saves that were killed."""
+    root.mkdir(parents=True, exist_ok=True)
     for p in root.glob("iter_*.tmp"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+    staging = staging_dir(root, iteration)
+    staging.mkdir()
+    return staging
+
+
+def finish_save(root: Path, metadata: dict) -> Path:
+    """Rank 0, every rank's tensors being in ``iter_N.tmp/``: write the JSON ``metadata`` (+ the format
+    fields), publish the folder as ``iter_N/`` (returned), then point the tracker at it: the commit point."""
+    iteration = metadata["iteration"]
+    staging, final = staging_dir(root, iteration), iteration_dir(root, iteration)
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "megalite_version": __version__}
+    write_metadata(staging, {**header, **metadata})
+    publish(staging, final)
+    write_file_atomic(root / TRACKER, str(iteration))
+    return final
 
 
 def write_metadata(folder: Path, metadata: dict) -> None:

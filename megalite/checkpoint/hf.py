@@ -34,16 +34,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
+from megalite.checkpoint.logical import (
+    EMBEDDING,
+    OUTPUT,
+    VOCAB_TABLES,
+    check_logical_state_dict,
+    logical_shapes,
+    real_vocab_rows,
+)
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
-WORD_EMB = "embedding.word_embeddings.weight"
 POS_EMB = "embedding.position_embeddings.weight"
-OUTPUT = "output_layer.weight"
-VOCAB_TABLES = (WORD_EMB, OUTPUT)
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -254,6 +260,58 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
+@dataclass(frozen=True)
+class _HFNames:
+    """Where a flavour's tensors live in a transformers state dict."""
+
+    base: str  # the base model's prefix, absent from the official GPT-2 files
+    layer: str  # a layer's prefix below ``base``; ``{}`` is the layer index
+    embedding: str
+    # megalite name -> transformers name for the tensors that map one to one (besides the vocab
+    # tables and the fused QKV): each layer's (below their layer prefixes), then the final norm's.
+    per_layer: dict[str, str]
+    final: dict[str, str]
+    label: str
+
+
+_NAMES = {
+    "gpt2": _HFNames(
+        "transformer.",
+        "h.{}.",
+        "wte.weight",
+        {  # each a weight and a bias
+            f"{ours}.{w}": f"{theirs}.{w}"
+            for ours, theirs in (
+                ("self_attention.linear_proj", "attn.c_proj"),
+                ("mlp.linear_fc1", "mlp.c_fc"),
+                ("mlp.linear_fc2", "mlp.c_proj"),
+                ("input_layernorm", "ln_1"),
+                ("pre_mlp_layernorm", "ln_2"),
+            )
+            for w in ("weight", "bias")
+        },
+        {"decoder.final_norm.weight": "ln_f.weight", "decoder.final_norm.bias": "ln_f.bias"},
+        "GPT-2",
+    ),
+    "llama": _HFNames(
+        "model.",
+        "layers.{}.",
+        "embed_tokens.weight",
+        {
+            "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+            "mlp.linear_fc1_gate.weight": "mlp.gate_proj.weight",
+            "mlp.linear_fc1_up.weight": "mlp.up_proj.weight",
+            "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+            "input_layernorm.weight": "input_layernorm.weight",
+            "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        },
+        {"decoder.final_norm.weight": "norm.weight"},
+        "Llama",
+    ),
+}
+_QKV = "self_attention.linear_qkv."
+
+
 def _strip_prefix(hf_state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """Drop the base-model prefix ("transformer." / "model."): the official gpt2 files have none."""
     out = {}
@@ -264,24 +322,24 @@ def _strip_prefix(hf_state: Mapping[str, torch.Tensor], prefix: str) -> dict[str
     return out
 
 
-class _Taker:
-    """Pops tensors by name so that leftovers (unknown weights) can be reported, never silently dropped."""
+class _StateDictReader:
+    """Takes tensors out of a state dict by name; :meth:`check_all_taken` then reports the ones left
+    (weights the other side has no place for are an error, never silently dropped)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], what: str):
-        self.state, self.what = dict(state), what
+    def __init__(self, state: Mapping[str, torch.Tensor], what: str):
+        self.left, self.what = dict(state), what
 
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self.state:
-            raise HFConversionError(f"{self.what}: missing tensor {name!r}")
-        return self.state.pop(name)
+    def take(self, name: str, required: bool = True) -> torch.Tensor | None:
+        _need(name in self.left or not required, f"{self.what}: missing tensor {name!r}")
+        return self.left.pop(name, None)
 
-    def finish(self) -> None:
-        if self.state:
-            extra = sorted(self.state)
-            raise HFConversionError(
-                f"{self.what}: unexpected tensors {extra[:6]}{' ...' if len(extra) > 6 else ''} — "
-                "the checkpoint does not match its config.json"
-            )
+    def check_all_taken(self) -> None:
+        extra = sorted(self.left)
+        _need(
+            not extra,
+            f"{self.what}: unexpected tensors {extra[:6]}{' ...' if len(extra) > 6 else ''} — "
+            "the checkpoint does not match its config.json",
+        )
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -296,68 +354,42 @@ def hf_to_megalite(
     hf_state: Mapping[str, torch.Tensor], hf_config: Mapping
 ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """transformers state dict + config.json dict -> (megalite logical state dict, ModelConfig)."""
-    config = config_from_hf(hf_config)
-    c = config
-    h, ffn, d = c.hidden_size, c.ffn_size, c.head_dim
-    nh, ng = c.num_attention_heads, c.query_groups
-    out: dict[str, torch.Tensor] = {}
-    if hf_config["model_type"] == "gpt2":
-        take = _Taker(_strip_prefix(hf_state, "transformer."), "GPT-2 checkpoint")
+    config = c = config_from_hf(hf_config)
+    flavour, shapes = hf_config["model_type"], logical_shapes(config)
+    h, nh, ng, d = c.hidden_size, c.num_attention_heads, c.query_groups, c.head_dim
+    names = _NAMES[flavour]
+    src = _StateDictReader(_strip_prefix(hf_state, names.base), f"{names.label} checkpoint")
 
-        def conv1d(name: str, n_in: int, n_out: int) -> torch.Tensor:  # Conv1D [in, out] -> Linear [out, in]
-            return _check_shape(name, take(name), (n_in, n_out)).t().contiguous()
+    # Shapes are checked here, under HF names, where a reshape or transpose follows; the rest once
+    # at the end, under megalite names (check_logical_state_dict).
+    def checked(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _check_shape(name, src.take(name), shape)
 
-        out[WORD_EMB] = _check_shape("wte.weight", take("wte.weight"), (c.vocab_size, h))
-        out[POS_EMB] = _check_shape("wpe.weight", take("wpe.weight"), (c.max_position_embeddings, h))
-        for i in range(c.num_layers):
-            p, q = f"decoder.layers.{i}.", f"h.{i}."
-            qkv_w = conv1d(q + "attn.c_attn.weight", h, 3 * h)  # rows [q | k | v]
-            qkv_b = _check_shape(q + "attn.c_attn.bias", take(q + "attn.c_attn.bias"), (3 * h,))
-            out[p + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv_w.chunk(3, dim=0), c)
-            out[p + "self_attention.linear_qkv.bias"] = fuse_qkv(*qkv_b.chunk(3, dim=0), c)
-            out[p + "self_attention.linear_proj.weight"] = conv1d(q + "attn.c_proj.weight", h, h)
-            out[p + "self_attention.linear_proj.bias"] = take(q + "attn.c_proj.bias")
-            out[p + "mlp.linear_fc1.weight"] = conv1d(q + "mlp.c_fc.weight", h, ffn)
-            out[p + "mlp.linear_fc1.bias"] = take(q + "mlp.c_fc.bias")
-            out[p + "mlp.linear_fc2.weight"] = conv1d(q + "mlp.c_proj.weight", ffn, h)
-            out[p + "mlp.linear_fc2.bias"] = take(q + "mlp.c_proj.bias")
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[p + ours + ".weight"] = take(q + theirs + ".weight")
-                out[p + ours + ".bias"] = take(q + theirs + ".bias")
-        out["decoder.final_norm.weight"] = take("ln_f.weight")
-        out["decoder.final_norm.bias"] = take("ln_f.bias")
-        head = take.state.pop("lm_head.weight", None)
-        if c.untie_embeddings_and_output_weights:
-            _need(head is not None, "GPT-2 checkpoint: tie_word_embeddings=false but no lm_head.weight")
-            out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
-        take.finish()
-    else:
-        take = _Taker(_strip_prefix(hf_state, "model."), "Llama checkpoint")
-        out[WORD_EMB] = _check_shape("embed_tokens.weight", take("embed_tokens.weight"), (c.vocab_size, h))
-        for i in range(c.num_layers):
-            p, q = f"decoder.layers.{i}.", f"layers.{i}.self_attn."
-            qw = _check_shape(q + "q_proj.weight", take(q + "q_proj.weight"), (nh * d, h))
-            kw = _check_shape(q + "k_proj.weight", take(q + "k_proj.weight"), (ng * d, h))
-            vw = _check_shape(q + "v_proj.weight", take(q + "v_proj.weight"), (ng * d, h))
-            out[p + "self_attention.linear_qkv.weight"] = fuse_qkv(qw, kw, vw, c)
-            out[p + "self_attention.linear_proj.weight"] = _check_shape(
-                q + "o_proj.weight", take(q + "o_proj.weight"), (h, nh * d)
-            )
-            q = f"layers.{i}."
-            out[p + "mlp.linear_fc1_gate.weight"] = _check_shape(
-                q + "mlp.gate_proj.weight", take(q + "mlp.gate_proj.weight"), (ffn, h)
-            )
-            out[p + "mlp.linear_fc1_up.weight"] = take(q + "mlp.up_proj.weight")
-            out[p + "mlp.linear_fc2.weight"] = take(q + "mlp.down_proj.weight")
-            out[p + "input_layernorm.weight"] = take(q + "input_layernorm.weight")
-            out[p + "pre_mlp_layernorm.weight"] = take(q + "post_attention_layernorm.weight")
-        out["decoder.final_norm.weight"] = take("norm.weight")
-        head = take.state.pop("lm_head.weight", None)
-        if c.untie_embeddings_and_output_weights:
-            _need(head is not None, "Llama checkpoint: tie_word_embeddings=false but no lm_head.weight")
-            out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
-        take.finish()
-    check_logical_state_dict(out, config)
+    out = {EMBEDDING: checked(names.embedding, (c.vocab_size, h))}
+    if flavour == "gpt2":
+        out[POS_EMB] = checked("wpe.weight", (c.max_position_embeddings, h))
+    for i in range(c.num_layers):
+        p, q = f"decoder.layers.{i}.", names.layer.format(i)
+        if flavour == "gpt2":  # one Conv1D [h, 3h]: output columns [all q | all k | all v]
+            w = checked(q + "attn.c_attn.weight", (h, 3 * h)).t()
+            out[p + _QKV + "weight"] = fuse_qkv(*w.chunk(3, dim=0), c)
+            b = checked(q + "attn.c_attn.bias", (3 * h,))
+            out[p + _QKV + "bias"] = fuse_qkv(*b.chunk(3, dim=0), c)
+        else:
+            qkv = [checked(q + f"self_attn.{x}_proj.weight", (n * d, h)) for x, n in zip("qkv", (nh, ng, ng))]
+            out[p + _QKV + "weight"] = fuse_qkv(*qkv, c)
+        for ours, theirs in names.per_layer.items():
+            t = src.take(q + theirs)
+            if flavour == "gpt2" and t.dim() == 2:  # Conv1D [in, out] -> Linear [out, in]
+                t = _check_shape(q + theirs, t, shapes[p + ours][::-1]).t().contiguous()
+            out[p + ours] = t
+    out.update({ours: src.take(theirs) for ours, theirs in names.final.items()})
+    head = src.take("lm_head.weight", required=False)  # a tied model may carry its (same) head
+    if c.untie_embeddings_and_output_weights:
+        _need(head is not None, f"{src.what}: tie_word_embeddings=false but no lm_head.weight")
+        out[OUTPUT] = _check_shape("lm_head.weight", head, (c.vocab_size, h))
+    src.check_all_taken()
+    check_logical_state_dict(out, config, HFConversionError)
     return out, config
 
 
@@ -372,82 +404,37 @@ def megalite_to_hf(
     """
     c = config
     flavour = hf_flavour(c)
-    take = _Taker(state, "megalite state dict")
+    names = _NAMES[flavour]
+    src = _StateDictReader(state, "megalite state dict")
 
     def vocab(name: str) -> torch.Tensor:
-        t = take(name)
+        t = src.take(name)
         _need(t.shape[0] >= c.vocab_size, f"{name}: {t.shape[0]} rows < vocab_size {c.vocab_size}")
         return t[: c.vocab_size]
 
-    out: dict[str, torch.Tensor] = {}
+    out = {names.base + names.embedding: vocab(EMBEDDING)}
     if flavour == "gpt2":
-        out["transformer.wte.weight"] = vocab(WORD_EMB)
-        out["transformer.wpe.weight"] = take(POS_EMB)
-        for i in range(c.num_layers):
-            p, q = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            qkv_w = split_qkv(take(p + "self_attention.linear_qkv.weight"), c)
-            qkv_b = split_qkv(take(p + "self_attention.linear_qkv.bias"), c)
-            out[q + "attn.c_attn.weight"] = torch.cat(qkv_w, dim=0).t()
-            out[q + "attn.c_attn.bias"] = torch.cat(qkv_b, dim=0)
-            out[q + "attn.c_proj.weight"] = take(p + "self_attention.linear_proj.weight").t()
-            out[q + "attn.c_proj.bias"] = take(p + "self_attention.linear_proj.bias")
-            out[q + "mlp.c_fc.weight"] = take(p + "mlp.linear_fc1.weight").t()
-            out[q + "mlp.c_fc.bias"] = take(p + "mlp.linear_fc1.bias")
-            out[q + "mlp.c_proj.weight"] = take(p + "mlp.linear_fc2.weight").t()
-            out[q + "mlp.c_proj.bias"] = take(p + "mlp.linear_fc2.bias")
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[q + theirs + ".weight"] = take(p + ours + ".weight")
-                out[q + theirs + ".bias"] = take(p + ours + ".bias")
-        out["transformer.ln_f.weight"] = take("decoder.final_norm.weight")
-        out["transformer.ln_f.bias"] = take("decoder.final_norm.bias")
-    else:
-        out["model.embed_tokens.weight"] = vocab(WORD_EMB)
-        for i in range(c.num_layers):
-            p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qw, kw, vw = split_qkv(take(p + "self_attention.linear_qkv.weight"), c)
-            out[q + "self_attn.q_proj.weight"] = qw
-            out[q + "self_attn.k_proj.weight"] = kw
-            out[q + "self_attn.v_proj.weight"] = vw
-            out[q + "self_attn.o_proj.weight"] = take(p + "self_attention.linear_proj.weight")
-            out[q + "mlp.gate_proj.weight"] = take(p + "mlp.linear_fc1_gate.weight")
-            out[q + "mlp.up_proj.weight"] = take(p + "mlp.linear_fc1_up.weight")
-            out[q + "mlp.down_proj.weight"] = take(p + "mlp.linear_fc2.weight")
-            out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-            out[q + "post_attention_layernorm.weight"] = take(p + "pre_mlp_layernorm.weight")
-        out["model.norm.weight"] = take("decoder.final_norm.weight")
+        out["transformer.wpe.weight"] = src.take(POS_EMB)
+    for i in range(c.num_layers):
+        p, q = f"decoder.layers.{i}.", names.base + names.layer.format(i)
+        if flavour == "gpt2":
+            out[q + "attn.c_attn.weight"] = torch.cat(split_qkv(src.take(p + _QKV + "weight"), c)).t()
+            out[q + "attn.c_attn.bias"] = torch.cat(split_qkv(src.take(p + _QKV + "bias"), c))
+        else:
+            for x, t in zip("qkv", split_qkv(src.take(p + _QKV + "weight"), c)):
+                out[q + f"self_attn.{x}_proj.weight"] = t
+        for ours, theirs in names.per_layer.items():
+            t = src.take(p + ours)
+            out[q + theirs] = t.t() if flavour == "gpt2" and t.dim() == 2 else t  # Linear -> Conv1D
+    out.update({names.base + theirs: src.take(ours) for ours, theirs in names.final.items()})
     if c.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = vocab(OUTPUT)
-    else:
-        # A tied model's state dict may still carry the head (e.g. a pipeline stage's copy): same tensor.
-        take.state.pop(OUTPUT, None)
-    take.finish()
+    else:  # a tied model's state dict may still carry the head (e.g. a pipeline stage's copy)
+        src.take(OUTPUT, required=False)
+    src.check_all_taken()
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
     dtype = next(iter(tensors.values())).dtype
     return tensors, config_to_hf(c, dtype)
-
-
-def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """{name: full shape} of the logical state dict of ``config``'s model (vocab tables: real rows)."""
-    from megalite.model.gpt import GPTModel  # the model imports the parallel layers; keep hf.py light
-    from megalite.parallel.mesh import Mesh
-
-    with torch.device("meta"):
-        model = GPTModel(config, Mesh.single("meta"), device="meta")
-    return {
-        name: (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
-        for name, p in model.named_parameters()
-    }
-
-
-def check_logical_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
-    """Names and shapes of ``state`` are exactly those of ``config``'s single-process GPTModel."""
-    expected = logical_shapes(config)
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    _need(
-        not missing and not extra, f"converted state dict vs GPTModel: missing {missing}, unexpected {extra}"
-    )
-    for name, shape in expected.items():
-        _check_shape(name, state[name], shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,8 +444,7 @@ def check_logical_state_dict(state: Mapping[str, torch.Tensor], config: ModelCon
 
 def logical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """State dict of a single-process (tp=1) GPTModel with the vocab padding rows dropped."""
-    vocab = model.config.vocab_size
-    return {k: (v[:vocab] if k in VOCAB_TABLES else v) for k, v in model.state_dict().items()}
+    return real_vocab_rows(model.state_dict(), model.config.vocab_size)
 
 
 def padded_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, tp: int = 1) -> dict:
@@ -571,9 +557,7 @@ __all__ = [
     "config_to_hf",
     "fuse_qkv",
     "hf_flavour",
-    "check_logical_state_dict",
     "hf_to_megalite",
-    "logical_shapes",
     "logical_state_dict",
     "megalite_to_hf",
     "padded_state_dict",

@@ -1,6 +1,7 @@
 """When the training loop saves and stops: ``--save-interval``, end of training, exit conditions.
 
-``CheckpointHooks(state)`` is created after the checkpoint is loaded; the loop
+``CheckpointHooks(state, config=None)`` is created after the checkpoint is loaded
+(``config``: a :class:`CheckpointConfig`, by default read from ``state.args``); the loop
 calls ``after_step(state)`` after every iteration (True = save done, stop now)
 and ``at_end(state)`` once the loop is over.
 
@@ -23,10 +24,7 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-import torch.distributed as dist
-
-from megalite.checkpoint.checkpointing import save_checkpoint
+from megalite.checkpoint.checkpointing import CheckpointConfig, any_rank, save_checkpoint
 
 
 class SignalFlag:
@@ -45,13 +43,12 @@ class SignalFlag:
 
 
 class CheckpointHooks:
-    def __init__(self, state):
-        args = state.args
-        self.args = args
+    def __init__(self, state, config: CheckpointConfig | None = None):
+        self.config = config or CheckpointConfig.from_args(state.args)
         self.start = time.monotonic()
         # A loaded checkpoint needs no re-save at the same iteration.
         self.last_saved = state.iteration if state.iteration > 0 else None
-        self.signal = SignalFlag() if args.exit_signal_handler else None
+        self.signal = SignalFlag() if self.config.exit_signal_handler else None
         self.exit_reason: str | None = None
 
     def close(self) -> None:
@@ -61,39 +58,35 @@ class CheckpointHooks:
 
     def _agreed_flags(self, state) -> tuple[bool, bool]:
         """(SIGTERM seen on some rank, time limit passed on some rank), the same on every rank."""
-        args = self.args
-        if self.signal is None and args.exit_duration_in_mins is None:
+        limit = self.config.exit_duration_in_mins
+        if self.signal is None and limit is None:
             return False, False
         got_signal = self.signal is not None and self.signal.received
-        minutes = (time.monotonic() - self.start) / 60.0
-        late = args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins
-        flags = torch.tensor([float(got_signal), float(late)], device=state.mesh.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        late = limit is not None and (time.monotonic() - self.start) / 60.0 > limit
+        return tuple(any_rank([got_signal, late], state.mesh.device))
 
     def _save(self, state) -> None:
-        if self.args.save and self.last_saved != state.iteration:
-            save_checkpoint(state)
+        if self.config.save and self.last_saved != state.iteration:
+            save_checkpoint(state, self.config)
             self.last_saved = state.iteration
 
     def after_step(self, state) -> bool:
         """Save if due; True when the run must stop now (after saving)."""
-        args, it = self.args, state.iteration
-        if args.save and args.save_interval and it % args.save_interval == 0:
+        c, it = self.config, state.iteration
+        if c.save and c.save_interval and it % c.save_interval == 0:
             self._save(state)
         got_signal, late = self._agreed_flags(state)
         if got_signal:
             self.exit_reason = "SIGTERM received (--exit-signal-handler)"
         elif late:
-            self.exit_reason = f"ran longer than --exit-duration-in-mins {args.exit_duration_in_mins}"
-        elif args.exit_interval and it % args.exit_interval == 0:
-            self.exit_reason = f"--exit-interval {args.exit_interval}"
+            self.exit_reason = f"ran longer than --exit-duration-in-mins {c.exit_duration_in_mins}"
+        elif c.exit_interval and it % c.exit_interval == 0:
+            self.exit_reason = f"--exit-interval {c.exit_interval}"
         if self.exit_reason is None:
             return False
         self._save(state)
         if state.mesh.rank == 0:
-            saved = f"checkpoint saved in {args.save}" if args.save else "no --save given: nothing saved"
+            saved = f"checkpoint saved in {c.save}" if c.save else "no --save given: nothing saved"
             print(f" exiting at iteration {it}: {self.exit_reason}; {saved}", flush=True)
         return True
 

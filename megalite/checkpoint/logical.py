@@ -1,7 +1,8 @@
 """From a rank's local tensors to pieces of the logical (single-process) model, and back.
 
 A checkpoint stores every tensor under the name it has in a single-process
-GPTModel, with its full shape (see /work/notes/checkpoint_contract.md). A rank
+GPTModel, with its full shape: the LOGICAL state dict (docs/checkpoints.md,
+"On disk"; :func:`logical_shapes` lists it for a config). A rank
 holds, for each of its parameters, its TP shard: the contiguous chunk
 ``tp_rank`` of the logical tensor along ``param.partition_dim`` (the layers'
 invariant). So the local tensor is the piece at offset ``tp_rank * local_size``
@@ -23,17 +24,57 @@ moments, fp32 main params), so optimizer state reshards exactly like weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from megalite.checkpoint.storage import Shard
 from megalite.model.config import ModelConfig
+from megalite.model.gpt import GPTModel
+from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import is_tensor_parallel
 
-VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
 EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+VOCAB_TABLES = (EMBEDDING, OUTPUT)  # padded to a TP-dependent row count; stored with the real rows only
+
+
+class _ShapesOnly(GPTModel):
+    """A GPTModel on the meta device that skips the weight init: only names and shapes."""
+
+    def init_weights(self, seed: int) -> None:
+        pass
+
+
+def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{name: full shape}`` of ``config``'s logical state dict (vocab tables: the real rows)."""
+    model = _ShapesOnly(config, Mesh.single("meta"), device="meta")
+    return {
+        name: (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
+        for name, p in model.named_parameters()
+    }
+
+
+def check_logical_state_dict(
+    state: Mapping[str, torch.Tensor], config: ModelConfig, error: type[Exception] = ValueError
+) -> None:
+    """Raise ``error`` unless ``state`` has exactly the names and shapes of :func:`logical_shapes`."""
+    expected = logical_shapes(config)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise error(
+            f"state dict does not match the model of this config: missing {missing or 'none'}, "
+            f"unexpected {unexpected or 'none'}"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise error(f"{name}: shape {tuple(state[name].shape)}, expected {shape} for this config")
+
+
+def real_vocab_rows(state: Mapping[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``state`` with its vocab tables cut to the first ``vocab_size`` rows (Megatron's padding dropped)."""
+    return {name: t[:vocab_size] if name in VOCAB_TABLES else t for name, t in state.items()}
 
 
 def unwrap(chunk: nn.Module) -> nn.Module:
@@ -43,7 +84,7 @@ def unwrap(chunk: nn.Module) -> nn.Module:
 
 def is_tied_copy(model: nn.Module, name: str) -> bool:
     """The last stage's copy of the tied embedding (GPT-2 flavour with pp > 1)."""
-    return name == "output_layer.weight" and getattr(model, "tied", False)
+    return name == OUTPUT and getattr(model, "tied", False)
 
 
 def storage_name(model: nn.Module, name: str) -> str:

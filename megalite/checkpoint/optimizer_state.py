@@ -16,11 +16,12 @@ plus AdamW's step count and the loss scaler in the JSON metadata. So a
 checkpoint written with or without the distributed optimizer loads into either,
 at any TP / PP / DP layout.
 
-ZeRO-1 on save: the DP ranks' slices of each bucket are all-gathered so every
-DP rank holds the full local TP shard of each state tensor (as Megatron's
-legacy ``distrib_optim.pt`` assembly does); DCP then writes each piece once.
-This costs one bucket-sized buffer per state kind, transiently. On load every
-DP rank reads its full local TP shards and keeps its slices.
+ZeRO-1 on save: ``DistributedOptimizer.gather_state_dp_zero`` all-gathers the
+DP ranks' slices of each bucket, so every DP rank holds the full local TP shard
+of each state tensor (as Megatron's legacy ``distrib_optim.pt`` assembly does);
+DCP then writes each piece once. This costs, transiently, one fp32 copy of the
+rank's model params per state kind. On load every DP rank reads its full local
+TP shards and keeps its slices.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 
 from megalite.checkpoint.logical import logical_piece, named_parameters, storage_name
 from megalite.model.config import ModelConfig
-from megalite.parallel.data_parallel import all_gather_flat
+from megalite.optim.distributed_optimizer import main_param_state
 from megalite.parallel.mesh import Mesh
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,51 +58,17 @@ def adam_step(optimizer) -> int:
     return 0
 
 
-def _state_tensor(optimizer, m, kind: str) -> torch.Tensor:
-    """``kind`` of main param ``m`` (flat view): a moment, or the main param itself."""
-    if kind == "main":
-        return m.main.detach()
-    state = optimizer.inner.state.get(m.main, {})
-    return state[kind].detach() if kind in state else torch.zeros_like(m.main)
-
-
-@torch.no_grad()
-def _full_local_tensors(optimizer, chunks: list[nn.Module], mesh: Mesh, kinds: list[str]) -> dict:
-    """``{(kind, param): tensor shaped like param's local TP shard}`` for every model param.
-
-    With the replicated optimizer the state already covers whole params. With
-    ZeRO-1 each bucket's DP slices are all-gathered (the same collective the
-    optimizer uses for params), so every DP rank ends with the full local shard.
-    """
-    out = {}
-    if not getattr(optimizer, "dp_sharded", False):
-        for m in optimizer.main_params:
-            for kind in kinds:
-                out[(kind, m.model)] = _state_tensor(optimizer, m, kind).view(m.model.shape)
-        return out
-    mains_of = {}
-    for m in optimizer.main_params:
-        mains_of.setdefault(m.model, []).append(m)
-    for chunk in chunks:
-        for bucket in chunk.buckets:
-            lo, hi = bucket.shard_range(mesh.dp_rank)
-            for kind in kinds:
-                full = torch.zeros(bucket.numel_padded, dtype=torch.float32, device=bucket.grad_data.device)
-                for p, (p_lo, _) in bucket.param_ranges.items():
-                    for m in mains_of.get(p, []):
-                        start = p_lo + m.model_range[0]
-                        full[start : start + m.main.numel()].copy_(_state_tensor(optimizer, m, kind).view(-1))
-                if mesh.dp_size > 1:
-                    all_gather_flat(full, full[lo:hi].clone(), mesh.dp_group)
-                for p, (p_lo, p_hi) in bucket.param_ranges.items():
-                    out[(kind, p)] = full[p_lo:p_hi].view(p.shape)
-    return out
-
-
 def save_pieces(optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh) -> dict:
     """Collective over DP (ZeRO-1 only): this rank's optimizer pieces, ``{key: Shard | Tensor}``."""
     kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
-    tensors = _full_local_tensors(optimizer, chunks, mesh, kinds)
+    if optimizer.dp_sharded:  # {(kind, model param): tensor shaped like the param}
+        tensors = optimizer.gather_state_dp_zero(kinds)
+    else:  # the replicated optimizer's state already covers whole params
+        tensors = {
+            (k, m.model): main_param_state(optimizer, m, k).view(m.model.shape)
+            for m in optimizer.main_params
+            for k in kinds
+        }
     names = _param_names(chunks)
     pieces = {}
     for (kind, param), local in tensors.items():

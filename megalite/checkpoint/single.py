@@ -13,10 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megalite import __version__
 from megalite.checkpoint import files, storage
-from megalite.checkpoint.checkpointing import model_pieces, zero_vocab_padding
-from megalite.checkpoint.logical import VOCAB_TABLES, is_tied_copy
+from megalite.checkpoint.checkpointing import model_pieces, parallel_layout, zero_vocab_padding
+from megalite.checkpoint.logical import EMBEDDING, OUTPUT, check_logical_state_dict, real_vocab_rows
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
@@ -34,27 +33,6 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
     storage.read(model_pieces([model], config, Mesh.single(), for_load=True), folder, no_dist=True)
     zero_vocab_padding([model], config, Mesh.single())
     return model.eval(), config
-
-
-class _ShapesOnly(GPTModel):
-    """A GPTModel on the meta device that skips the (CPU) weight init: only names and shapes."""
-
-    def init_weights(self, seed: int) -> None:
-        pass
-
-
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Logical name -> stored shape for ``config`` (from a single-process model on the meta device)."""
-    model = _ShapesOnly(config, Mesh.single("meta"), device="meta")
-    shapes = {}
-    for name, param in model.named_parameters():
-        if is_tied_copy(model, name):
-            continue
-        shape = list(param.shape)
-        if name in VOCAB_TABLES:
-            shape[0] = config.vocab_size
-        shapes[name] = tuple(shape)
-    return shapes
 
 
 def save_model_checkpoint(
@@ -79,55 +57,24 @@ def save_model_checkpoint(
         state = dict(model_or_state_dict.named_parameters())
     else:
         state = dict(model_or_state_dict)
-    expected = _expected_shapes(config)
     if not config.untie_embeddings_and_output_weights:
-        state.pop("output_layer.weight", None)  # tied: the output head is the embedding itself
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"state dict does not match the model of this config: missing {missing or 'none'}, "
-            f"unexpected {unexpected or 'none'}"
-        )
-    tensors = {}
-    for name, shape in expected.items():
-        t = state[name].detach()
-        if name in VOCAB_TABLES and t.dim() == 2 and t.shape[0] >= shape[0] and t.shape[1] == shape[1]:
-            t = t[: shape[0]]  # drop Megatron's padding rows
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
-        tensors[name] = t.to("cpu").contiguous()
+        state.pop(OUTPUT, None)  # tied: the output head is the embedding itself
+    tensors = {name: t.detach() for name, t in real_vocab_rows(state, config.vocab_size).items()}
+    check_logical_state_dict(tensors, config)
+    tensors = {name: t.to("cpu").contiguous() for name, t in tensors.items()}
 
     root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging, final = files.staging_dir(root, iteration), files.iteration_dir(root, iteration)
-    files.remove_stale_staging(root)
-    staging.mkdir()
-    storage.write(tensors, staging, no_dist=True)
-    dtype = next(iter(tensors.values())).dtype
-    files.write_metadata(
-        staging,
+    storage.write(tensors, files.new_staging_dir(root, iteration), no_dist=True)
+    return files.finish_save(
+        root,
         {
-            "format": files.FORMAT,
-            "format_version": files.FORMAT_VERSION,
-            "megalite_version": __version__,
             "iteration": iteration,
             "consumed_train_samples": 0,
             "skipped_iters": 0,
             "model_config": config.to_dict(),
-            "parallel": {
-                "tensor_model_parallel_size": 1,
-                "pipeline_model_parallel_size": 1,
-                "data_parallel_size": 1,
-                "virtual_pipeline_model_parallel_size": 1,
-                "world_size": 1,
-                "use_distributed_optimizer": False,
-            },
-            "params_dtype": str(dtype),
+            "parallel": parallel_layout(Mesh.single()),
+            "params_dtype": str(tensors[EMBEDDING].dtype),
             "contents": {"model": True, "optimizer": False, "rng": False},
             "saved_at": time.time(),
         },
     )
-    files.publish(staging, final)
-    files.write_file_atomic(root / files.TRACKER, str(iteration))
-    return final

@@ -91,6 +91,15 @@ class Shard:
         return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.tensor.shape)
 
 
+def _as_shard(name: str, value: Shard | torch.Tensor) -> Shard:
+    """A state-dict value as a :class:`Shard`: a plain tensor is the whole of itself, at offset 0."""
+    if isinstance(value, Shard):
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"checkpoint value {name!r} is a {type(value).__name__}; only tensors are stored")
+    return Shard(value, (0,) * value.dim(), tuple(value.shape))
+
+
 # ---------------------------------------------------------------------------------- planners
 class ShardSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus :class:`Shard` values (uneven pieces at explicit offsets)."""
@@ -101,44 +110,24 @@ class ShardSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         items = []
         for name, value in self.state_dict.items():
-            if isinstance(value, Shard):
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(name, torch.Size(value.offsets)),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=value.chunk,
-                            properties=TensorProperties.create_from_tensor(value.tensor),
-                            size=torch.Size(value.global_shape),
-                        ),
-                    )
+            shard = _as_shard(name, value)
+            # A plain tensor's index has its (zero) offsets too, so replicas dedup against each other.
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(name, torch.Size(shard.offsets)),
+                    type=WriteItemType.SHARD if isinstance(value, Shard) else WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(
+                        chunk=shard.chunk,
+                        properties=TensorProperties.create_from_tensor(shard.tensor),
+                        size=torch.Size(shard.global_shape),
+                    ),
                 )
-            elif isinstance(value, torch.Tensor):
-                # Offsets (all zero) in the index too, so replicas dedup against each other.
-                offsets = torch.Size([0] * value.dim())
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(name, offsets),
-                        type=WriteItemType.TENSOR,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=value.shape),
-                            properties=TensorProperties.create_from_tensor(value),
-                            size=value.shape,
-                        ),
-                    )
-                )
-            else:
-                raise TypeError(
-                    f"checkpoint value {name!r} is a {type(value).__name__}; only tensors are stored"
-                )
+            )
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        value = self.state_dict[index.fqn]
-        if isinstance(value, Shard):
-            return value.tensor.detach().contiguous()
-        return value.detach().contiguous()
+        return _as_shard(index.fqn, self.state_dict[index.fqn]).tensor.detach().contiguous()
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -161,21 +150,16 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             md = stored.get(name)
             if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointFormatError(f"the checkpoint has no tensor {name!r}")
-            if isinstance(value, Shard):
-                shape, chunk = value.global_shape, value.chunk
-            else:
-                shape = tuple(value.shape)
-                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.shape)
-            if tuple(md.size) != tuple(shape):
+            shard = _as_shard(name, value)
+            if tuple(md.size) != shard.global_shape:
                 raise CheckpointFormatError(
-                    f"{name}: the checkpoint holds shape {tuple(md.size)}, this run expects {tuple(shape)}"
+                    f"{name}: the checkpoint holds shape {tuple(md.size)}, this run expects {shard.global_shape}"
                 )
-            requests += create_read_items_for_chunk_list(name, md, [chunk])
+            requests += create_read_items_for_chunk_list(name, md, [shard.chunk])
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        value = self.state_dict[index.fqn]
-        return value.tensor if isinstance(value, Shard) else value
+        return _as_shard(index.fqn, self.state_dict[index.fqn]).tensor
 
 
 # ---------------------------------------------------------------------------------- metadata

@@ -13,12 +13,16 @@ A parameter straddling a shard boundary is split: each rank's main param is
 its contiguous piece of the flattened parameter. After AdamW updates the
 shard, every bucket's updated values (in the model dtype) are all-gathered
 over DP and copied into the model params. Per rank the optimizer state is
-about 1/dp of the replicated optimizer's.
+about 1/dp of the replicated optimizer's. The same pack-and-all-gather gives a
+checkpoint whole per-parameter optimizer state (:meth:`gather_state_dp_zero`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
+from torch import nn
 
 from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param
 from megalite.parallel.data_parallel import Bucket, DistributedDataParallel, all_gather_flat
@@ -36,6 +40,15 @@ def shard_main_params(bucket: Bucket, dp_rank: int) -> list[MainParam]:
     return out
 
 
+def main_param_state(optimizer: MixedPrecisionOptimizer, m: MainParam, kind: str) -> torch.Tensor:
+    """``kind`` of main param ``m``, shaped like it: "main" (the fp32 main param itself), or an AdamW
+    moment, "exp_avg" / "exp_avg_sq" (zeros before the first step)."""
+    if kind == "main":
+        return m.main.detach()
+    state = optimizer.inner.state.get(m.main, {})
+    return state[kind].detach() if kind in state else torch.zeros_like(m.main)
+
+
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """AdamW on this DP rank's shard of every grad bucket; params all-gathered after the step."""
 
@@ -47,17 +60,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         main_params = [m for ms in self._bucket_main_params for m in ms]
         super().__init__(model_chunks, mesh, main_params, **kwargs)
 
-    @torch.no_grad()
-    def _copy_main_params_to_model_params(self) -> None:
-        # Launch every bucket's all-gather first, then unpack: buckets overlap each other.
+    def _all_gather_buckets(
+        self, shard_of: Callable[[MainParam], torch.Tensor], dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """``(bucket, full [numel_padded])`` per bucket: each DP rank packs ``shard_of(m)`` of its main params
+        into its shard of ``full`` (``dtype``, default the bucket's), then ``full`` is all-gathered over DP.
+        Every bucket's all-gather is launched before the first wait: buckets overlap each other."""
         gathered = []
         for bucket, mains in zip(self._buckets, self._bucket_main_params):
-            full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=bucket.grad_data.device)
-            lo, hi = bucket.shard_range(self.mesh.dp_rank)
-            p_ranges = bucket.param_ranges
+            full = bucket.grad_data.new_empty(bucket.numel_padded, dtype=dtype or bucket.dtype)
             for m in mains:
-                start = p_ranges[m.model][0] + m.model_range[0]
-                full[start : start + m.main.numel()].copy_(m.main.view(-1))
+                start = bucket.param_ranges[m.model][0] + m.model_range[0]
+                full[start : start + m.main.numel()].copy_(shard_of(m).view(-1))
+            lo, hi = bucket.shard_range(self.mesh.dp_rank)
             handle = None
             if self.mesh.dp_size > 1:
                 handle = all_gather_flat(full, full[lo:hi], self.mesh.dp_group, async_op=True)
@@ -65,5 +80,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, full, handle in gathered:
             if handle is not None:
                 handle.wait()
+            yield bucket, full
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        for bucket, full in self._all_gather_buckets(lambda m: m.main):
             for p, (p_lo, p_hi) in bucket.param_ranges.items():
                 p.view(-1).copy_(full[p_lo:p_hi])
+
+    @torch.no_grad()
+    def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
+        """Collective over DP: ``{(kind, model param): fp32 tensor shaped like the param}`` for each
+        ``kind`` of :func:`main_param_state`, on every DP rank (Megatron's get_parameter_state_dp_zero)."""
+        out = {}
+        for kind in kinds:
+            gathered = self._all_gather_buckets(lambda m, k=kind: main_param_state(self, m, k), torch.float32)
+            for bucket, full in gathered:
+                for p, (p_lo, p_hi) in bucket.param_ranges.items():
+                    out[(kind, p)] = full[p_lo:p_hi].view(p.shape)
+        return out
