@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite.arguments import model_config, parse_args, validate_args
-from megalite.checkpoint import CheckpointHooks, load_checkpoint
+from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
 from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
@@ -388,8 +388,9 @@ def pretrain(argv: list[str] | None = None) -> dict:
     """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
     args = parse_args(argv)
     state = setup(args)
-    load_checkpoint(state)  # --load: weights, optimizer, schedule, iteration, samples, RNG
-    hooks = CheckpointHooks(state)
+    ckpt = CheckpointConfig.from_args(args)
+    load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
+    hooks = CheckpointHooks(state, ckpt)
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
     sinks = MetricSinks(log_here, args.tensorboard_dir, args.metrics_file)

@@ -31,7 +31,6 @@ from torch import nn
 
 from megalite.checkpoint.logical import logical_piece, named_parameters, storage_name
 from megalite.model.config import ModelConfig
-from megalite.optim.distributed_optimizer import main_param_state
 from megalite.parallel.mesh import Mesh
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -59,16 +58,9 @@ def adam_step(optimizer) -> int:
 
 
 def save_pieces(optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh) -> dict:
-    """Collective over DP (ZeRO-1 only): this rank's optimizer pieces, ``{key: Shard | Tensor}``."""
+    """Collective over DP under ZeRO-1: this rank's optimizer pieces, ``{key: Shard | Tensor}``."""
     kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
-    if optimizer.dp_sharded:  # {(kind, model param): tensor shaped like the param}
-        tensors = optimizer.gather_state_dp_zero(kinds)
-    else:  # the replicated optimizer's state already covers whole params
-        tensors = {
-            (k, m.model): main_param_state(optimizer, m, k).view(m.model.shape)
-            for m in optimizer.main_params
-            for k in kinds
-        }
+    tensors = optimizer.gather_state_dp_zero(kinds)  # {(kind, model param): tensor shaped like it}
     names = _param_names(chunks)
     pieces = {}
     for (kind, param), local in tensors.items():

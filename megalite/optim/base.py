@@ -173,6 +173,25 @@ class MixedPrecisionOptimizer(ABC):
             m.main.copy_(value)
         self._copy_main_params_to_model_params()
 
+    # Per-parameter state, for checkpoints ---------------------------------------------------
+    def main_param_state(self, m: MainParam, kind: str) -> torch.Tensor:
+        """``kind`` of main param ``m``, shaped like it: "main" (the fp32 main param itself), or an
+        AdamW moment, "exp_avg" / "exp_avg_sq" (zeros before the first step)."""
+        if kind == "main":
+            return m.main.detach()
+        state = self.inner.state.get(m.main, {})
+        return state[kind].detach() if kind in state else torch.zeros_like(m.main)
+
+    def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
+        """``{(kind, model param): fp32 tensor shaped like the param}`` for each ``kind`` of
+        :meth:`main_param_state`. Here every main param covers a whole model param; the
+        distributed optimizer overrides this with an all-gather over DP."""
+        return {
+            (k, m.model): self.main_param_state(m, k).view(m.model.shape)
+            for m in self.main_params
+            for k in kinds
+        }
+
     # Pieces of the step --------------------------------------------------------------------
     def _prepare_main_grads(self) -> list[torch.Tensor]:
         for m in self.main_params:

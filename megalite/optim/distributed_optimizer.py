@@ -40,15 +40,6 @@ def shard_main_params(bucket: Bucket, dp_rank: int) -> list[MainParam]:
     return out
 
 
-def main_param_state(optimizer: MixedPrecisionOptimizer, m: MainParam, kind: str) -> torch.Tensor:
-    """``kind`` of main param ``m``, shaped like it: "main" (the fp32 main param itself), or an AdamW
-    moment, "exp_avg" / "exp_avg_sq" (zeros before the first step)."""
-    if kind == "main":
-        return m.main.detach()
-    state = optimizer.inner.state.get(m.main, {})
-    return state[kind].detach() if kind in state else torch.zeros_like(m.main)
-
-
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """AdamW on this DP rank's shard of every grad bucket; params all-gathered after the step."""
 
@@ -91,10 +82,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
         """Collective over DP: ``{(kind, model param): fp32 tensor shaped like the param}`` for each
-        ``kind`` of :func:`main_param_state`, on every DP rank (Megatron's get_parameter_state_dp_zero)."""
+        ``kind`` of :meth:`main_param_state`, on every DP rank (Megatron's get_parameter_state_dp_zero)."""
         out = {}
         for kind in kinds:
-            gathered = self._all_gather_buckets(lambda m, k=kind: main_param_state(self, m, k), torch.float32)
+            gathered = self._all_gather_buckets(lambda m, k=kind: self.main_param_state(m, k), torch.float32)
             for bucket, full in gathered:
                 for p, (p_lo, p_hi) in bucket.param_ranges.items():
                     out[(kind, p)] = full[p_lo:p_hi].view(p.shape)
