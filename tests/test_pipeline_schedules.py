@@ -452,24 +452,24 @@ def _record(monkeypatch, schedule: str, p: int, rank: int, m: int, v: int, fwd: 
     """Run the real schedule for one rank with p2p replaced by a log of what it would post."""
     log: list = []
 
-    def communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, dtype, mesh):
+    def communicate(comm, *, tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=False):
         ops = []
         if tensor_send_next is not None:
-            ops.append(("send", mesh.next_rank))
+            ops.append(("send", comm.next_rank))
         if recv_prev:
-            ops.append(("recv", mesh.prev_rank))
+            ops.append(("recv", comm.prev_rank))
         if tensor_send_prev is not None:
-            ops.append(("send", mesh.prev_rank))
+            ops.append(("send", comm.prev_rank))
         if recv_next:
-            ops.append(("recv", mesh.next_rank))
+            ops.append(("recv", comm.next_rank))
         if ops:
             log.append(("exchange", ops))
         return (
-            torch.zeros(tensor_shape) if recv_prev else None,
-            torch.zeros(tensor_shape) if recv_next else None,
+            torch.zeros(comm.tensor_shape) if recv_prev else None,
+            torch.zeros(comm.tensor_shape) if recv_next else None,
         )
 
-    monkeypatch.setattr(p2p, "_communicate", communicate)
+    monkeypatch.setattr(p2p.P2PCommunicator, "_communicate", communicate)
     w = nn.Parameter(torch.ones(()))
     mesh = _fake_mesh(p, rank)
 
