@@ -97,46 +97,46 @@ def num_warmup_microbatches(p: int, r: int, m: int, v: int = 1, forward_only: bo
     return min((p - r - 1) * 2 + (v - 1) * p, total)
 
 
-_EXCHANGE = (None, None)  # a step that computes nothing: it only receives what the next step needs
+# A rank's compute order: (forward, backward) per step, each a (chunk, microbatch) or None.
+Compute = tuple[Key | None, Key | None]
+_RECV_ONLY: Compute = (None, None)  # computes nothing: only receives what the next step needs
 
 
-def _gpipe_order(m: int, forward_only: bool) -> list[tuple]:
-    forwards = [step for i in range(m) for step in (_EXCHANGE, ((0, i), None))]
-    backwards = [step for i in range(m) for step in (_EXCHANGE, (None, (0, i)))]
-    return forwards if forward_only else forwards + backwards
+def _one_f_one_b_order(m: int, num_warmup: int, forward_only: bool) -> list[Compute]:
+    """PipeDream-Flush, as Megatron's forward_backward_pipelining_without_interleaving.
 
-
-def _one_f_one_b_order(p: int, r: int, m: int, forward_only: bool) -> list[tuple]:
-    """PipeDream-Flush, as Megatron's forward_backward_pipelining_without_interleaving."""
-    w = num_warmup_microbatches(p, r, m, forward_only=forward_only)
-    order = [step for i in range(w) for step in (_EXCHANGE, ((0, i), None))]
-    if forward_only:  # w == m
+    GPipe is the case num_warmup = m. Warm-up and cool-down receive in a step
+    of their own before each forward / backward (Megatron's recv_forward /
+    recv_backward); in the steady state each step receives for the next.
+    """
+    order = [step for i in range(num_warmup) for step in (_RECV_ONLY, ((0, i), None))]
+    if forward_only:  # num_warmup == m
         return order
-    if w < m:
-        order.append(_EXCHANGE)
-    for i in range(m - w):  # steady state: one forward, one backward; each step exchanges
-        order += [((0, w + i), None), (None, (0, i))]
-    for i in range(m - w, m):  # cool-down: drain the warm-up microbatches
-        order += [_EXCHANGE, (None, (0, i))]
+    if num_warmup < m:
+        order.append(_RECV_ONLY)
+    for i in range(m - num_warmup):  # steady state: one forward, one backward
+        order += [((0, num_warmup + i), None), (None, (0, i))]
+    for i in range(m - num_warmup, m):  # cool-down: drain the warm-up microbatches
+        order += [_RECV_ONLY, (None, (0, i))]
     return order
 
 
-def _interleaved_order(p: int, r: int, m: int, v: int, forward_only: bool) -> list[tuple]:
+def _interleaved_order(p: int, m: int, v: int, num_warmup: int, forward_only: bool) -> list[Compute]:
     """Interleaved 1F1B, as Megatron's forward_backward_pipelining_with_interleaving.
 
     The rank walks virtual microbatches k = 0 .. m*v-1 (``get_schedule_table``
     with groups of p); backward k runs the same microbatch as forward k, on the
-    chunks in reverse. Steady state: forward k+w and backward k in one step.
+    chunks in reverse. Steady state: forward k + num_warmup and backward k in one step.
     """
     table = get_schedule_table(m, v, p)
     forwards = [(c, i) for i, c in table]
     backwards = [(v - 1 - c, i) for i, c in table]
-    total, w = m * v, num_warmup_microbatches(p, r, m, v, forward_only)
-    order = [_EXCHANGE] + [(f, None) for f in forwards[:w]]
+    total, w = m * v, num_warmup
+    order = [_RECV_ONLY] + [(f, None) for f in forwards[:w]]
     if forward_only:
         return order
     if w == total:  # as Megatron: the first grad then comes in a step of its own
-        order.append(_EXCHANGE)
+        order.append(_RECV_ONLY)
     order += list(zip(forwards[w:], backwards[: total - w]))
     return order + [(None, b) for b in backwards[total - w :]]
 
@@ -146,16 +146,23 @@ def schedule_plan(
 ) -> list[ScheduleStep]:
     """Rank r's steps for one global batch of m microbatches over v chunks per rank.
 
-    Each step sends what it computed and receives what the next step computes,
-    except that the first virtual stage (chunk 0 of rank 0) reads data and the
-    last (chunk v-1 of rank p-1) starts its backward from the loss.
+    ``forward_backward`` has checked the sizes. With p = 1 every schedule is
+    forward + backward per microbatch (1F1B without warm-up): grad accumulation.
     """
+    w = num_warmup_microbatches(p, r, m, v, forward_only)
     if v > 1:
-        order = _interleaved_order(p, r, m, v, forward_only)
-    elif schedule == "gpipe" and p > 1:
-        order = _gpipe_order(m, forward_only)
-    else:  # 1F1B; with p = 1 that is forward + backward per microbatch (grad accumulation)
-        order = _one_f_one_b_order(p, r, m, forward_only)
+        return _with_exchanges(_interleaved_order(p, m, v, w, forward_only), p, r, v)
+    if schedule == "gpipe" and p > 1:
+        w = m  # GPipe: every forward before the first backward
+    return _with_exchanges(_one_f_one_b_order(m, w, forward_only), p, r, v)
+
+
+def _with_exchanges(order: list[Compute], p: int, r: int, v: int) -> list[ScheduleStep]:
+    """Each step sends what it computed and receives what the next step computes.
+
+    Except the first virtual stage (chunk 0 of rank 0), which reads data, and
+    the last (chunk v-1 of rank p-1), whose backward starts from the loss.
+    """
 
     def reads_data(key: Key) -> bool:
         return r == 0 and key[0] == 0
@@ -163,19 +170,17 @@ def schedule_plan(
     def starts_from_loss(key: Key) -> bool:
         return r == p - 1 and key[0] == v - 1
 
-    steps = []
-    for (f, b), (next_f, next_b) in zip(order, [*order[1:], _EXCHANGE]):
-        steps.append(
-            ScheduleStep(
-                forward=f,
-                backward=b,
-                send_next=f is not None and not starts_from_loss(f),
-                send_prev=b is not None and not reads_data(b),
-                recv_prev=next_f if next_f is not None and not reads_data(next_f) else None,
-                recv_next=next_b if next_b is not None and not starts_from_loss(next_b) else None,
-            )
+    return [
+        ScheduleStep(
+            forward=f,
+            backward=b,
+            send_next=f is not None and not starts_from_loss(f),
+            send_prev=b is not None and not reads_data(b),
+            recv_prev=next_f if next_f is not None and not reads_data(next_f) else None,
+            recv_next=next_b if next_b is not None and not starts_from_loss(next_b) else None,
         )
-    return steps
+        for (f, b), (next_f, next_b) in zip(order, [*order[1:], _RECV_ONLY])
+    ]
 
 
 # ---- memory: Megatron's deallocate_output_tensor ------------------------------------------
