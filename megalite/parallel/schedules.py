@@ -91,7 +91,7 @@ def num_warmup_microbatches(p: int, r: int, m: int, v: int = 1, forward_only: bo
         return total
     if v == 1:  # 1F1B: the last stage starts backward at once, each earlier one a forward later
         return min(p - r - 1, m)
-    if m == p:  # as Megatron's first interleaved schedule (Megatron-Core now caps per rank instead)
+    if m == p:  # all forwards, then all backwards, on every rank: Megatron until late 2024 (now per rank)
         return total
     # Interleaved: (v-1) groups of p on every rank, plus 2 per stage behind this one.
     return min((p - r - 1) * 2 + (v - 1) * p, total)
