@@ -17,7 +17,13 @@ from torch import nn
 from megalite.parallel import p2p
 from megalite.parallel.mesh import Mesh, ParallelConfigError, initialize_model_parallel
 from megalite.parallel.pipeline_layout import stage_layer_ranges
-from megalite.parallel.schedules import PipelineScheduleError, forward_backward
+from megalite.parallel.schedules import (
+    PipelineScheduleError,
+    forward_backward,
+    get_schedule_table,
+    num_warmup_microbatches,
+    schedule_plan,
+)
 from megalite.testing import run_distributed
 
 H, S, B = 8, 3, 2  # hidden, sequence, micro batch
@@ -448,28 +454,37 @@ class _Timed(torch.autograd.Function):
         return grad, None, None, None
 
 
+# The order P2PCommunicator posts one exchange in (test_p2p_posts_one_batch_forward_direction_first).
+P2P_ORDER = ("send_next", "recv_prev", "send_prev", "recv_next")
+
+
+def _batch(next_rank: int, prev_rank: int, order=P2P_ORDER, **tags) -> list[tuple]:
+    """One exchange as (op, peer, tag) in posting order; ``tags[name]`` says what travels, None: no op."""
+    peers = {"send_next": next_rank, "recv_prev": prev_rank, "send_prev": prev_rank, "recv_next": next_rank}
+    return [(name[:4], peers[name], tags[name]) for name in order if tags.get(name) is not None]
+
+
 def _record(monkeypatch, schedule: str, p: int, rank: int, m: int, v: int, fwd: float, bwd: float) -> list:
     """Run the real schedule for one rank with p2p replaced by a log of what it would post."""
     log: list = []
 
-    def communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, dtype, mesh):
-        ops = []
-        if tensor_send_next is not None:
-            ops.append(("send", mesh.next_rank))
-        if recv_prev:
-            ops.append(("recv", mesh.prev_rank))
-        if tensor_send_prev is not None:
-            ops.append(("send", mesh.prev_rank))
-        if recv_next:
-            ops.append(("recv", mesh.next_rank))
+    def communicate(comm, *, tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=False):
+        ops = _batch(  # tagged with the kind only: an activation must not land in a grad buffer
+            comm.next_rank,
+            comm.prev_rank,
+            send_next="activation" if tensor_send_next is not None else None,
+            recv_prev="activation" if recv_prev else None,
+            send_prev="grad" if tensor_send_prev is not None else None,
+            recv_next="grad" if recv_next else None,
+        )
         if ops:
             log.append(("exchange", ops))
         return (
-            torch.zeros(tensor_shape) if recv_prev else None,
-            torch.zeros(tensor_shape) if recv_next else None,
+            torch.zeros(comm.tensor_shape) if recv_prev else None,
+            torch.zeros(comm.tensor_shape) if recv_next else None,
         )
 
-    monkeypatch.setattr(p2p, "_communicate", communicate)
+    monkeypatch.setattr(p2p.P2PCommunicator, "_communicate", communicate)
     w = nn.Parameter(torch.ones(()))
     mesh = _fake_mesh(p, rank)
 
@@ -496,7 +511,8 @@ def _makespan(logs: list[list]) -> float:
 
     A batched exchange ends when each of its sends has met its receive and vice
     versa; messages on one (src, dst) link match in posting order, as with NCCL
-    or gloo with one tag. A state where no rank can move is a deadlock.
+    or gloo with one tag. A state where no rank can move is a deadlock. An op is
+    (op, peer, tag): a send must meet a receive that expects the same tag.
     """
     p = len(logs)
     clock, pos, waiting = [0.0] * p, [0] * p, [None] * p
@@ -514,17 +530,20 @@ def _makespan(logs: list[list]) -> float:
                     continue
                 if waiting[r] is None:  # post the batch
                     waiting[r] = []
-                    for op, peer in what:
+                    for op, peer, tag in what:
                         link = (r, peer) if op == "send" else (peer, r)
                         n = count.get((op, link), 0)
                         count[op, link] = n + 1
-                        posted[op, link, n] = clock[r]
+                        posted[op, link, n] = (clock[r], tag)
                         waiting[r].append(("recv" if op == "send" else "send", link, n))
                     moved = True
                 partners = [posted.get(key) for key in waiting[r]]
                 if any(t is None for t in partners):
                     break
-                clock[r] = max([clock[r], *partners])
+                for _, link, n in waiting[r]:
+                    sent, expected = posted["send", link, n][1], posted["recv", link, n][1]
+                    assert sent == expected, f"mismatch on link {link}: {sent} sent, {expected} expected"
+                clock[r] = max([clock[r], *(t for t, _ in partners)])
                 waiting[r] = None
                 pos[r] += 1
                 moved = True
@@ -553,3 +572,183 @@ def test_schedules_reach_the_theoretical_bubble(monkeypatch):
                 logs = [_record(monkeypatch, "interleaved", p, r, m, v, fwd, bwd) for r in range(p)]
                 want = (v * m + p - 1) * (fwd + bwd) / v
                 assert _makespan(logs) == pytest.approx(want), ("interleaved", p, m, v)
+
+
+# ---- the plan, without processes --------------------------------------------------------------
+def _plan_grid():
+    """(schedule, p, m, v): every kind of run forward_backward accepts, on small sizes."""
+    for p in (1, 2, 3, 4, 5):
+        for m in range(1, 2 * p + 2):
+            yield "gpipe", p, m, 1
+            yield "1f1b", p, m, 1
+        for v in (2, 3, 4) if p > 1 else ():
+            for m in (p, 2 * p, 3 * p):
+                yield "interleaved", p, m, v
+
+
+def test_schedule_table_is_megatrons():
+    # Megatron's example (get_schedule_table's comment): PP2 N3 M5 VP2.
+    table = get_schedule_table(5, 2, 3)
+    assert [i for i, _ in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    # Groups of p, as the interleaved schedule uses it: virtual microbatch k runs chunk
+    # (k mod pv) // p on microbatch (k // pv) * p + k mod p.
+    for p, v, m in [(2, 2, 4), (3, 2, 9), (4, 3, 8), (2, 4, 6)]:
+        assert get_schedule_table(m, v, p) == [
+            ((k // (p * v)) * p + k % p, (k % (p * v)) // p) for k in range(m * v)
+        ]
+
+
+def test_num_warmup_microbatches():
+    # 1F1B: stage r runs p - r - 1 forwards ahead, at most m.
+    assert [num_warmup_microbatches(4, r, 8) for r in range(4)] == [3, 2, 1, 0]
+    assert [num_warmup_microbatches(4, r, 2) for r in range(4)] == [2, 2, 1, 0]
+    # Interleaved (Megatron's get_pp_rank_microbatches): 2 (p - r - 1) + (v - 1) p.
+    assert [num_warmup_microbatches(4, r, 8, v=2) for r in range(4)] == [10, 8, 6, 4]
+    assert [num_warmup_microbatches(2, r, 6, v=3) for r in range(2)] == [6, 4]
+    # m == p: all forwards first; forward only: nothing but forwards.
+    assert [num_warmup_microbatches(4, r, 4, v=2) for r in range(4)] == [8] * 4
+    assert num_warmup_microbatches(4, 3, 8, forward_only=True) == 8
+    assert num_warmup_microbatches(4, 3, 8, v=2, forward_only=True) == 16
+
+
+def _show(step) -> str:
+    """A step in short: F<c><i> / B<c><i> compute; > send on, < send back; x<c><i> / g<c><i> receive
+    the input / output grad of chunk c, microbatch i."""
+
+    def key(prefix: str, k) -> list[str]:
+        return [f"{prefix}{k[0]}{k[1]}"] if k else []
+
+    sends = [">"] * step.send_next + ["<"] * step.send_prev
+    parts = key("F", step.forward) + key("B", step.backward) + sends + key("x", step.recv_prev)
+    return " ".join(parts + key("g", step.recv_next))
+
+
+def test_plans_golden_pp2():
+    """Tiny plans written out; interleaved m = 4 checked by hand against Megatron's loop."""
+
+    def plans(schedule, m, v=1):
+        return [[_show(s) for s in schedule_plan(schedule, 2, r, m, v)] for r in range(2)]
+
+    assert plans("interleaved", 4, 2) == [
+        ["", "F00 >", "F01 > x10", "F10 > x11", "F11 > g10", "F02 B10 > < g11", "F03 B11 > < x12 g00",
+         "F12 B00 > x13 g01", "F13 B01 > g12", "B12 < g13", "B13 < g02", "B02 g03", "B03"],
+        ["x00", "F00 > x01", "F01 > x10", "F10 B10 < x11", "F11 B11 < x02 g00", "F02 B00 > < x03 g01",
+         "F03 B01 > < x12", "F12 B12 < x13", "F13 B13 < g02", "B02 < g03", "B03 <"],
+    ]  # fmt: skip
+    # m == p: all forwards first; the first grad comes in a step of its own (the empty 6th step).
+    assert plans("interleaved", 2, 2) == [
+        ["", "F00 >", "F01 > x10", "F10 > x11", "F11 >", "g10", "B10 < g11", "B11 < g00", "B00 g01", "B01"],
+        ["x00", "F00 > x01", "F01 > x10", "F10 x11", "F11", "", "B10 <", "B11 < g00", "B00 < g01", "B01 <"],
+    ]  # fmt: skip
+    # 1F1B, as Megatron's: warm-up and cool-down receive in a step of their own.
+    assert plans("1f1b", 3) == [
+        ["", "F00 >", "", "F01 > g00", "B00", "F02 > g01", "B01", "g02", "B02"],
+        ["x00", "F00", "B00 < x01", "F01", "B01 < x02", "F02", "B02 <"],
+    ]
+    assert plans("gpipe", 2) == [
+        ["", "F00 >", "", "F01 >", "g00", "B00", "g01", "B01"],
+        ["x00", "F00", "x01", "F01", "", "B00 <", "", "B01 <"],
+    ]
+
+
+def test_plans_run_every_microbatch_once_in_order():
+    """Per rank: every (chunk, microbatch) forward once and backward once, the backward after the
+    forward; each received tensor arrives before the step that uses it and is used; losses come in
+    microbatch order; activations alive at once as in expected_peak (what the spawned test measures).
+    """
+    for schedule, p, m, v in _plan_grid():
+        every = sorted((c, i) for c in range(v) for i in range(m))
+        for r in range(p):
+            for forward_only in (False, True):
+                case = (schedule, p, r, m, v, forward_only)
+                plan = schedule_plan(schedule, p, r, m, v, forward_only)
+                forward_at = {s.forward: t for t, s in enumerate(plan) if s.forward}
+                backward_at = {s.backward: t for t, s in enumerate(plan) if s.backward}
+                assert sorted(forward_at) == every, case
+                assert len(forward_at) == sum(bool(s.forward) for s in plan), case
+                assert sorted(backward_at) == ([] if forward_only else every), case
+                assert len(backward_at) == sum(bool(s.backward) for s in plan), case
+                # Within a step the forward runs first: the last stage may run both on one key.
+                assert all(backward_at[k] >= forward_at[k] for k in backward_at), case
+                in_order = sorted(forward_at, key=forward_at.get)
+                for c in range(v):  # the loss chunk's forwards give the losses in microbatch order
+                    assert [i for cc, i in in_order if cc == c] == list(range(m)), case
+                # Receives: exactly the forwards not reading data / backwards not starting from the
+                # loss, each in the step just before the one that uses it.
+                recv_prev = {s.recv_prev: t for t, s in enumerate(plan) if s.recv_prev}
+                recv_next = {s.recv_next: t for t, s in enumerate(plan) if s.recv_next}
+                assert recv_prev == {k: t - 1 for k, t in forward_at.items() if not (r == 0 and k[0] == 0)}
+                assert recv_next == {
+                    k: t - 1 for k, t in backward_at.items() if not (r == p - 1 and k[0] == v - 1)
+                }
+                if forward_only:
+                    continue
+                alive = peak = 0
+                for s in plan:
+                    alive += bool(s.forward)
+                    peak = max(peak, alive)
+                    alive -= bool(s.backward)
+                want = 1 if p == 1 else expected_peak(schedule, m, p, r, v)
+                assert peak == want, (case, peak, want)
+
+
+def _plan_log(schedule, p, r, m, v, forward_only=False, order=P2P_ORDER) -> list:
+    """Rank r's plan as a _makespan log: forward 1, backward 2, then each step's exchange, every
+    tensor tagged (kind, virtual stage that made it, microbatch). Chunk c of rank r is stage c*p + r."""
+
+    def tag(kind: str, key, stage_offset: int):
+        return None if key is None else (kind, key[0] * p + r + stage_offset, key[1])
+
+    log: list = []
+    for step in schedule_plan(schedule, p, r, m, v, forward_only):
+        log += [("compute", 1.0)] * bool(step.forward) + [("compute", 2.0)] * bool(step.backward)
+        ops = _batch(
+            (r + 1) % p,
+            (r - 1) % p,
+            order,
+            send_next=tag("activation", step.forward if step.send_next else None, 0),
+            recv_prev=tag("activation", step.recv_prev, -1),
+            send_prev=tag("grad", step.backward if step.send_prev else None, 0),
+            recv_next=tag("grad", step.recv_next, +1),
+        )
+        if ops:
+            log.append(("exchange", ops))
+    return log
+
+
+def test_plans_pair_up_across_ranks():
+    """All ranks' plans together, with messages matched in order per pair of ranks: every tensor
+    meets the receive planned for it (right kind, virtual stage and microbatch), nothing is left
+    unmatched and no rank waits forever -- for more pipelines than the spawned tests run."""
+    for schedule, p, m, v in _plan_grid():
+        for forward_only in (False, True):
+            _makespan([_plan_log(schedule, p, r, m, v, forward_only) for r in range(p)])
+
+
+def test_megatron_op_order_would_mismatch_at_pp2():
+    """Why P2PCommunicator posts the forward direction first: with pp = 2 both neighbours are one
+    rank, and Megatron's order (send_prev first) would hand a grad to an activation buffer."""
+    megatron = ("send_prev", "recv_prev", "send_next", "recv_next")
+    with pytest.raises(AssertionError, match="mismatch"):
+        _makespan([_plan_log("interleaved", 2, r, 4, 2, order=megatron) for r in range(2)])
+    for p in (3, 4):  # two distinct neighbours: either order works
+        _makespan([_plan_log("interleaved", p, r, 2 * p, 2, order=megatron) for r in range(p)])
+
+
+def test_p2p_posts_one_batch_forward_direction_first(monkeypatch):
+    batches: list = []
+    monkeypatch.setattr(torch.distributed, "P2POp", lambda op, t, peer, group: (op.__name__[1:], peer, t))
+    monkeypatch.setattr(torch.distributed, "batch_isend_irecv", lambda ops: batches.append(ops) or [])
+    act, grad = torch.zeros(B, S, H), torch.ones(B, S, H)
+    comm = p2p.P2PCommunicator(_fake_mesh(3, 1), (B, S, H), torch.float32)  # next rank 2, prev rank 0
+    x, g = comm.send_forward_backward_recv_forward_backward(act, grad, recv_prev=True, recv_next=True)
+    (ops,) = batches  # one batch, in the order the simulations above assume
+    want = _batch(2, 0, send_next="a", recv_prev="x", send_prev="g", recv_next="y")
+    assert [(op, peer) for op, peer, _ in ops] == [(op, peer) for op, peer, _ in want]
+    assert torch.equal(ops[0][2], act) and torch.equal(ops[2][2], grad)
+    assert ops[1][2] is x and ops[3][2] is g and x.shape == g.shape == (B, S, H)
+    # The stage-aware calls (here through the one-tensor helpers) do nothing past the first / last stage.
+    assert p2p.recv_forward((B, S, H), torch.float32, _fake_mesh(3, 0)) is None
+    p2p.send_forward(act, (B, S, H), torch.float32, _fake_mesh(3, 2))
+    assert len(batches) == 1

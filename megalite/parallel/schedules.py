@@ -17,6 +17,11 @@ v = model chunks per rank (virtual stages).
   stage c*p + r (Megatron's order). A microbatch visits every rank v times,
   so the fill / drain is v times shorter: bubble (p-1)/(v*m+p-1).
 
+A schedule is a pure plan (:func:`schedule_plan`): rank r's list of steps,
+each a forward and / or a backward of one (chunk, microbatch), then one
+batched exchange with the neighbours. The plan is plain integer arithmetic,
+tested without processes; :func:`forward_backward` only walks it.
+
 The loss returned by ``forward_step_func`` on the last stage is divided by m
 before backward, so grads are the mean over the global batch, as in a single
 process that averages over all microbatches.
@@ -26,19 +31,156 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from megalite.errors import MegaliteError
-from megalite.parallel import p2p
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.p2p import P2PCommunicator
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+Key = tuple[int, int]  # (model chunk, microbatch)
 
 
 class PipelineScheduleError(MegaliteError, ValueError):
     """A schedule that cannot run with these sizes; the message names the flag."""
+
+
+# ---- the plan: pure index arithmetic ---------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleStep:
+    """One step of a rank's schedule: compute, then ONE batched exchange with the neighbours.
+
+    forward / backward: the (chunk, microbatch) to run, or None. send_next: the
+    forward's output [b, s, h] goes to the next rank; send_prev: the backward's
+    input grad goes to the previous rank. recv_prev / recv_next: the (chunk,
+    microbatch) whose input activation / output grad arrives, or None.
+    """
+
+    forward: Key | None = None
+    backward: Key | None = None
+    send_next: bool = False
+    send_prev: bool = False
+    recv_prev: Key | None = None
+    recv_next: Key | None = None
+
+
+def get_schedule_table(
+    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int
+) -> list[Key]:
+    """Megatron's table: virtual microbatch k -> (microbatch, model chunk), in forward order.
+
+    A group of microbatches runs through chunk 0, then the same group through
+    chunk 1, and so on. m=5, v=2, group 3 (Megatron's example):
+    microbatch 0 1 2 0 1 2 3 4 3 4, chunk 0 0 0 1 1 1 0 0 1 1.
+    """
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        group = range(start, min(start + microbatch_group_size_per_vp_stage, num_microbatches))
+        table += [(i, c) for c in range(num_model_chunks) for i in group]
+    return table
+
+
+def num_warmup_microbatches(p: int, r: int, m: int, v: int = 1, forward_only: bool = False) -> int:
+    """Forwards (of the m*v virtual microbatches) rank r runs before its first backward."""
+    total = m * v
+    if forward_only:
+        return total
+    if v == 1:  # 1F1B: the last stage starts backward at once, each earlier one a forward later
+        return min(p - r - 1, m)
+    if m == p:  # all forwards, then all backwards, on every rank: Megatron until late 2024 (now per rank)
+        return total
+    # Interleaved: (v-1) groups of p on every rank, plus 2 per stage behind this one.
+    return min((p - r - 1) * 2 + (v - 1) * p, total)
+
+
+# A rank's compute order: (forward, backward) per step, each a (chunk, microbatch) or None.
+Compute = tuple[Key | None, Key | None]
+_RECV_ONLY: Compute = (None, None)  # computes nothing: only receives what the next step needs
+
+
+def _one_f_one_b_order(m: int, num_warmup: int, forward_only: bool) -> list[Compute]:
+    """PipeDream-Flush, as Megatron's forward_backward_pipelining_without_interleaving.
+
+    GPipe is the case num_warmup = m. Warm-up and cool-down receive in a step
+    of their own before each forward / backward (Megatron's recv_forward /
+    recv_backward); in the steady state each step receives for the next.
+    """
+    order = [step for i in range(num_warmup) for step in (_RECV_ONLY, ((0, i), None))]
+    if forward_only:  # num_warmup == m
+        return order
+    if num_warmup < m:
+        order.append(_RECV_ONLY)
+    for i in range(m - num_warmup):  # steady state: one forward, one backward
+        order += [((0, num_warmup + i), None), (None, (0, i))]
+    for i in range(m - num_warmup, m):  # cool-down: drain the warm-up microbatches
+        order += [_RECV_ONLY, (None, (0, i))]
+    return order
+
+
+def _interleaved_order(p: int, m: int, v: int, num_warmup: int, forward_only: bool) -> list[Compute]:
+    """Interleaved 1F1B, as Megatron's forward_backward_pipelining_with_interleaving.
+
+    The rank walks virtual microbatches k = 0 .. m*v-1 (``get_schedule_table``
+    with groups of p); backward k runs the same microbatch as forward k, on the
+    chunks in reverse. Steady state: forward k + num_warmup and backward k in one step.
+    """
+    table = get_schedule_table(m, v, p)
+    forwards = [(c, i) for i, c in table]
+    backwards = [(v - 1 - c, i) for i, c in table]
+    total, w = m * v, num_warmup
+    order = [_RECV_ONLY] + [(f, None) for f in forwards[:w]]
+    if forward_only:
+        return order
+    if w == total:  # as Megatron: the first grad then comes in a step of its own
+        order.append(_RECV_ONLY)
+    order += list(zip(forwards[w:], backwards[: total - w]))
+    return order + [(None, b) for b in backwards[total - w :]]
+
+
+def schedule_plan(
+    schedule: str, p: int, r: int, m: int, v: int = 1, forward_only: bool = False
+) -> list[ScheduleStep]:
+    """Rank r's steps for one global batch of m microbatches over v chunks per rank.
+
+    ``forward_backward`` has checked the sizes. With p = 1 every schedule is
+    forward + backward per microbatch (1F1B without warm-up): grad accumulation.
+    """
+    w = num_warmup_microbatches(p, r, m, v, forward_only)
+    if v > 1:
+        return _with_exchanges(_interleaved_order(p, m, v, w, forward_only), p, r, v)
+    if schedule == "gpipe" and p > 1:
+        w = m  # GPipe: every forward before the first backward
+    return _with_exchanges(_one_f_one_b_order(m, w, forward_only), p, r, v)
+
+
+def _with_exchanges(order: list[Compute], p: int, r: int, v: int) -> list[ScheduleStep]:
+    """Each step sends what it computed and receives what the next step computes.
+
+    Except the first virtual stage (chunk 0 of rank 0), which reads data, and
+    the last (chunk v-1 of rank p-1), whose backward starts from the loss.
+    """
+
+    def reads_data(key: Key) -> bool:
+        return r == 0 and key[0] == 0
+
+    def starts_from_loss(key: Key) -> bool:
+        return r == p - 1 and key[0] == v - 1
+
+    return [
+        ScheduleStep(
+            forward=f,
+            backward=b,
+            send_next=f is not None and not starts_from_loss(f),
+            send_prev=b is not None and not reads_data(b),
+            recv_prev=next_f if next_f is not None and not reads_data(next_f) else None,
+            recv_next=next_b if next_b is not None and not starts_from_loss(next_b) else None,
+        )
+        for (f, b), (next_f, next_b) in zip(order, [*order[1:], _RECV_ONLY])
+    ]
 
 
 # ---- memory: Megatron's deallocate_output_tensor ------------------------------------------
@@ -74,66 +216,61 @@ def _backward_from_output(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 # ---- forward / backward of one (chunk, microbatch) ----------------------------------------
-class _Steps:
-    """The per-microbatch work every schedule shares; collects the losses."""
+class MicrobatchRunner:
+    """Forward and backward of one (chunk, microbatch), whatever the schedule.
+
+    Keeps each forward's (input, output) until its backward, collects the
+    losses of the last virtual stage (chunk v-1 of the last rank), and applies
+    the data-parallel rule: every backward of a chunk but its last runs inside
+    ``chunk.no_sync()`` (when the chunk has one, e.g. our
+    DistributedDataParallel), so the DP reduction of its grads happens once.
+    """
 
     def __init__(
         self,
         forward_step_func: Callable,
         microbatches: Sequence,
         chunks: list[nn.Module],
-        num_microbatches: int,
+        is_last_stage: bool,
+        forward_only: bool,
         grad_scale_func: Callable | None,
     ):
-        self.forward_step_func = forward_step_func
-        self.microbatches = microbatches
-        self.chunks = chunks
-        self.num_microbatches = num_microbatches
-        self.grad_scale_func = grad_scale_func
-        self.losses: list[torch.Tensor] = []
-        # Backwards still to run per chunk: the last one syncs DP grads.
-        self._backwards_left = [num_microbatches] * len(chunks)
+        self.forward_step_func, self.microbatches, self.chunks = forward_step_func, microbatches, chunks
+        self.loss_chunk = len(chunks) - 1 if is_last_stage else None
+        self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
+        self.losses: list[torch.Tensor] = []  # detached, in microbatch order
+        self._saved: dict[Key, tuple] = {}  # (chunk, microbatch) -> (input, output) awaiting backward
+        self._backwards_left = [len(microbatches)] * len(chunks)
 
-    def forward(
-        self, chunk_id: int, microbatch_id: int, input_tensor: torch.Tensor | None, computes_loss: bool
-    ) -> torch.Tensor:
-        """Run one chunk on one microbatch; on the loss stage return loss / m."""
+    def forward(self, key: Key, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """Run one chunk on one microbatch: the activation [b, s, h], or loss / m on the loss stage."""
+        chunk_id, microbatch_id = key
         out = self.forward_step_func(self.chunks[chunk_id], self.microbatches[microbatch_id], input_tensor)
-        if not computes_loss:
-            return out
-        if not isinstance(out, torch.Tensor) or out.numel() != 1:
-            raise ValueError(
-                "forward_step_func must return the scalar loss of the microbatch on the last "
-                f"pipeline stage's last model chunk, got {type(out).__name__}"
-                + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
-            )
-        self.losses.append(out.detach())
-        return out / self.num_microbatches
+        if chunk_id == self.loss_chunk:
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise ValueError(
+                    "forward_step_func must return the scalar loss of the microbatch on the last "
+                    f"pipeline stage's last model chunk, got {type(out).__name__}"
+                    + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
+                )
+            self.losses.append(out.detach())
+            out = out / len(self.microbatches)
+        if not self.forward_only:
+            self._saved[key] = (input_tensor, out)
+        return out
 
-    def backward(
-        self,
-        chunk_id: int,
-        input_tensor: torch.Tensor | None,
-        output_tensor: torch.Tensor,
-        output_grad: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Backward of one microbatch through one chunk; returns the grad of its input.
-
-        Every backward of a chunk except its last runs inside ``chunk.no_sync()``
-        (when the chunk has one, e.g. our DistributedDataParallel), so the
-        data-parallel reduction of its grads happens once, on the last microbatch.
-        """
+    def backward(self, key: Key, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of one forward; returns the grad of its input [b, s, h] (None on the first stage)."""
+        chunk_id, _ = key
+        input_tensor, output = self._saved.pop(key)
         chunk = self.chunks[chunk_id]
         self._backwards_left[chunk_id] -= 1
         defer_sync = self._backwards_left[chunk_id] > 0 and hasattr(chunk, "no_sync")
         with chunk.no_sync() if defer_sync else contextlib.nullcontext():
-            if output_grad is None:  # the loss stage: output_tensor is loss / m
-                loss = output_tensor
-                if self.grad_scale_func is not None:
-                    loss = self.grad_scale_func(loss)
-                torch.autograd.backward(loss)
+            if output_grad is None:  # the loss stage: output is loss / m
+                torch.autograd.backward(self.grad_scale_func(output) if self.grad_scale_func else output)
             else:
-                _backward_from_output(output_tensor, output_grad)
+                _backward_from_output(output, output_grad)
         if input_tensor is None:
             return None
         if input_tensor.grad is None:
@@ -143,205 +280,28 @@ class _Steps:
         return input_tensor.grad
 
 
-def _received(x: torch.Tensor | None, forward_only: bool) -> torch.Tensor | None:
-    """A received activation becomes a leaf whose .grad is the grad to send back."""
-    if x is not None and not forward_only:
-        x.requires_grad_()
-    return x
-
-
-# ---- the schedules ---------------------------------------------------------------------------
-def _no_pipelining(steps: _Steps, m: int, forward_only: bool) -> None:
-    for i in range(m):
-        loss = steps.forward(0, i, None, computes_loss=True)
-        if not forward_only:
-            steps.backward(0, None, loss, None)
-
-
-def _gpipe(steps: _Steps, m: int, mesh: Mesh, shape, dtype, forward_only: bool) -> None:
-    inputs, outputs = [], []
-    for i in range(m):
-        x = _received(p2p.recv_forward(shape, dtype, mesh), forward_only)
-        y = steps.forward(0, i, x, computes_loss=mesh.is_last_stage)
-        p2p.send_forward(y, shape, dtype, mesh)
-        if not forward_only:
-            inputs.append(x)
-            outputs.append(y)
-            if not mesh.is_last_stage:
-                _free_output(y)
-    if forward_only:
-        return
-    for _ in range(m):
-        g = p2p.recv_backward(shape, dtype, mesh)
-        gx = steps.backward(0, inputs.pop(0), outputs.pop(0), g)
-        p2p.send_backward(gx, shape, dtype, mesh)
-
-
-def _one_f_one_b(steps: _Steps, m: int, mesh: Mesh, shape, dtype, forward_only: bool) -> None:
-    """PipeDream-Flush, following Megatron's forward_backward_pipelining_without_interleaving."""
-    last = mesh.is_last_stage
-    num_warmup = min(mesh.pp_size - mesh.pp_rank - 1, m)
-    num_steady = m - num_warmup
-    inputs, outputs = [], []  # microbatches waiting for their backward, oldest first
-
-    for i in range(num_warmup):
-        x = _received(p2p.recv_forward(shape, dtype, mesh), forward_only)
-        y = steps.forward(0, i, x, computes_loss=last)
-        p2p.send_forward(y, shape, dtype, mesh)
-        if not forward_only:
-            inputs.append(x)
-            outputs.append(y)
-            _free_output(y)
-
-    x = _received(p2p.recv_forward(shape, dtype, mesh), forward_only) if num_steady > 0 else None
-    for i in range(num_steady):
-        final = i == num_steady - 1
-        y = steps.forward(0, num_warmup + i, x, computes_loss=last)
-        if forward_only:
-            p2p.send_forward(y, shape, dtype, mesh)
-            if not final:
-                x = p2p.recv_forward(shape, dtype, mesh)
-            continue
-        g = p2p.send_forward_recv_backward(y, shape, dtype, mesh)
-        inputs.append(x)
-        outputs.append(y)
-        if not last:
-            _free_output(y)
-        gx = steps.backward(0, inputs.pop(0), outputs.pop(0), g)
-        if final:
-            p2p.send_backward(gx, shape, dtype, mesh)
-        else:
-            x = _received(p2p.send_backward_recv_forward(gx, shape, dtype, mesh), forward_only)
-
-    if forward_only:
-        return
-    for _ in range(num_warmup):  # cool-down: drain the warm-up microbatches
-        g = p2p.recv_backward(shape, dtype, mesh)
-        gx = steps.backward(0, inputs.pop(0), outputs.pop(0), g)
-        p2p.send_backward(gx, shape, dtype, mesh)
-
-
-def _interleaved(steps: _Steps, m: int, mesh: Mesh, shape, dtype, forward_only: bool) -> None:
-    """Interleaved 1F1B, following Megatron's forward_backward_pipelining_with_interleaving.
-
-    The rank walks "virtual microbatches" k = 0 .. m*v-1: groups of p
-    microbatches go through chunk 0, then the same p through chunk 1, ...; the
-    backward order visits the chunks in reverse. Every step ends with one
-    batched exchange with both neighbours, so all ranks stay in lock-step.
-    """
-    p, r, v = mesh.pp_size, mesh.pp_rank, len(steps.chunks)
-    total = m * v
-    first_rank, last_rank = r == 0, r == p - 1
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (p * v)) // p
-        return c if forward else v - 1 - c
-
-    def microbatch_of(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
-    def is_first_virtual(c: int) -> bool:
-        return first_rank and c == 0
-
-    def is_last_virtual(c: int) -> bool:
-        return last_rank and c == v - 1
-
-    all_warmup = False
-    if forward_only:
-        num_warmup = total
-    elif m == p:  # as Megatron: with m == p, all forwards then all backwards
-        num_warmup, all_warmup = total, True
-    else:
-        num_warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-    num_steady = total - num_warmup
-
-    inputs: list[list] = [[] for _ in range(v)]
-    outputs: list[list] = [[] for _ in range(v)]
-    output_grads: list[list] = [[] for _ in range(v)]
-
-    def forward_k(k: int) -> torch.Tensor:
-        c = chunk_of(k, forward=True)
-        if is_first_virtual(c) and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)
-        y = steps.forward(c, microbatch_of(k), inputs[c][-1], computes_loss=is_last_virtual(c))
-        outputs[c].append(y)
-        if forward_only:  # nothing kept for a backward that will not come
-            inputs[c].pop()
-            outputs[c].pop()
-        return y
-
-    def backward_k(k: int) -> torch.Tensor | None:
-        c = chunk_of(k, forward=False)
-        if is_last_virtual(c) and not output_grads[c]:
-            output_grads[c].append(None)
-        return steps.backward(c, inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
-
-    inputs[0].append(_received(p2p.recv_forward(shape, dtype, mesh), forward_only))
-
-    for k in range(num_warmup):
-        y = forward_k(k)
-        next_c = chunk_of(k + 1, forward=True)
-        recv_prev = not (first_rank and next_c == 0) and k != total - 1
-        send = None if is_last_virtual(chunk_of(k, forward=True)) else y
-        if k == num_warmup - 1 and not forward_only and not all_warmup:
-            x, g = p2p.send_forward_backward_recv_forward_backward(
-                send, None, recv_prev, not last_rank, shape, dtype, mesh
-            )
-            output_grads[v - 1].append(g)
-        else:
-            x = p2p.send_forward_recv_forward(send, recv_prev, shape, dtype, mesh)
-        inputs[next_c].append(_received(x, forward_only))
-        if not forward_only and send is not None:
-            _free_output(send)
-
-    for i in range(num_steady):
-        fk, bk = num_warmup + i, i
-        y = forward_k(fk)
-        gx = backward_k(bk)
-        send = None if is_last_virtual(chunk_of(fk, forward=True)) else y
-        send_grad = None if is_first_virtual(chunk_of(bk, forward=False)) else gx
-
-        # Where the incoming tensors belong. The first rank runs p-1 virtual
-        # microbatches ahead of the last, so what arrives from the last rank
-        # is the output of its chunk for virtual microbatch fk - (p-1).
-        recv_prev = True
-        if first_rank:
-            next_fc = chunk_of(fk - (p - 1), forward=True)
-            recv_prev = next_fc != v - 1  # the last rank's last chunk sends nothing
-            next_fc += 1
-        else:
-            next_fc = chunk_of(fk + 1, forward=True)
-        recv_next = True
-        if last_rank:
-            next_bc = chunk_of(bk - (p - 1), forward=False)
-            recv_next = next_bc != 0
-            next_bc -= 1
-        else:
-            next_bc = chunk_of(bk + 1, forward=False)
-        if i == num_steady - 1:
-            recv_prev = False
-
-        x, g = p2p.send_forward_backward_recv_forward_backward(
-            send, send_grad, recv_prev, recv_next, shape, dtype, mesh
+def _run_plan(plan: list[ScheduleStep], runner: MicrobatchRunner, comm: P2PCommunicator) -> None:
+    """Walk the plan: each step's forward and / or backward, then its one exchange."""
+    inputs: dict[Key, torch.Tensor] = {}  # activations received for a forward still to run
+    output_grads: dict[Key, torch.Tensor] = {}  # grads received for a backward still to run
+    for step in plan:
+        output = input_grad = None
+        if step.forward is not None:  # no input: the first virtual stage reads its data
+            output = runner.forward(step.forward, inputs.pop(step.forward, None))
+        if step.backward is not None:  # no grad: the loss stage
+            input_grad = runner.backward(step.backward, output_grads.pop(step.backward, None))
+        x, g = comm.send_forward_backward_recv_forward_backward(
+            output if step.send_next else None,
+            input_grad if step.send_prev else None,
+            recv_prev=step.recv_prev is not None,
+            recv_next=step.recv_next is not None,
         )
-        if send is not None:
-            _free_output(send)
-        if recv_prev:
-            inputs[next_fc].append(_received(x, forward_only))
-        if recv_next:
-            output_grads[next_bc].append(g)
-
-    if forward_only:
-        return
-    if all_warmup:
-        output_grads[v - 1].append(p2p.recv_backward(shape, dtype, mesh))
-    for k in range(num_steady, total):
-        gx = backward_k(k)
-        send_grad = None if is_first_virtual(chunk_of(k, forward=False)) else gx
-        next_bc = chunk_of(k + 1, forward=False)
-        recv_next = not (last_rank and next_bc == v - 1) and k != total - 1
-        g = p2p.send_backward_recv_backward(send_grad, recv_next, shape, dtype, mesh)
-        output_grads[next_bc].append(g)
+        if step.send_next and not runner.forward_only:
+            _free_output(output)
+        if step.recv_prev is not None:  # a leaf whose .grad will be the grad to send back
+            inputs[step.recv_prev] = x if runner.forward_only else x.requires_grad_()
+        if step.recv_next is not None:
+            output_grads[step.recv_next] = g
 
 
 # ---- entry point -----------------------------------------------------------------------------
@@ -410,15 +370,10 @@ def forward_backward(
             f"change the batch sizes or drop --num-layers-per-virtual-pipeline-stage"
         )
 
-    steps = _Steps(forward_step_func, microbatches, chunks, m, grad_scale_func)
-    shape = tuple(tensor_shape)
+    runner = MicrobatchRunner(
+        forward_step_func, microbatches, chunks, mesh.is_last_stage, forward_only, grad_scale_func
+    )
+    plan = schedule_plan(schedule, p, mesh.pp_rank, m, v, forward_only)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        if p == 1:
-            _no_pipelining(steps, m, forward_only)
-        elif v > 1:
-            _interleaved(steps, m, mesh, shape, dtype, forward_only)
-        elif schedule == "gpipe":
-            _gpipe(steps, m, mesh, shape, dtype, forward_only)
-        else:  # "1f1b", or "interleaved" with a single chunk (nothing to interleave)
-            _one_f_one_b(steps, m, mesh, shape, dtype, forward_only)
-    return steps.losses if mesh.is_last_stage else []
+        _run_plan(plan, runner, P2PCommunicator(mesh, tensor_shape, dtype))
+    return runner.losses if mesh.is_last_stage else []
