@@ -70,7 +70,7 @@ def _training_vs_load_model_logits(argv, ckpt):
 
     from megalite.arguments import parse_args
     from megalite.checkpoint import load_checkpoint, load_model
-    from megalite.parallel import p2p
+    from megalite.parallel.p2p import P2PCommunicator
     from megalite.training import setup
 
     state = setup(parse_args(argv))
@@ -82,9 +82,9 @@ def _training_vs_load_model_logits(argv, ckpt):
     if mesh.is_first_stage:
         out = chunk(input_ids=tokens)
     else:
-        out = chunk(input_tensor=p2p.recv_forward(shape, torch.float32, mesh))
+        out = chunk(input_tensor=P2PCommunicator(mesh, shape, torch.float32).recv_forward())
     if not mesh.is_last_stage:
-        p2p.send_forward(out, shape, torch.float32, mesh)
+        P2PCommunicator(mesh, shape, torch.float32).send_forward(out)
         return None
     pieces = [torch.empty_like(out) for _ in range(mesh.tp_size)]
     dist.all_gather(pieces, out.contiguous(), group=mesh.tp_group)

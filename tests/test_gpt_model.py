@@ -6,12 +6,12 @@ Vocab 100 with make_vocab_size_divisible_by=8 pads to 104 (TP=1), 112 (TP=2) and
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import gather_full, gather_tp
 
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.parallel.param_attributes import is_shared_embedding, is_tensor_parallel, partition_dim
+from megalite.parallel.param_attributes import is_shared_embedding
 from megalite.parallel.random import TensorParallelRNG
 from megalite.testing import run_distributed
 
@@ -47,23 +47,6 @@ def batch(b=2, s=8, seed=0):
     labels[1, :3] = torch.tensor([V - 1, 0, 63])
     weights = torch.rand(b, s, generator=g)  # a non-uniform loss makes every grad entry count
     return ids, labels, weights
-
-
-def gather_full(t: torch.Tensor, param: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
-    """The logical full tensor of ``t`` (a param or its grad): TP shards concatenated in rank order."""
-    if not is_tensor_parallel(param) or mesh.tp_size == 1:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, t.detach().contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=partition_dim(param))
-
-
-def gather_vocab(logits: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    if mesh.tp_size == 1:
-        return logits.detach()
-    parts = [torch.empty_like(logits) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, logits.detach().contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=-1)
 
 
 def max_diff(a, b):
@@ -102,7 +85,7 @@ def _tp_parity(tp):
             d_init = max(d_init, max_diff(full, ref_params[name][: full.shape[0]]))
 
         # Logits on real tokens, gathered over the vocab shards.
-        logits_ref, logits = ref(ids), gather_vocab(par(ids), mesh)
+        logits_ref, logits = ref(ids), gather_tp(par(ids).detach(), -1, mesh)
         assert logits.shape == (2, 8, vpad) and par(ids).shape == (2, 8, vpad // tp)
         torch.testing.assert_close(logits[..., :V], logits_ref[..., :V], **TOL)
 

@@ -198,13 +198,14 @@ def _at_tp2_pp2(folders, ids, labels, pretrain_runs):
 
     Then continue pretraining from each (``pretrain_runs``: pretrain_gpt.py's flags).
     """
-    import torch.distributed as dist
+
+    from conftest import gather_tp
 
     from megalite.checkpoint import files, storage
     from megalite.checkpoint.checkpointing import model_pieces, zero_vocab_padding
     from megalite.model import build_model_chunks
-    from megalite.parallel import p2p
     from megalite.parallel.mesh import initialize_model_parallel
+    from megalite.parallel.p2p import P2PCommunicator
 
     mesh = initialize_model_parallel(2, 2)
     out = []
@@ -218,15 +219,13 @@ def _at_tp2_pp2(folders, ids, labels, pretrain_runs):
         shape = (*ids.shape, config.hidden_size)
         with torch.no_grad():
             if mesh.is_first_stage:
-                p2p.send_forward(model(ids), shape, torch.float32, mesh)
+                P2PCommunicator(mesh, shape, torch.float32).send_forward(model(ids))
                 out.append(None)
                 continue
-            hidden = p2p.recv_forward(shape, torch.float32, mesh)
+            hidden = P2PCommunicator(mesh, shape, torch.float32).recv_forward()
             local = model(input_tensor=hidden)  # [b, s, V_pad/2]
-            parts = [torch.empty_like(local) for _ in range(mesh.tp_size)]
-            dist.all_gather(parts, local.contiguous(), group=mesh.tp_group)
             loss = model(input_tensor=hidden, labels=labels)
-            out.append((torch.cat(parts, dim=-1)[..., : config.vocab_size], loss))
+            out.append((gather_tp(local, -1, mesh)[..., : config.vocab_size], loss))
     _pretrain(pretrain_runs)
     return out
 

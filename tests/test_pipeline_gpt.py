@@ -10,16 +10,14 @@ schedule, m = pp and m > pp.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
+from conftest import gather_full, one_thread
 
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.parallel.param_attributes import grad_of, is_shared_embedding, is_tensor_parallel, partition_dim
+from megalite.parallel.param_attributes import grad_of, is_shared_embedding
 from megalite.parallel.schedules import forward_backward
 from megalite.testing import run_distributed
 
@@ -59,18 +57,6 @@ def forward_step(chunk, mb, input_tensor):
     return out.mean() if gpt.post_process else out  # per-token loss [b, s] -> microbatch mean
 
 
-@contextlib.contextmanager
-def one_thread():
-    # The reference runs in the pytest process; a second OpenMP thread on a busy 2-core box
-    # makes these tiny matmuls ~10x slower, not faster.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @one_thread()
 def reference(config: ModelConfig, m: int, dp_rank: int):
     model = GPTModel(config, Mesh.single())
@@ -84,12 +70,7 @@ def reference(config: ModelConfig, m: int, dp_rank: int):
 
 def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """The logical (unsharded) grad: TP shards concatenated along partition_dim in TP-rank order."""
-    g = grad_of(p).detach().contiguous()
-    if not is_tensor_parallel(p) or mesh.tp_size == 1:
-        return g
-    parts = [torch.empty_like(g) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, g, group=mesh.tp_group)
-    return torch.cat(parts, dim=partition_dim(p))
+    return gather_full(grad_of(p), p, mesh)
 
 
 CASES = [  # (schedule, vp, m as a multiple of pp, extra, recompute_activations)

@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import one_thread
 from torch import nn
 
 from megalite.parallel import p2p
@@ -140,15 +141,6 @@ def build_chunks(mesh: Mesh, vp: int, first=None, last=None, cls=ToyChunk):
 
 
 # ---- the single-process reference ------------------------------------------------------------
-@contextlib.contextmanager
-def one_thread():
-    # The reference runs in the pytest process; extra OpenMP threads only slow tiny matmuls.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @one_thread()
@@ -433,9 +425,9 @@ def test_bad_schedules_name_the_flag():
 def test_p2p_refuses_a_tensor_of_the_wrong_shape():
     mesh = _fake_mesh(2, 0)
     with pytest.raises(ValueError, match=r"tensor_shape=\(2, 3, 8\).*--seq-length"):
-        p2p.send_forward(torch.zeros(2, 4, 8), (2, 3, 8), torch.float32, mesh)
+        p2p.P2PCommunicator(mesh, (2, 3, 8), torch.float32).send_forward(torch.zeros(2, 4, 8))
     with pytest.raises(ValueError, match="torch.bfloat16"):
-        p2p.send_forward(torch.zeros(2, 3, 8), (2, 3, 8), torch.bfloat16, mesh)
+        p2p.P2PCommunicator(mesh, (2, 3, 8), torch.bfloat16).send_forward(torch.zeros(2, 3, 8))
 
 
 # ---- the schedules' timing, on a model of the communication ------------------------------------
@@ -749,6 +741,6 @@ def test_p2p_posts_one_batch_forward_direction_first(monkeypatch):
     assert torch.equal(ops[0][2], act) and torch.equal(ops[2][2], grad)
     assert ops[1][2] is x and ops[3][2] is g and x.shape == g.shape == (B, S, H)
     # The stage-aware calls (here through the one-tensor helpers) do nothing past the first / last stage.
-    assert p2p.recv_forward((B, S, H), torch.float32, _fake_mesh(3, 0)) is None
-    p2p.send_forward(act, (B, S, H), torch.float32, _fake_mesh(3, 2))
+    assert p2p.P2PCommunicator(_fake_mesh(3, 0), (B, S, H), torch.float32).recv_forward() is None
+    p2p.P2PCommunicator(_fake_mesh(3, 2), (B, S, H), torch.float32).send_forward(act)
     assert len(batches) == 1

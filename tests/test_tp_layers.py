@@ -9,8 +9,8 @@ test) and gradients are gathered back before comparing.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import gather_tp
 from torch import nn
 
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -46,14 +46,6 @@ def shard(full, dim, mesh):
     return full.chunk(mesh.tp_size, dim=dim)[mesh.tp_rank].clone()
 
 
-def gather(t, dim, mesh):
-    if mesh.tp_size == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, t.contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=dim)
-
-
 def load_from(layer, ref, mesh):
     """Copy the reference's full parameters into the layer's shards."""
     with torch.no_grad():
@@ -67,9 +59,9 @@ def check_grads(layer, ref, mesh):
     for name, p in layer.named_parameters():
         want = getattr(ref, name).grad
         if p.tensor_model_parallel:
-            close(gather(p.grad, p.partition_dim, mesh), want)
+            close(gather_tp(p.grad, p.partition_dim, mesh), want)
         else:
-            for copy in gather(p.grad.unsqueeze(0), 0, mesh):
+            for copy in gather_tp(p.grad.unsqueeze(0), 0, mesh):
                 close(copy, want)
 
 
@@ -276,14 +268,14 @@ def init_fulls(mesh):
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
             init_param_from_full(p, fn, g, mesh.tp_rank, mesh.tp_size)
-            full = gather(p.data, p.partition_dim, mesh) if p.tensor_model_parallel else p.data
+            full = gather_tp(p.data, p.partition_dim, mesh) if p.tensor_model_parallel else p.data
             assert full.shape == logical_shape(p, mesh.tp_size) and full.dtype == p.dtype
             out[f"{i}.{name}"] = full
     out["generator_after"] = torch.rand(4, generator=g)  # advanced alike for every TP size
     torch.manual_seed(7)  # default init draws the full tensor from the global CPU RNG
     col = ColumnParallelLinear(16, 32, mesh)
-    out["default_init.weight"] = gather(col.weight.data, 0, mesh)
-    out["default_init.bias"] = gather(col.bias.data, 0, mesh)
+    out["default_init.weight"] = gather_tp(col.weight.data, 0, mesh)
+    out["default_init.bias"] = gather_tp(col.bias.data, 0, mesh)
     return out
 
 

@@ -111,14 +111,3 @@ class P2PCommunicator:
                 f"--hidden-size and the params dtype); every stage must output [b, s, h] of that shape"
             )
         return tensor.detach().contiguous()
-
-
-# ---- one tensor, outside a schedule (tests and tools that run a pipelined forward by hand) ----
-def recv_forward(tensor_shape: Shape, dtype: torch.dtype, mesh: Mesh) -> torch.Tensor | None:
-    """Activation [b, s, h] from the previous stage; None on the first stage."""
-    return P2PCommunicator(mesh, tensor_shape, dtype).recv_forward()
-
-
-def send_forward(output: torch.Tensor | None, tensor_shape: Shape, dtype: torch.dtype, mesh: Mesh) -> None:
-    """Send this stage's output [b, s, h] to the next stage (no-op on the last stage)."""
-    P2PCommunicator(mesh, tensor_shape, dtype).send_forward(output)
