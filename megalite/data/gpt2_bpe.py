@@ -42,7 +42,9 @@ _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+
 
 # The same splits written for tiktoken's regex engine (tiktoken's own r50k/gpt2 pattern):
 # possessive runs and "\s++$|\s+(?!\S)|\s" instead of "\s+(?!\S)|\s+" avoid backtracking.
-_GPT2_PATTERN_TIKTOKEN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+_GPT2_PATTERN_TIKTOKEN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
 
 
 def _category_class(major: str) -> str:

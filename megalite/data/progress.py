@@ -93,7 +93,9 @@ class Progress:
         done = self.done / self.scale
         parts = [f"{self.desc}:"]
         if self.total:
-            parts.append(f"{100 * self.done / self.total:3.0f}% {_human(done)}/{_human(self.total / self.scale)}")
+            parts.append(
+                f"{100 * self.done / self.total:3.0f}% {_human(done)}/{_human(self.total / self.scale)}"
+            )
         else:
             parts.append(_human(done))
         parts[-1] += f" {self.unit} ({_human(done / elapsed)} {self.unit}/s)".replace("  ", " ")
@@ -117,9 +119,10 @@ class Progress:
             if self._drawn or now - self.start >= 0.5:
                 self._draw(now)
                 print(file=self.file, flush=True)
-        elif self._drawn or now - self.start >= self.quiet_seconds:
-            if not (self.total and self._next_fraction > 1.0 + 1e-9 and self._drawn):
-                self._draw(now)  # the final line, unless the 100% line was just printed
+        elif (self._drawn or now - self.start >= self.quiet_seconds) and not (
+            self.total and self._next_fraction > 1.0 + 1e-9 and self._drawn
+        ):
+            self._draw(now)  # the final line, unless the 100% line was just printed
 
     def __enter__(self) -> Progress:
         return self
