@@ -27,6 +27,8 @@ from megalite.data.gpt_dataset import DatasetError, cached_arrays
 from megalite.data.native import load_native_blending
 from megalite.data.progress import Progress
 
+_CHUNK = 1 << 24  # samples per progress step (compiled loop; 1/16 of it for the Python loop)
+
 
 def _greedy_loop(w: list[float], counts: list[int], t_start: int, n_steps: int, dataset_index, sample_index):
     """The rule in Python, one sample at a time (Megatron's C++ loop, transcribed), for
@@ -62,7 +64,7 @@ def build_blending_indices(
     counts = np.zeros(len(w), np.int64)
     run = load_native_blending() if native else None
     # chunks only to report progress; each continues from the counts the last one left
-    chunk = (1 << 24) if run is not None else (1 << 20)
+    chunk = _CHUNK if run is not None else max(_CHUNK >> 4, 1)
     with Progress("blending index", total=size, unit="samples", enabled=progress) as bar:
         for t0 in range(0, size, chunk):
             n = min(chunk, size - t0)
