@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megalite.arguments import model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.data import build_pretraining_data_loader, build_tokenizer, build_train_valid_test_datasets
+from megalite.data.tokenizers import tokenizer_kwargs
 from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
 from megalite.model.config import ModelConfig
 from megalite.optim import OptimizerParamScheduler, build_optimizer
@@ -99,13 +100,7 @@ def count_parameters(model_chunks: list, mesh: Mesh) -> tuple[int, int]:
 def setup(args: argparse.Namespace) -> TrainState:
     mesh = initialize_distributed(args)
     rng = set_random_seed(args.seed, mesh, mesh.device)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+    tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
         config,
