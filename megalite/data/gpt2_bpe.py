@@ -234,8 +234,9 @@ def tiktoken_encoding(bpe: GPT2BPE, merges: list[tuple[str, str]]):
         import tiktoken
     except ImportError:
         return None
-    b2u_inv = bpe.byte_decoder
-    to_bytes = lambda s: bytes(b2u_inv[c] for c in s)
+    # symbol -> bytes at C speed: map each printable stand-in back to chr(byte), then latin-1
+    table = str.maketrans({u: chr(b) for u, b in bpe.byte_decoder.items()})
+    to_bytes = lambda s: s.translate(table).encode("latin-1")
     # tiktoken compares merge *results* by rank; single bytes never compete, so any
     # distinct values do for them. Use the vocabulary ids when they grow with the
     # merge order (GPT-2's layout, and any BPE trainer's), so no id remapping is needed.

@@ -314,8 +314,12 @@ def build_tokenizer(
     tiktoken_pattern: str | None = None,
     tiktoken_num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     tiktoken_special_tokens: list[str] | None = None,
+    gpt2_bpe_backend: str | None = None,
 ) -> Tokenizer:
-    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags."""
+    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags.
+
+    ``gpt2_bpe_backend`` (``"tiktoken"`` / ``"python"``) pins GPT2BPETokenizer's encoder (benchmarks, tests).
+    """
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(
@@ -325,6 +329,7 @@ def build_tokenizer(
         return GPT2BPETokenizer(
             _need_file(vocab_file, "--vocab-file", kind, "vocab.json"),
             _need_file(merge_file, "--merge-file", kind, "merges.txt"),
+            backend=gpt2_bpe_backend,
         )
     if kind == "TikTokenizer":
         return TikTokenizer(
