@@ -67,7 +67,12 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.model_file = model_file
-        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as err:
+            raise TokenizerError(
+                f"--tokenizer-model {model_file}: not a sentencepiece model ({str(err).splitlines()[0][:120]})"
+            ) from None
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
