@@ -198,8 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--tokenizer-type",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+        choices=[
+            "NullTokenizer",
+            "SentencePieceTokenizer",
+            "GPT2BPETokenizer",
+            "TikTokenizer",
+            "HuggingFaceTokenizer",
+        ],
         default="NullTokenizer",
+    )
+    g.add_argument(
+        "--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer split pattern."
+    )
+    g.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids before the file's tokens.",
+    )
+    g.add_argument(
+        "--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: with <unk> <s> </s>."
     )
     g.add_argument("--tokenizer-model", default=None, help="sentencepiece model or HF tokenizer directory.")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")

@@ -1,17 +1,22 @@
-"""Tokenizers: GPT-2 BPE against transformers' GPT2Tokenizer, sentencepiece, HF, Null, errors."""
+"""Tokenizers: GPT-2 BPE (tiktoken and Python) against transformers' GPT2Tokenizer, TikTokenizer, sentencepiece,
+HF, Null, errors."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
+from megalite.data import gpt2_bpe
 from megalite.data.gpt2_bpe import GPT2BPE, bytes_to_unicode, compile_pretokenizer
-from megalite.data.tokenizers import TokenizerError, build_tokenizer
+from megalite.data.optional import MissingExtraError
+from megalite.data.tokenizer_training import write_megatron_tiktoken
+from megalite.data.tokenizers import TIKTOKEN_PATTERNS, GPT2BPETokenizer, TokenizerError, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +124,7 @@ def test_huggingface_tokenizer_from_local_dir(gpt2_files, tmp_path):
     vocab_file, merge_file, vocab = gpt2_files
     transformers.GPT2Tokenizer(vocab=vocab_file, merges=merge_file).save_pretrained(tmp_path)
     hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert hf._tok.is_fast  # the Rust tokenizer, converted from the slow files
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
     assert hf.vocab_size == len(vocab) and hf.eod == vocab["<|endoftext|>"]
     texts = [s for s in STRINGS if s]
@@ -186,3 +192,102 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path, gpt2_files):
     for kwargs, flag in cases:
         with pytest.raises(TokenizerError, match=flag):
             build_tokenizer(**kwargs)
+
+
+def _words(seed: int, n: int, length: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = sorted(set(TRAIN_TEXT.replace(" ", "").replace("\n", "")))
+    return ["".join(rng.choice(alphabet[:30]) for _ in range(length)) for _ in range(n)]
+
+
+def test_gpt2_bpe_backends_agree_and_long_words_are_not_quadratic(gpt2_files, monkeypatch):
+    vocab_file, merge_file, _ = gpt2_files
+    pytest.importorskip("tiktoken")
+    fast = GPT2BPETokenizer(vocab_file, merge_file)
+    slow = GPT2BPETokenizer(vocab_file, merge_file, backend="python")
+    assert fast.backend == "tiktoken" and slow.backend == "python"
+    texts = STRINGS + [TRAIN_TEXT, "<|endoftext|> is text here"]
+    assert fast.tokenize_batch(texts) == slow.tokenize_batch(texts) == [fast.tokenize(t) for t in texts]
+    # the heap-driven merge (long words) equals OpenAI's loop, word by word
+    bpe = slow._bpe
+    for word in _words(0, 20, 300) + ["aaaa" * 100, "ab" * 200]:
+        mapped = "".join(bpe.byte_encoder[b] for b in word.encode())
+        monkeypatch.setattr(gpt2_bpe, "_LONG_WORD", 10**9)  # force the quadratic loop as the reference
+        reference = bpe._bpe(mapped)
+        monkeypatch.setattr(gpt2_bpe, "_LONG_WORD", 256)
+        assert bpe._bpe_heap(mapped) == reference
+    blob = "".join(_words(1, 1, 20_000))  # a minified line / base64 blob: one 20k-char word
+    assert slow.tokenize(blob) == fast.tokenize(blob)
+    # without tiktoken the Python encoder is used, same ids
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    fallback = GPT2BPETokenizer(vocab_file, merge_file)
+    assert fallback.backend == "python" and fallback.tokenize_batch(texts) == slow.tokenize_batch(texts)
+    with pytest.raises(MissingExtraError, match=r"megalite\[data\]"):
+        GPT2BPETokenizer(vocab_file, merge_file, backend="tiktoken")
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(gpt2_files, tmp_path_factory):
+    _, merge_file, _ = gpt2_files
+    path = str(tmp_path_factory.mktemp("tiktoken") / "tok.json")
+    n = write_megatron_tiktoken(merge_file, path)
+    return path, n
+
+
+def test_tiktokenizer_megatron_layout_and_round_trip(tiktoken_file, gpt2_files):
+    pytest.importorskip("tiktoken")
+    path, n = tiktoken_file
+    for pattern in ("v1", "v2"):
+        tok = build_tokenizer(
+            "TikTokenizer", tokenizer_model=path, tiktoken_pattern=pattern, vocab_size=n + 1000
+        )
+        assert tok.vocab_size == n + 1000 and tok.eod == 2 and tok.bos == 1
+        assert (
+            tok.special_tokens[:4] == ["<unk>", "<s>", "</s>", "<SPECIAL_3>"]
+            and len(tok.special_tokens) == 1000
+        )
+        assert tok.detokenize([2]) == "</s>"
+        for s in STRINGS + [TRAIN_TEXT, "<|endoftext|> </s> stays text"]:
+            ids = tok.tokenize(s)
+            assert all(1000 <= i < tok.vocab_size for i in ids)  # special tokens are never parsed from text
+            assert tok.detokenize(ids) == s
+        # the file's token of rank r is id r + num_special_tokens: single bytes first
+        assert tok.tokenize("A") == [1000 + ord("A")]
+    small = build_tokenizer(
+        "TikTokenizer",
+        tokenizer_model=path,
+        tiktoken_pattern="v2",
+        vocab_size=n + 10,
+        tiktoken_num_special_tokens=10,
+    )
+    assert small.tokenize("A") == [10 + ord("A")] and small.eod == 2
+    cases = [
+        (dict(tiktoken_pattern=None, vocab_size=n + 1000), "--tiktoken-pattern"),
+        (
+            dict(tiktoken_pattern="v2"),
+            f"pass --vocab-size {n + 1000}",
+        ),  # Megatron's default 131072 is too big
+        (
+            dict(tiktoken_pattern="v2", vocab_size=n + 1000, tiktoken_special_tokens=["<s>"]),
+            "--tiktoken-special",
+        ),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(TokenizerError, match=match):
+            build_tokenizer("TikTokenizer", tokenizer_model=path, **kwargs)
+
+
+def test_tiktoken_patterns_are_megatrons():
+    try:
+        from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer as mcore
+    except Exception:
+        pytest.skip("megatron-core is not installed")
+    assert TIKTOKEN_PATTERNS == {"v1": mcore._PATTERN_TIKTOKEN_V1, "v2": mcore._PATTERN_TIKTOKEN_V2}
+
+
+def test_tiktokenizer_needs_the_data_extra(tiktoken_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    with pytest.raises(
+        MissingExtraError, match=r"--tokenizer-type TikTokenizer needs `tiktoken`.*megalite\[data\]"
+    ):
+        build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_file[0], tiktoken_pattern="v2")

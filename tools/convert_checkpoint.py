@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from megalite.checkpoint import files as ckpt_files  # noqa: E402
 from megalite.checkpoint import hf  # noqa: E402
+from megalite.data.progress import Progress  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,6 +132,8 @@ def convert(args: argparse.Namespace) -> None:
         raise ConvertError(f"--output {args.output} exists and is not an empty directory; pick a new one")
     max_shard = parse_size(args.max_shard_size)
     start = time.perf_counter()
+    # read, convert, write: a live line on a terminal, one line per step in logs
+    bar = Progress("convert", total=3, unit="steps", quiet_seconds=0)
 
     if args.input_format == "hf":
         log(f"reading transformers checkpoint {args.input}")
@@ -140,6 +143,7 @@ def convert(args: argparse.Namespace) -> None:
         step = "latest" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
         log(f"reading megalite checkpoint {args.input} ({step})")
         state, config = read_megalite(args.input, args.ckpt_step)
+    bar.update(1)
     if args.dtype is not None:
         state = {k: v.to(DTYPES[args.dtype]) for k, v in state.items()}
     n_params = sum(t.numel() for t in state.values())
@@ -147,13 +151,17 @@ def convert(args: argparse.Namespace) -> None:
 
     if args.output_format == "hf":
         hf_state, hf_config = hf.megalite_to_hf(state, config)
+        bar.update(1)
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
         files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)
         log(f"wrote config.json and {', '.join(files)}")
     else:
+        bar.update(1)
         log(f"writing megalite checkpoint to {args.output}")
         where = write_megalite(state, config, args.output)
         log(f"wrote {where}")
+    bar.update(1, params=n_params)
+    bar.close()
     log(f"done in {time.perf_counter() - start:.1f} s")
 
 

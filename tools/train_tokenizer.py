@@ -1,10 +1,14 @@
 #!/usr/bin/env python
-"""Train a sentencepiece BPE tokenizer on local text (JSON lines or plain text files).
+"""Train a tokenizer on local text (JSON lines or plain text files).
 
     python tools/train_tokenizer.py --input corpus.jsonl --json-key text \\
         --vocab-size 8000 --model-prefix data/tok
     # -> data/tok.model, data/tok.vocab; use with
     #    --tokenizer-type SentencePieceTokenizer --tokenizer-model data/tok.model
+    python tools/train_tokenizer.py --tokenizer-type GPT2BPETokenizer ... --model-prefix data/gpt2
+    # -> data/gpt2-vocab.json, data/gpt2-merges.txt (byte-level BPE; needs `tokenizers`, the [hf] extra)
+    python tools/train_tokenizer.py --tokenizer-type TikTokenizer ... --model-prefix data/tt
+    # -> the same BPE, plus data/tt.json in Megatron's tiktoken format
 """
 
 import argparse
@@ -14,7 +18,12 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megalite.data.tokenizer_training import train_sentencepiece  # noqa: E402
+from megalite.data.tokenizer_training import (  # noqa: E402
+    train_gpt2_bpe,
+    train_sentencepiece,
+    write_megatron_tiktoken,
+)
+from megalite.errors import MegaliteError  # noqa: E402
 
 
 def main(argv=None):
@@ -23,23 +32,43 @@ def main(argv=None):
         "--input", nargs="+", required=True, help=".jsonl files (text under --json-key) or text files"
     )
     p.add_argument("--json-key", default="text", help="field holding the text in .jsonl/.json inputs")
-    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument(
+        "--tokenizer-type",
+        default="SentencePieceTokenizer",
+        choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "TikTokenizer"],
+        help="what to train (the --tokenizer-type it is used with)",
+    )
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab (see above)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--max-sentences", type=int, default=300_000, help="lines sampled for training")
     p.add_argument("--num-threads", type=int, default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    path = train_sentencepiece(
-        args.input,
-        args.model_prefix,
-        vocab_size=args.vocab_size,
-        json_key=args.json_key,
-        model_type=args.model_type,
-        max_sentences=args.max_sentences,
-        num_threads=args.num_threads,
-    )
-    print(f"wrote {path} (vocab {args.vocab_size}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.tokenizer_type == "SentencePieceTokenizer":
+        path = train_sentencepiece(
+            args.input,
+            args.model_prefix,
+            vocab_size=args.vocab_size,
+            json_key=args.json_key,
+            model_type=args.model_type,
+            max_sentences=args.max_sentences,
+            num_threads=args.num_threads,
+        )
+        print(f"wrote {path} (vocab {args.vocab_size}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        return
+    try:
+        vocab_file, merge_file = train_gpt2_bpe(args.input, args.model_prefix, args.vocab_size, args.json_key)
+    except MegaliteError as e:
+        sys.exit(f"train_tokenizer.py: error: {e}")
+    use = f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab_file} --merge-file {merge_file}"
+    if args.tokenizer_type == "TikTokenizer":
+        n = write_megatron_tiktoken(merge_file, args.model_prefix + ".json")
+        use = (
+            f"--tokenizer-type TikTokenizer --tokenizer-model {args.model_prefix}.json --tiktoken-pattern v2 "
+            f"--vocab-size {n + 1000}  (1000 special ids, Megatron's default, then {n} tokens)"
+        )
+    print(f"trained in {time.perf_counter() - t0:.1f} s; use it with {use}", file=sys.stderr)
 
 
 if __name__ == "__main__":

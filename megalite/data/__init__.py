@@ -2,14 +2,18 @@
 
 Modules (each readable alone):
 
-- ``tokenizers``       ``build_tokenizer(--tokenizer-type, ...)``: SentencePiece, GPT-2 BPE,
-                       HuggingFace (local dir), Null
-- ``gpt2_bpe``         GPT-2 byte-level BPE from vocab.json + merges.txt
+- ``tokenizers``       ``build_tokenizer(--tokenizer-type, ...)``: SentencePiece, GPT-2 BPE
+                       (tiktoken when installed), TikTokenizer, HuggingFace (local dir), Null
+- ``gpt2_bpe``         GPT-2 byte-level BPE from vocab.json + merges.txt (and its tiktoken Encoding)
 - ``indexed_dataset``  ``IndexedDataset`` / ``IndexedDatasetBuilder``: Megatron's format
-- ``preprocess``       JSON lines -> ``.bin/.idx`` with parallel workers (tools/preprocess_data.py)
+- ``preprocess``       JSONL(.gz/.zst) / Parquet / save_to_disk -> ``.bin/.idx`` with parallel
+                       workers (tools/preprocess_data.py)
 - ``gpt_dataset``      ``GPTDataset`` (document / sample / shuffle indices, cached),
                        ``MockGPTDataset``
-- ``blended_dataset``  ``BlendedDataset``: exact weighted blending
+- ``blended_dataset``  ``BlendedDataset``: exact weighted blending (loop compiled by ``native``)
+- ``native``           Megatron's blending loop in C, built on first use, loaded with ctypes
+- ``progress``         ``Progress``: a live line on a terminal, a line per 10% in logs, rank 0
+- ``optional``         ``require(module, what)``: optional libraries named with their pip extra
 - ``samplers``         ``MegatronPretrainingSampler``, ``build_pretraining_data_loader``
 - ``builder``          ``build_train_valid_test_datasets``: the one call for training
 - ``default_corpus``, ``tokenizer_training``: the no-download quickstart corpus

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.progress import Progress
 from megalite.errors import MegaliteError
 
 logger = logging.getLogger(__name__)
@@ -143,11 +144,16 @@ def build_indices(
         samples_per_epoch = (tokens_per_epoch - 1) // seq_length
         separate_final_epoch = (num_samples - samples_before_final) < int(0.80 * samples_per_epoch)
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
     total = (num_epochs * tokens_per_epoch - 1) // seq_length
-    sample_index = build_sample_index(sizes, document_index, seq_length, total)
-    first = samples_before_final if separate_final_epoch else total
-    shuffle_index = build_shuffle_index(first, total, rng)
+    # three numpy steps; the bar shows only for big builds (seconds), in logs one line per step
+    with Progress("GPT dataset indices", total=3, unit="steps", quiet_seconds=1.0) as bar:
+        document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+        bar.update(1, documents=document_index.size)
+        sample_index = build_sample_index(sizes, document_index, seq_length, total)
+        bar.update(1, samples=total)
+        first = samples_before_final if separate_final_epoch else total
+        shuffle_index = build_shuffle_index(first, total, rng)
+        bar.update(1)
     return document_index, sample_index, shuffle_index
 
 

@@ -1,21 +1,39 @@
-"""JSON lines -> Megatron ``.bin/.idx``: the engine behind ``tools/preprocess_data.py``.
+"""Text corpora -> Megatron ``.bin/.idx``: the engine behind ``tools/preprocess_data.py``.
 
-Each input line is a JSON object; for every ``--json-keys`` key K the text under K
-becomes one document of ``{output_prefix}_{K}_document.bin/.idx`` (Megatron's
-naming). ``--append-eod`` adds the tokenizer's eod id to every non-empty document.
+Inputs (``--input``, several paths or globs, read in the order given, globs sorted):
+
+==========================  ======================================  ================
+form                        read with                               needs
+==========================  ======================================  ================
+``.jsonl`` (any other name)  byte ranges, by the workers themselves  stdlib
+``.jsonl.gz``               ``gzip``, streamed                      stdlib
+``.jsonl.zst``              ``zstandard``, streamed                 ``[data]`` extra
+``.parquet``                ``pyarrow``, streamed by record batch   ``[data]`` extra
+a ``save_to_disk`` folder   its ``.arrow`` files with ``pyarrow``   ``[data]`` extra
+==========================  ======================================  ================
+
+For every ``--json-keys`` key K (a JSON key, or a column of Parquet / Arrow), the
+text under K becomes one document of ``{output_prefix}_{K}_document.bin/.idx``
+(Megatron's naming); the same documents give the same bytes whatever the input
+form. ``--append-eod`` adds the tokenizer's eod id to every non-empty document.
+Several inputs go into one output, or, with as many ``--output-prefix`` values as
+input files, one output each.
 
 How it stays fast and small:
-- the input is cut into ~1 MiB byte ranges that end at line ends; workers read
-  their own range from the file (only offsets cross process boundaries, not text),
-  parse and tokenize it, and send back one compact token array per key;
-- ``Pool.imap`` keeps the order, so the output is identical for any ``--workers``;
-- the main process streams the arrays into the ``.bin`` as they arrive, so memory
-  holds a few chunks plus the per-document lengths, never the corpus.
+- work items are ~1 MiB of input: for plain JSONL a byte range that ends at a line
+  end, which the worker reads itself (only offsets cross process boundaries); for
+  the other forms the main process streams decompressed lines or record batches;
+- at most a few items per worker are in flight, and results come back in order,
+  so the output is identical for any ``--workers`` and memory holds a few chunks
+  plus the per-document lengths, never the corpus.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
 import itertools
 import json
 import multiprocessing as mp
@@ -27,14 +45,72 @@ from dataclasses import dataclass
 import numpy as np
 
 from megalite.data.indexed_dataset import DType, IndexedDatasetBuilder
+from megalite.data.optional import require
+from megalite.data.progress import Progress
 from megalite.data.tokenizers import Tokenizer, add_tokenizer_args, build_tokenizer, tokenizer_kwargs
+from megalite.errors import MegaliteError
 
 CHUNK_BYTES = 1 << 20
+
+
+class InputError(MegaliteError, ValueError):
+    """A bad ``--input`` (format, key, value); the message names the file and where."""
+
+
+class MissingInputError(MegaliteError, FileNotFoundError):
+    """An ``--input`` / ``--output-prefix`` path that does not exist."""
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
     """Megatron's output naming: ``{prefix}_{key}_document``."""
     return f"{output_prefix}_{key}_document"
+
+
+# ---- inputs ------------------------------------------------------------------------
+def expand_inputs(inputs) -> list[str]:
+    """``--input`` values -> files/folders, in the order given; a glob expands sorted."""
+    paths = []
+    for item in [inputs] if isinstance(inputs, str) else inputs:
+        if glob.has_magic(item):
+            matched = sorted(glob.glob(item))
+            if not matched:
+                raise MissingInputError(f"--input {item}: the pattern matches no file")
+            paths += matched
+        elif os.path.exists(item):
+            paths.append(item)
+        else:
+            raise MissingInputError(f"--input {item}: no such file or directory")
+    return paths
+
+
+def input_format(path: str) -> str:
+    """One of ``jsonl``, ``gz``, ``zst``, ``parquet``, ``arrow`` (a ``save_to_disk`` folder)."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+            raise InputError(
+                f"--input {path} is a DatasetDict saved with save_to_disk: pass one split, "
+                f"e.g. {os.path.join(path, splits[0] if splits else 'train')}"
+            )
+        if os.path.isfile(os.path.join(path, "state.json")):
+            return "arrow"
+        raise InputError(
+            f"--input {path} is a folder but not one written by datasets' save_to_disk (no state.json)"
+        )
+    name = path.lower()
+    if name.endswith(".gz"):
+        return "gz"
+    if name.endswith((".zst", ".zstd")):
+        return "zst"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "jsonl"  # .jsonl, .json, or any other name: one JSON object per line
+
+
+def input_size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(p) for p in arrow_files(path))
+    return os.path.getsize(path)
 
 
 def chunk_ranges(path: str, chunk_bytes: int = CHUNK_BYTES):
@@ -50,25 +126,156 @@ def chunk_ranges(path: str, chunk_bytes: int = CHUNK_BYTES):
             start = end
 
 
+class _CountingReader:
+    """A raw binary file that counts the (compressed) bytes read, for progress."""
+
+    def __init__(self, f) -> None:
+        self.f, self.pos = f, 0
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self.pos += n or 0
+        return n
+
+    def readable(self):
+        return True
+
+
+def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
+    """Items ``("lines", path, offset, data, raw_bytes)`` of whole decompressed lines."""
+    raw = open(path, "rb")  # noqa: SIM115 - closed below, after the streaming readers
+    counter = _CountingReader(raw)
+    try:
+        if fmt == "gz":
+            stream = gzip.GzipFile(fileobj=counter, mode="rb")
+        else:
+            zstd = require("zstandard", f"--input {path}")
+            stream = zstd.ZstdDecompressor().stream_reader(counter, read_across_frames=True)
+        import io
+
+        reader = io.BufferedReader(stream, buffer_size=1 << 20)
+        offset, reported = 0, 0
+        while True:
+            data = reader.read(chunk_bytes)
+            if not data:
+                break
+            data += reader.readline()  # end at a line end
+            yield ("lines", path, offset, data, counter.pos - reported)
+            reported = counter.pos
+            offset += len(data)
+    except (OSError, EOFError, ValueError) as err:
+        if isinstance(err, MegaliteError):
+            raise
+        raise InputError(f"--input {path}: cannot decompress ({fmt}): {err}") from None
+    finally:
+        raw.close()
+
+
+def _columns(path: str, schema_names: list[str], keys) -> None:
+    missing = [k for k in keys if k not in schema_names]
+    if missing:
+        raise InputError(
+            f"--input {path} has no column {missing[0]!r} (its columns: {schema_names[:10]}); "
+            f"set --json-keys to the text column"
+        )
+
+
+def _batch_item(path: str, first_row: int, batch, keys, nbytes: int):
+    texts = {}
+    for k in keys:
+        values = batch.column(k).to_pylist()
+        for i, v in enumerate(values):
+            if not isinstance(v, str):
+                raise InputError(
+                    f"--input {path}: row {first_row + i}: {k!r} is {type(v).__name__}, not a string"
+                )
+        texts[k] = values
+    return ("docs", path, first_row, texts, nbytes)
+
+
+def _parquet_chunks(path: str, keys, batch_rows: int):
+    pq = require("pyarrow.parquet", f"--input {path}")
+    f = pq.ParquetFile(path)
+    _columns(path, f.schema_arrow.names, keys)
+    size = os.path.getsize(path)
+    meta = f.metadata
+    row = 0
+    for g in range(meta.num_row_groups):
+        for batch in f.iter_batches(batch_size=batch_rows, row_groups=[g], columns=list(keys)):
+            # progress in file bytes, shared out by rows
+            yield _batch_item(path, row, batch, keys, int(size * batch.num_rows / max(meta.num_rows, 1)))
+            row += batch.num_rows
+
+
+def arrow_files(path: str) -> list[str]:
+    """The ``.arrow`` files of a ``save_to_disk`` folder, in order (its ``state.json``)."""
+    try:
+        with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        names = [d["filename"] for d in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--input {path}: unreadable state.json of a save_to_disk folder ({err})") from None
+    if state.get("_indices"):
+        raise InputError(
+            f"--input {path}: the dataset has an indices mapping; save it with flatten_indices() first"
+        )
+    return [os.path.join(path, n) for n in names]
+
+
+def _arrow_chunks(path: str, keys, batch_rows: int):
+    pa = require("pyarrow", f"--input {path}")
+    row = 0
+    for file in arrow_files(path):
+        with pa.memory_map(file, "r") as source:
+            try:
+                reader = pa.ipc.open_stream(source)  # what save_to_disk writes
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            first = True
+            for batch in reader:
+                if first:
+                    _columns(path, batch.schema.names, keys)
+                    first = False
+                for start in range(0, batch.num_rows, batch_rows):
+                    part = batch.slice(start, batch_rows).select(list(keys))
+                    yield _batch_item(path, row, part, keys, part.nbytes)
+                    row += part.num_rows
+
+
+def work_items(paths: list[str], keys, chunk_bytes: int, batch_rows: int = 1024):
+    """Every input's work items, in order."""
+    for path in paths:
+        fmt = input_format(path)
+        if fmt == "jsonl":
+            yield from (("range", path, s, e) for s, e in chunk_ranges(path, chunk_bytes))
+        elif fmt in ("gz", "zst"):
+            yield from _compressed_line_chunks(path, fmt, chunk_bytes)
+        elif fmt == "parquet":
+            yield from _parquet_chunks(path, keys, batch_rows)
+        else:
+            yield from _arrow_chunks(path, keys, batch_rows)
+
+
+# ---- workers -----------------------------------------------------------------------
 @dataclass
 class _Encoder:
     """What a worker needs; built once per worker process by the pool initializer."""
 
-    path: str
     tokenizer: Tokenizer
     json_keys: tuple[str, ...]
     append_eod: bool
     dtype: np.dtype
 
-    def encode_range(self, byte_range: tuple[int, int]):
-        """Tokenize the lines in ``byte_range`` -> (docs, bytes, {key: (tokens, doc_lengths)})."""
-        start, end = byte_range
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
+    def parse_lines(self, path: str, offset: int, data: bytes) -> dict[str, list[str]]:
         texts: dict[str, list[str]] = {k: [] for k in self.json_keys}
-        offset = start
-        num_docs = 0
+        where = "byte" if input_format(path) == "jsonl" else "decompressed byte"
         for line in data.split(b"\n"):
             line_start, offset = offset, offset + len(line) + 1
             if not line.strip():
@@ -76,46 +283,74 @@ class _Encoder:
             try:
                 doc = json.loads(line)
             except ValueError as err:
-                raise ValueError(
-                    f"--input {self.path}: line at byte {line_start} is not valid JSON: {err}"
+                raise InputError(
+                    f"--input {path}: line at {where} {line_start} is not valid JSON: {err}"
                 ) from None
             for k in self.json_keys:
                 if k not in doc:
-                    raise ValueError(
-                        f"--input {self.path}: line at byte {line_start} has no key {k!r} "
+                    raise InputError(
+                        f"--input {path}: line at {where} {line_start} has no key {k!r} "
                         f"(its keys: {sorted(doc)[:10]}); set --json-keys to the text field"
                     )
                 if not isinstance(doc[k], str):
-                    raise ValueError(f"--input {self.path}: line at byte {line_start}: {k!r} is not a string")
+                    raise InputError(f"--input {path}: line at {where} {line_start}: {k!r} is not a string")
                 texts[k].append(doc[k])
-            num_docs += 1
+        return texts
+
+    def encode(self, item):
+        """A work item -> (docs, input bytes, {key: (tokens, doc_lengths)})."""
+        kind, path = item[0], item[1]
+        if kind == "range":
+            start, end = item[2], item[3]
+            with open(path, "rb") as f:
+                f.seek(start)
+                texts = self.parse_lines(path, start, f.read(end - start))
+            nbytes = end - start
+        elif kind == "lines":
+            texts, nbytes = self.parse_lines(path, item[2], item[3]), item[4]
+        else:
+            texts, nbytes = item[3], item[4]
         out = {}
         for k in self.json_keys:
             ids = self.tokenizer.tokenize_batch(texts[k])
+            lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
             if self.append_eod:
                 # Megatron appends eod only to documents that produced tokens
                 ids = [d + [self.tokenizer.eod] if d else d for d in ids]
-            lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
-            tokens = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, count=int(lengths.sum()))
+                lengths += lengths > 0
+            tokens = np.array(list(itertools.chain.from_iterable(ids)), dtype=self.dtype)
             out[k] = (tokens, lengths)
-        return num_docs, end - start, out
+        return len(texts[self.json_keys[0]]), nbytes, out
 
 
 _WORKER: _Encoder | None = None  # per-worker-process state, set by the Pool initializer
 
 
-def _init_worker(path, tok_kwargs, json_keys, append_eod, dtype):
+def _init_worker(tok_kwargs, json_keys, append_eod, dtype):
     global _WORKER
-    _WORKER = _Encoder(path, build_tokenizer(**tok_kwargs), tuple(json_keys), append_eod, np.dtype(dtype))
+    _WORKER = _Encoder(build_tokenizer(**tok_kwargs), tuple(json_keys), append_eod, np.dtype(dtype))
 
 
-def _encode_in_worker(byte_range):
-    return _WORKER.encode_range(byte_range)
+def _encode_in_worker(item):
+    return _WORKER.encode(item)
 
 
+def _ordered(pool, items, in_flight: int):
+    """``pool.imap`` with back-pressure: at most ``in_flight`` items read ahead (imap would
+    read a whole compressed input into its queue), results in input order."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(_encode_in_worker, (item,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# ---- the job -----------------------------------------------------------------------
 def preprocess(
-    input_path: str,
-    output_prefix: str,
+    input_path,
+    output_prefix,
     tok_kwargs: dict,
     json_keys=("text",),
     workers: int = 1,
@@ -124,57 +359,74 @@ def preprocess(
     log_interval: int = 1000,
     log=sys.stderr,
 ) -> dict:
-    """Tokenize ``input_path`` into one ``.bin/.idx`` per key; returns throughput figures."""
-    if not os.path.isfile(input_path):
-        raise FileNotFoundError(f"--input {input_path}: no such file (expected JSON lines)")
+    """Tokenize the inputs into one ``.bin/.idx`` per key (per input file when ``output_prefix``
+    is a list as long as the inputs); returns throughput figures.
+
+    ``log_interval`` is accepted for Megatron's flag and unused: progress follows
+    ``Progress`` (live on a terminal, a line per 10% in logs).
+    """
+    paths = expand_inputs(input_path)
+    prefixes = [output_prefix] if isinstance(output_prefix, str) else list(output_prefix)
+    if len(prefixes) == 1:
+        jobs = [(paths, prefixes[0])]
+    elif len(prefixes) == len(paths):
+        jobs = [([p], o) for p, o in zip(paths, prefixes)]
+    else:
+        raise InputError(
+            f"--output-prefix: {len(prefixes)} prefixes for {len(paths)} input files; give one "
+            f"(everything into one dataset) or one per input file"
+        )
     if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    if not os.path.isdir(out_dir):
-        raise FileNotFoundError(f"--output-prefix {output_prefix}: directory {out_dir} does not exist")
+        raise InputError(f"--workers must be >= 1, got {workers}")
+    for o in prefixes:
+        out_dir = os.path.dirname(os.path.abspath(o))
+        if not os.path.isdir(out_dir):
+            raise MissingInputError(f"--output-prefix {o}: directory {out_dir} does not exist")
+    for p in paths:
+        input_format(p)  # a bad folder fails before any work
     tokenizer = build_tokenizer(**tok_kwargs)  # fail on bad flags before starting workers
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {k: IndexedDatasetBuilder(output_prefix_for(output_prefix, k), dtype) for k in json_keys}
-
+    total_bytes = sum(input_size(p) for p in paths)
     if workers > 1:
         # at least ~8 work items per worker, so the last chunks do not leave workers idle
-        chunk_bytes = min(chunk_bytes, max(1 << 16, os.path.getsize(input_path) // (8 * workers)))
+        chunk_bytes = min(chunk_bytes, max(1 << 16, total_bytes // (8 * workers)))
+
     pool = None
     if workers == 1:
-        encoder = _Encoder(input_path, tokenizer, tuple(json_keys), append_eod, dtype)
-        results = map(encoder.encode_range, chunk_ranges(input_path, chunk_bytes))
+        encoder = _Encoder(tokenizer, tuple(json_keys), append_eod, dtype)
+        run = lambda items: map(encoder.encode, items)
     else:
         # spawn: workers start clean (no inherited threads or state) on every platform
         pool = mp.get_context("spawn").Pool(
-            workers,
-            initializer=_init_worker,
-            initargs=(input_path, tok_kwargs, tuple(json_keys), append_eod, dtype),
+            workers, initializer=_init_worker, initargs=(tok_kwargs, tuple(json_keys), append_eod, dtype)
         )
-        results = pool.imap(_encode_in_worker, chunk_ranges(input_path, chunk_bytes))
+        run = lambda items: _ordered(pool, items, 4 * workers)
 
     t0 = time.perf_counter()
-    docs = nbytes = ntokens = logged_docs = 0
+    docs = nbytes = ntokens = 0
+    outputs = []
+    bar = Progress("preprocess", total=total_bytes, unit="MB", scale=1e6, enabled=log is not None, file=log)
     try:
-        for n_docs, n_bytes, per_key in results:
-            for k, (tokens, lengths) in per_key.items():
-                builders[k].add_documents(tokens, lengths)
-                ntokens += tokens.size
-            docs += n_docs
-            nbytes += n_bytes
-            if log is not None and docs - logged_docs >= log_interval:
-                logged_docs = docs
-                el = time.perf_counter() - t0
-                print(
-                    f"processed {docs} documents ({docs / el:.0f} docs/s, {nbytes / el / 1e6:.2f} MB/s)",
-                    file=log,
-                    flush=True,
-                )
-        for b in builders.values():
-            b.finalize()
-    except BaseException:
-        for b in builders.values():
-            b.abort()
-        raise
+        for job_paths, prefix in jobs:
+            builders = {k: IndexedDatasetBuilder(output_prefix_for(prefix, k), dtype) for k in json_keys}
+            try:
+                for n_docs, n_bytes, per_key in run(work_items(job_paths, json_keys, chunk_bytes)):
+                    n_tokens = 0
+                    for k, (tokens, lengths) in per_key.items():
+                        builders[k].add_documents(tokens, lengths)
+                        n_tokens += tokens.size
+                    docs += n_docs
+                    nbytes += n_bytes
+                    ntokens += n_tokens
+                    bar.update(n_bytes, docs=n_docs, tokens=n_tokens)
+                for b in builders.values():
+                    b.finalize()
+            except BaseException:
+                for b in builders.values():
+                    b.abort()
+                raise
+            outputs += [output_prefix_for(prefix, k) for k in json_keys]
+        bar.close()
     finally:
         if pool is not None:
             pool.terminate()
@@ -188,7 +440,7 @@ def preprocess(
         docs_per_s=docs / elapsed,
         mb_per_s=nbytes / elapsed / 1e6,
         workers=workers,
-        outputs=[output_prefix_for(output_prefix, k) for k in json_keys],
+        outputs=outputs,
     )
     if log is not None:
         print(
@@ -202,30 +454,46 @@ def preprocess(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Tokenize JSON lines into Megatron-LM .bin/.idx files.")
+    p = argparse.ArgumentParser(description="Tokenize text corpora into Megatron-LM .bin/.idx files.")
     g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="JSON lines file, one document per line")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (one output per key)")
+    g.add_argument(
+        "--input",
+        required=True,
+        nargs="+",
+        help=".jsonl, .jsonl.gz, .jsonl.zst, .parquet files or save_to_disk folders; globs allowed",
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys / columns to extract (one output per key)"
+    )
     add_tokenizer_args(p)
     g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument(
+        "--output-prefix",
+        required=True,
+        nargs="+",
+        help="writes {prefix}_{key}_document.bin/.idx; one per input file when as many are given",
+    )
     g.add_argument("--append-eod", action="store_true", help="append the eod id to every document")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, required=True, help="worker processes tokenizing in parallel")
     g.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="input bytes per work item")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines (stderr)")
+    g.add_argument("--log-interval", type=int, default=1000, help="accepted (Megatron's); see docs/data.md")
     return p
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    return preprocess(
-        args.input,
-        args.output_prefix,
-        tokenizer_kwargs(args),
-        json_keys=tuple(args.json_keys),
-        workers=args.workers,
-        append_eod=args.append_eod,
-        chunk_bytes=args.chunk_bytes,
-        log_interval=args.log_interval,
-    )
+    try:
+        return preprocess(
+            args.input,
+            args.output_prefix,
+            tokenizer_kwargs(args),
+            json_keys=tuple(args.json_keys),
+            workers=args.workers,
+            append_eod=args.append_eod,
+            chunk_bytes=args.chunk_bytes,
+            log_interval=args.log_interval,
+        )
+    except MegaliteError as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

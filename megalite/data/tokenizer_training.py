@@ -74,3 +74,75 @@ def train_sentencepiece(
         minloglevel=2,
     )
     return model_prefix + ".model"
+
+
+def train_gpt2_bpe(inputs: list[str], prefix: str, vocab_size: int = 8000, json_key: str | None = "text"):
+    """Train a GPT-2-layout byte-level BPE (Hugging Face ``tokenizers``) -> (vocab.json, merges.txt) paths.
+
+    Files ``{prefix}-vocab.json`` / ``{prefix}-merges.txt``, GPT-2's pre-tokenization
+    and byte alphabet, ``<|endoftext|>`` as the last id; use them with
+    ``--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ...``.
+    """
+    from megalite.data.optional import require
+
+    tk = require("tokenizers", "training a GPT-2 BPE tokenizer")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(iter_documents(inputs, json_key), trainer=trainer)
+    tok.add_special_tokens(["<|endoftext|>"])
+    out_dir = os.path.dirname(os.path.abspath(prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    tok.model.save(out_dir, os.path.basename(prefix))
+    vocab_file, merge_file = f"{prefix}-vocab.json", f"{prefix}-merges.txt"
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    vocab["<|endoftext|>"] = len(vocab)
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    return vocab_file, merge_file
+
+
+def iter_documents(paths: list[str], json_key: str | None = "text") -> Iterator[str]:
+    """Whole documents: a ``.jsonl`` line's ``json_key``, or a text file's content."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input {path}: no such file")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if path.endswith((".jsonl", ".json")) and json_key is not None:
+                yield from (json.loads(raw)[json_key] for raw in f if raw.strip())
+            else:
+                yield f.read()
+
+
+def write_megatron_tiktoken(merge_file: str, output: str) -> int:
+    """A GPT-2 BPE's tokens as Megatron's tiktoken JSON (ranks: the 256 bytes, then the merges in
+    order); returns the number of tokens. Use it with ``--tokenizer-type TikTokenizer``."""
+    import base64
+
+    from megalite.data.gpt2_bpe import bytes_to_unicode, read_merges
+
+    byte_of = {u: b for b, u in bytes_to_unicode().items()}
+    tokens = [bytes([b]) for b in range(256)]
+    seen = set(tokens)
+    for a, b in read_merges(merge_file):
+        t = bytes(byte_of[c] for c in a + b)
+        if t not in seen:  # tiktoken ranks a token once
+            seen.add(t)
+            tokens.append(t)
+    entries = [
+        {
+            "rank": i,
+            "token_bytes": base64.b64encode(t).decode("ascii"),
+            "token_str": t.decode("utf-8", "replace"),
+        }
+        for i, t in enumerate(tokens)
+    ]
+    with open(output, "w", encoding="utf-8") as f:
+        json.dump(entries, f, ensure_ascii=False)
+    return len(entries)

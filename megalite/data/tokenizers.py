@@ -9,7 +9,9 @@ end-of-document id that ``--append-eod`` writes), ``tokenize(text) -> list[int]`
 =======================  ===========================  ==============================================
 SentencePieceTokenizer   ``--tokenizer-model`` .model  eos id of the model / its piece count
 GPT2BPETokenizer         ``--vocab-file`` vocab.json,  id of ``<|endoftext|>`` / entries in vocab.json
-                         ``--merge-file`` merges.txt
+                         ``--merge-file`` merges.txt  (encodes with tiktoken when installed)
+TikTokenizer             ``--tokenizer-model`` .json  ``</s>`` = 2 / ``--vocab-size`` (default 2**17)
+                         (Megatron's tiktoken format), ``--tiktoken-pattern v1|v2`` (needs tiktoken)
 HuggingFaceTokenizer     ``--tokenizer-model`` a local ``eos_token_id`` / ``len(tokenizer)``
                          directory (needs transformers)
 NullTokenizer            ``--vocab-size N``           eod = N, vocab_size = N + 1 (as Megatron)
@@ -27,9 +29,16 @@ import argparse
 import os
 from abc import ABC, abstractmethod
 
+from megalite.data.optional import require
 from megalite.errors import MegaliteError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "TikTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 
 
@@ -58,7 +67,12 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.model_file = model_file
-        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as err:
+            raise TokenizerError(
+                f"--tokenizer-model {model_file}: not a sentencepiece model ({str(err).splitlines()[0][:120]})"
+            ) from None
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
@@ -79,8 +93,15 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class GPT2BPETokenizer(Tokenizer):
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        from megalite.data.gpt2_bpe import GPT2BPE
+    """GPT-2's byte-level BPE from vocab.json + merges.txt.
+
+    ``backend``: ``"tiktoken"`` (Rust; built from the two files, no download),
+    ``"python"`` (``gpt2_bpe.GPT2BPE``, the reference), or ``None``: tiktoken when it
+    is installed and can express the merges, else Python. Both give the same ids.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str, backend: str | None = None) -> None:
+        from megalite.data.gpt2_bpe import GPT2BPE, tiktoken_encoding
 
         self._bpe = GPT2BPE(vocab_file, merge_file)
         self.vocab_size = len(self._bpe.encoder)
@@ -89,12 +110,138 @@ class GPT2BPETokenizer(Tokenizer):
                 f"--vocab-file {vocab_file}: no '<|endoftext|>' entry to use as the end-of-document id"
             )
         self.eod = self._bpe.encoder["<|endoftext|>"]
+        self._tiktoken = None
+        if backend in (None, "tiktoken"):
+            if backend == "tiktoken":
+                require("tiktoken", "GPT2BPETokenizer(backend='tiktoken')")
+            self._tiktoken = tiktoken_encoding(self._bpe, self._bpe.merges)
+            if self._tiktoken is None and backend == "tiktoken":
+                raise TokenizerError(
+                    f"--merge-file {merge_file}: tiktoken cannot express these merges (two merges give "
+                    f"the same token, or ids do not follow the merge order); use backend='python'"
+                )
+        elif backend != "python":
+            raise TokenizerError(f"GPT2BPETokenizer backend must be 'tiktoken' or 'python', got {backend!r}")
+        self.backend = "tiktoken" if self._tiktoken is not None else "python"
 
     def tokenize(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_ordinary(text)
         return self._bpe.encode(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._tiktoken is not None:
+            # one thread: parallelism comes from the preprocess workers
+            return self._tiktoken.encode_ordinary_batch(texts, num_threads=1)
+        return [self._bpe.encode(t) for t in texts]
 
     def detokenize(self, ids) -> str:
         return self._bpe.decode(ids)
+
+
+# Megatron-LM's TikTokenizer (megatron/training/tokenizer/tokenizer.py, CustomTikTokenizer):
+# split patterns, special tokens first, then the file's tokens shifted by num_special_tokens.
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*"
+    "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+}
+TIKTOKEN_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17  # Megatron's fallback when --vocab-size is not given
+TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS = 1000
+
+
+def read_tiktoken_json(path: str, max_vocab: int | None = None) -> dict[bytes, int]:
+    """Megatron's tiktoken file: a JSON list of ``{"rank", "token_bytes" (base64), "token_str"}``,
+    ranks 0, 1, 2, ... and the first 256 the single bytes in order -> {token bytes: rank}."""
+    import base64
+    import json
+
+    flag = f"--tokenizer-model {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"{flag}: not a readable tiktoken JSON file ({err})") from None
+    if not isinstance(vocab, list):
+        raise TokenizerError(
+            f"{flag}: expected a JSON list of {{rank, token_bytes, token_str}} (Megatron's format)"
+        )
+    ranks: dict[bytes, int] = {}
+    for i, x in enumerate(vocab[:max_vocab] if max_vocab is not None else vocab):
+        if not isinstance(x, dict) or x.get("rank") != i or "token_bytes" not in x:
+            raise TokenizerError(
+                f"{flag}: entry {i} is not {{'rank': {i}, 'token_bytes': ..., 'token_str': ...}}"
+            )
+        token = base64.b64decode(x["token_bytes"])
+        if (i < 256 and token != bytes([i])) or token in ranks:
+            raise TokenizerError(
+                f"{flag}: entry {i} must be {'byte ' + str(i) if i < 256 else 'a new token'}"
+            )
+        ranks[token] = i
+    return ranks
+
+
+class TikTokenizer(Tokenizer):
+    """Megatron's ``TikTokenizer``: ids ``0 .. S-1`` are special tokens (``<unk>``, ``<s>``,
+    ``</s>``, then ``<SPECIAL_3>`` ...), the file's token of rank ``r`` is id ``S + r``; the
+    eod is ``</s>``. Text is split with ``--tiktoken-pattern`` and encoded without parsing
+    special tokens (``encode_ordinary``), as Megatron does. ``vocab_size`` is ``--vocab-size``
+    (Megatron's default 131072); the file must hold ``vocab_size - S`` tokens or more.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        pattern: str | None,
+        vocab_size: int | None = None,
+        num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+        special_tokens: list[str] | None = None,
+    ) -> None:
+        tiktoken = require("tiktoken", "--tokenizer-type TikTokenizer")
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise TokenizerError(
+                f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got {pattern}"
+            )
+        self.vocab_size = int(vocab_size or TIKTOKEN_DEFAULT_VOCAB_SIZE)
+        special = list(special_tokens or TIKTOKEN_SPECIAL_TOKENS)
+        if not set(TIKTOKEN_SPECIAL_TOKENS) <= set(special) or len(set(special)) != len(special):
+            raise TokenizerError(
+                f"--tiktoken-special-tokens must be distinct and include {TIKTOKEN_SPECIAL_TOKENS}, got {special}"
+            )
+        if not len(special) <= num_special_tokens < self.vocab_size:
+            raise TokenizerError(
+                f"--tiktoken-num-special-tokens {num_special_tokens} must be >= {len(special)} special tokens "
+                f"and < --vocab-size {self.vocab_size}"
+            )
+        special += [f"<SPECIAL_{i}>" for i in range(len(special), num_special_tokens)]
+        inner = self.vocab_size - num_special_tokens
+        ranks = read_tiktoken_json(path, max_vocab=inner)
+        if len(ranks) < inner:
+            raise TokenizerError(
+                f"--tokenizer-model {path} has {len(ranks)} tokens, but --vocab-size {self.vocab_size} with "
+                f"{num_special_tokens} special tokens needs {inner}: pass --vocab-size {len(ranks) + num_special_tokens}"
+            )
+        self.num_special_tokens = num_special_tokens
+        self.special_tokens = special
+        self.eod = special.index("</s>")
+        self.bos = special.index("<s>")
+        self._model = tiktoken.Encoding(
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+            pat_str=TIKTOKEN_PATTERNS[pattern],
+            mergeable_ranks={t: r + num_special_tokens for t, r in ranks.items()},
+            special_tokens={t: i for i, t in enumerate(special)},
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._model.encode_ordinary(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._model.encode_ordinary_batch(texts, num_threads=1)
+
+    def detokenize(self, ids) -> str:
+        return self._model.decode([int(i) for i in ids])
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -105,13 +252,9 @@ class HuggingFaceTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as err:
-            raise TokenizerError(
-                "--tokenizer-type HuggingFaceTokenizer needs `transformers` (pip install 'megalite[hf]')"
-            ) from err
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        transformers = require("transformers", "--tokenizer-type HuggingFaceTokenizer")
+        # the fast (Rust) tokenizer; a directory with only slow-tokenizer files is converted on load
+        self._tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
         self.vocab_size = len(self._tok)
         if self._tok.eos_token_id is None:
             raise TokenizerError(
@@ -120,10 +263,12 @@ class HuggingFaceTokenizer(Tokenizer):
         self.eod = int(self._tok.eos_token_id)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tok(text).input_ids)
+        return list(self._tok(text, verbose=False).input_ids)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(ids) for ids in self._tok(texts).input_ids]
+        # one call for the whole batch: the Rust tokenizer's encode_batch
+        out = self._tok(texts, return_attention_mask=False, return_token_type_ids=False, verbose=False)
+        return [list(ids) for ids in out.input_ids]
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -171,8 +316,15 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+    tiktoken_special_tokens: list[str] | None = None,
+    gpt2_bpe_backend: str | None = None,
 ) -> Tokenizer:
-    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags."""
+    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags.
+
+    ``gpt2_bpe_backend`` (``"tiktoken"`` / ``"python"``) pins GPT2BPETokenizer's encoder (benchmarks, tests).
+    """
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(
@@ -182,6 +334,17 @@ def build_tokenizer(
         return GPT2BPETokenizer(
             _need_file(vocab_file, "--vocab-file", kind, "vocab.json"),
             _need_file(merge_file, "--merge-file", kind, "merges.txt"),
+            backend=gpt2_bpe_backend,
+        )
+    if kind == "TikTokenizer":
+        return TikTokenizer(
+            _need_file(
+                tokenizer_model, "--tokenizer-model", kind, "a tiktoken .json file in Megatron's format"
+            ),
+            tiktoken_pattern,
+            vocab_size=vocab_size,
+            num_special_tokens=tiktoken_num_special_tokens,
+            special_tokens=tiktoken_special_tokens,
         )
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(
@@ -207,16 +370,38 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of ids before eod")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer: ids before eod; TikTokenizer: the vocabulary",
+    )
+    g.add_argument(
+        "--tiktoken-pattern", default=None, choices=sorted(TIKTOKEN_PATTERNS), help="TikTokenizer split"
+    )
+    g.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+        help="TikTokenizer: ids reserved before the file's tokens",
+    )
+    g.add_argument(
+        "--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: must include <unk> <s> </s>"
+    )
     return parser
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:
     """The ``build_tokenizer`` keyword arguments of parsed ``add_tokenizer_args`` flags."""
-    return dict(
+    kwargs = dict(
         tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_file=getattr(args, "vocab_file", None),
+        merge_file=getattr(args, "merge_file", None),
+        vocab_size=getattr(args, "vocab_size", None),
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
     )
+    if getattr(args, "tiktoken_num_special_tokens", None) is not None:
+        kwargs["tiktoken_num_special_tokens"] = args.tiktoken_num_special_tokens
+    return kwargs
