@@ -102,6 +102,16 @@ class MetricSinks:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
 
+    def write_record(self, record: dict) -> None:
+        """One JSON line as given (e.g. the memory report's per-rank records)."""
+        if self.enabled and self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+
+    def scalar(self, tag: str, value: float, iteration: int) -> None:
+        """One TensorBoard scalar under its full tag (e.g. ``memory/stage0/measured_params``)."""
+        if self.enabled and self.tb is not None:
+            self.tb.add_scalar(tag, value, iteration)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

@@ -23,6 +23,7 @@ from megalite.arguments import model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
+from megalite.memory import MemoryProbe
 from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.optim import OptimizerParamScheduler, build_optimizer
@@ -321,8 +322,11 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
     peak = args.peak_tflops or detect_peak_tflops(mesh.device)
     window_start, window_iters, window_loss = time.perf_counter(), 0, []
     last = {}
+    memory = MemoryProbe(state)  # the first iteration's predicted-vs-measured memory report
     while state.iteration < args.train_iters:
-        step = train_step(state, data_iter)
+        with memory.track():  # saved-tensor hooks on the first step only
+            step = train_step(state, data_iter)
+        memory.report(sinks)
         window_iters += 1
         if step["loss"] is not None:
             window_loss.append(step["loss"])

@@ -95,7 +95,7 @@ class Bucket:
         self.launched = False
 
 
-def _split_into_buckets(
+def split_into_buckets(
     params: list[nn.Parameter], bucket_size: int, use_distributed_optimizer: bool
 ) -> list[list[nn.Parameter]]:
     """Group params (already in backward order) into buckets of about ``bucket_size`` elements.
@@ -125,6 +125,17 @@ def _split_into_buckets(
             close()
     close()
     return buckets
+
+
+def padded_bucket_numel(numel: int, dp_size: int, use_distributed_optimizer: bool) -> int:
+    """Elements a bucket of ``numel`` gradient elements takes in the flat buffer.
+
+    Under the distributed optimizer it is padded to a multiple of lcm(dp, 128): every DP rank
+    owns an equal shard, 128-element aligned for NCCL. (``megalite.memory`` predicts the
+    buffer with this same function.)
+    """
+    pad_to = math.lcm(dp_size, 128) if use_distributed_optimizer else 1
+    return math.ceil(numel / pad_to) * pad_to
 
 
 class DistributedDataParallel(nn.Module):
@@ -176,10 +187,11 @@ class DistributedDataParallel(nn.Module):
                     "DistributedDataParallel needs contiguous parameters (main_grad is a flat view)"
                 )
 
-        groups = _split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)
-        # Padding keeps each rank's shard equal (and 128-element aligned for NCCL on GPU).
-        pad_to = math.lcm(self.dp_size, 128) if use_distributed_optimizer else 1
-        sizes = [math.ceil(sum(p.numel() for p in g) / pad_to) * pad_to for g in groups]
+        groups = split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)
+        sizes = [
+            padded_bucket_numel(sum(p.numel() for p in g), self.dp_size, use_distributed_optimizer)
+            for g in groups
+        ]
         self.grad_buffer = torch.zeros(sum(sizes), dtype=grad_reduce_dtype, device=devices.pop())
 
         self.buckets: list[Bucket] = []

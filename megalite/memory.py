@@ -1,0 +1,725 @@
+"""The memory model: bytes each rank holds, by category, for any config and layout; and the
+measured report that checks it during the first training iteration.
+
+Prediction (pure arithmetic on shapes, no processes, no tensors allocated):
+
+* **params**: the shapes :class:`~megalite.model.gpt.GPTModel` builds for this rank's chunks
+  (:func:`chunk_param_shapes`; a test checks them name by name against the real model).
+* **grads**: DistributedDataParallel's flat fp32 buffer: its own bucket split and padding
+  (``split_into_buckets`` / ``padded_bucket_numel``), run on meta tensors.
+* **optimizer**: AdamW's two fp32 moments and its ``step`` scalar per main param, plus the fp32
+  main copy when params are bf16 / fp16; under the distributed optimizer only this DP rank's
+  pieces of each bucket (``shard_main_params``, run on meta tensors).
+* **activations**: the bytes autograd saves for backward at the schedule's peak. One
+  microbatch's bytes per model chunk (:func:`chunk_activation_bytes`: embedding, layers for
+  this recompute / SP setting, head and loss), then the schedule's own plan
+  (:func:`~megalite.parallel.schedules.schedule_plan`) is walked, adding a chunk's bytes at each
+  forward and removing them at its backward; the maximum is the peak.
+
+The per-layer bytes (:func:`layer_activation_terms`) list what megalite's layers save, op by
+op; docs/parallelism.md sets them next to Korthikanti et al. 2022 and explains each difference.
+
+Measurement (:class:`MemoryProbe`, two calls in ``training.train``): during the first iteration
+only, saved-tensor hooks count the live storages autograd holds for backward (de-duplicated by
+storage, parameters excluded) and keep the peak; params, grad buffers and optimizer state are
+summed from the tensors themselves; on CUDA ``torch.cuda.max_memory_allocated`` is added.
+The logging rank prints one row per pipeline stage and writes one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megalite.errors import MegaliteError
+from megalite.model.config import ModelConfig
+from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
+from megalite.parallel.param_attributes import mark_shared_embedding
+from megalite.parallel.pipeline_layout import stage_layer_ranges
+from megalite.parallel.schedules import SCHEDULES, schedule_plan
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+GRANULARITIES = (None, "full", "selective")
+METHODS = (None, "uniform", "block")
+
+
+class MemoryModelError(MegaliteError, ValueError):
+    """A layout the memory model cannot describe; the message names the flag."""
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: everything besides the model shape that decides the bytes
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryLayout:
+    """A parallel layout and the run settings that change memory (Megatron's flag meanings).
+
+    ``recompute_granularity``: None, "full" (whole layers, ``recompute_method`` "uniform":
+    groups of ``recompute_num_layers`` layers keep only the group's input; "block": the first
+    ``recompute_num_layers`` layers of each chunk keep only their input) or "selective" (only the
+    attention core is recomputed). ``device_type`` matters because some kernels save different
+    things on CPU and CUDA (dropout masks, LayerNorm statistics, the attention kernel).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vp: int = 1
+    micro_batch_size: int = 1
+    seq_length: int = 128
+    num_microbatches: int = 1
+    params_dtype: torch.dtype = torch.float32
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    use_distributed_optimizer: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    ddp_bucket_size: int = 40_000_000
+    device_type: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device_type: str = "cpu") -> MemoryLayout:
+        """The one place the memory model reads argparse (flags of validated ``args``).
+
+        The sequence-parallel and Megatron recompute flags may not exist yet: read with
+        defaults. Without ``--recompute-granularity``, ``--recompute-activations`` is today's
+        behaviour, every layer recomputed: full / uniform / 1.
+        """
+        granularity = getattr(args, "recompute_granularity", None)
+        method = getattr(args, "recompute_method", None)
+        num_layers = getattr(args, "recompute_num_layers", None)
+        if granularity is None and not hasattr(args, "recompute_granularity") and args.recompute_activations:
+            granularity, method, num_layers = "full", "uniform", 1
+        pp = args.pipeline_model_parallel_size
+        vp = args.virtual_pipeline_model_parallel_size
+        schedule = "interleaved" if vp > 1 else (args.pipeline_schedule if pp > 1 else "1f1b")
+        return cls(
+            tp=args.tensor_model_parallel_size,
+            pp=pp,
+            dp=args.data_parallel_size,
+            vp=vp,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+            num_microbatches=args.num_microbatches,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+            schedule=schedule,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False))
+            and args.tensor_model_parallel_size > 1,
+            recompute_granularity=granularity,
+            recompute_method=method,
+            recompute_num_layers=num_layers,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            ddp_bucket_size=args.ddp_bucket_size,
+            device_type=device_type,
+        )
+
+    def validate(self) -> MemoryLayout:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise MemoryModelError(msg)
+
+        for name in ("tp", "pp", "dp", "vp", "micro_batch_size", "seq_length", "num_microbatches"):
+            need(getattr(self, name) >= 1, f"memory model: {name} must be >= 1, got {getattr(self, name)}")
+        need(
+            self.schedule in SCHEDULES,
+            f"--pipeline-schedule must be one of {SCHEDULES}, got {self.schedule!r}",
+        )
+        need(
+            self.recompute_granularity in GRANULARITIES,
+            f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}",
+        )
+        need(
+            self.recompute_method in METHODS,
+            f"--recompute-method must be uniform or block, got {self.recompute_method!r}",
+        )
+        if self.recompute_granularity == "full":
+            need(
+                self.recompute_method is not None and (self.recompute_num_layers or 0) >= 1,
+                "--recompute-granularity full needs --recompute-method {uniform,block} and "
+                "--recompute-num-layers >= 1",
+            )
+        else:
+            need(
+                self.recompute_method is None,
+                "--recompute-method needs --recompute-granularity full",
+            )
+        need(
+            not self.sequence_parallel or self.seq_length % self.tp == 0,
+            f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
+            f"--tensor-model-parallel-size ({self.tp})",
+        )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: the shapes GPTModel builds
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One model chunk of a pipeline rank, as ``build_model_chunks`` builds it."""
+
+    pre_process: bool
+    post_process: bool
+    layer_range: tuple[int, int]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]
+    shared_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def stage_chunks(config: ModelConfig, layout: MemoryLayout) -> list[list[ChunkSpec]]:
+    """``chunks[pp_rank][c]``: the same split as ``gpt.build_model_chunks`` (same layer ranges)."""
+    ranges = stage_layer_ranges(
+        config.num_layers, layout.pp, layout.vp, layout.first_stage_layers, layout.last_stage_layers
+    )
+    p, v = layout.pp, layout.vp
+    return [
+        [ChunkSpec(r == 0 and c == 0, r == p - 1 and c == v - 1, ranges[r][c]) for c in range(v)]
+        for r in range(p)
+    ]
+
+
+def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[ParamShape]:
+    """This TP rank's parameters of one chunk, in GPTModel's registration order (= DDP's order)."""
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_size
+    bias, layernorm = config.add_bias_linear, config.normalization == "LayerNorm"
+    vocab = config.padded_vocab_size(tp)
+    tied = not config.untie_embeddings_and_output_weights
+    # The tied matrix sits on two stages (embedding and head copy): DDP gives it a bucket of its own.
+    shared = tied and chunk.pre_process != chunk.post_process
+    out: list[ParamShape] = []
+
+    def linear(prefix: str, out_features: int, in_features: int, bias_size: int | None) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (out_features, in_features)))
+        if bias and bias_size is not None:
+            out.append(ParamShape(f"{prefix}.bias", (bias_size,)))
+
+    def norm(prefix: str) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (h,)))
+        if layernorm:
+            out.append(ParamShape(f"{prefix}.bias", (h,)))
+
+    if chunk.pre_process:
+        out.append(ParamShape("embedding.word_embeddings.weight", (vocab // tp, h), shared))
+        if config.position_embedding_type == "learned_absolute":
+            out.append(
+                ParamShape("embedding.position_embeddings.weight", (config.max_position_embeddings, h))
+            )
+    qkv = (config.num_attention_heads + 2 * config.query_groups) * d // tp
+    for i in range(*chunk.layer_range):
+        p = f"decoder.layers.{i}"
+        norm(f"{p}.input_layernorm")
+        linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv)
+        linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, h)
+        norm(f"{p}.pre_mlp_layernorm")
+        for name in ("linear_fc1_gate", "linear_fc1_up") if config.swiglu else ("linear_fc1",):
+            linear(f"{p}.mlp.{name}", f // tp, h, f // tp)
+        linear(f"{p}.mlp.linear_fc2", h, f // tp, h)
+    if chunk.post_process:
+        norm("decoder.final_norm")
+        if not (tied and chunk.pre_process):
+            out.append(ParamShape("output_layer.weight", (vocab // tp, h), shared))
+    return out
+
+
+def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.empty(s.shape, dtype=dtype, device="meta"))
+        if s.shared_embedding:
+            mark_shared_embedding(p)
+        params.append(p)
+    return params
+
+
+def _buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[Bucket]:
+    """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory)."""
+    params = _meta_params(chunk_param_shapes(config, layout.tp, chunk), layout.params_dtype)
+    groups = split_into_buckets(
+        list(reversed(params)), layout.ddp_bucket_size, layout.use_distributed_optimizer
+    )
+    buckets = []
+    for i, group in enumerate(groups):
+        size = padded_bucket_numel(sum(p.numel() for p in group), layout.dp, layout.use_distributed_optimizer)
+        buckets.append(Bucket(i, group, torch.empty(size, device="meta"), layout.dp))
+    return buckets
+
+
+def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    b = dtype_bytes(layout.params_dtype)
+    chunks = stage_chunks(config, layout)[pp_rank]
+    return sum(s.numel * b for c in chunks for s in chunk_param_shapes(config, layout.tp, c))
+
+
+def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """DDP's flat fp32 buffer per chunk, padded per bucket to lcm(dp, 128) under ZeRO-1."""
+    chunks = stage_chunks(config, layout)[pp_rank]
+    return sum(4 * b.numel_padded for c in chunks for b in _buckets(config, layout, c))
+
+
+def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """AdamW state (exp_avg, exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies.
+
+    Main params are whole model params (replicated optimizer) or this DP rank's pieces of each
+    bucket (distributed optimizer: its shard of the padded bucket, padding holds no param).
+    fp32 models use the params themselves as main params: no copy.
+    """
+    from megalite.optim.distributed_optimizer import shard_main_params  # optim imports parallel only
+
+    copy = 4 if layout.params_dtype != torch.float32 else 0
+    total = 0
+    for c in stage_chunks(config, layout)[pp_rank]:
+        for bucket in _buckets(config, layout, c):
+            if layout.use_distributed_optimizer:
+                pieces = [m.main.numel() for m in shard_main_params(bucket, dp_rank)]
+            else:
+                pieces = [p.numel() for p in bucket.params]
+            total += sum((8 + copy) * n + 4 for n in pieces)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: what megalite's layers save for backward, op by op
+# ---------------------------------------------------------------------------------------------
+def _attention_uses_math_kernel(config: ModelConfig, layout: MemoryLayout) -> bool:
+    """SDPA's CPU flash kernel refuses dropout; torch then runs the math kernel, which saves the
+    s x s probabilities (in fp32). On CUDA the flash / memory-efficient kernels take dropout."""
+    return layout.device_type != "cuda" and config.attention_dropout > 0
+
+
+def _norm_terms(config: ModelConfig, rows: int, B: int, cuda: bool) -> int:
+    """Bytes one norm saves for ``rows`` tokens (its output is counted where it is consumed)."""
+    h = config.hidden_size
+    if config.normalization == "LayerNorm":
+        # native_layer_norm: input + mean and rstd per token (fp32 on CUDA, the input dtype on CPU).
+        return rows * (B * h + 2 * (4 if cuda else B))
+    # megalite's RMSNorm (fp32 math): x.float() (a copy unless fp32), rsqrt [., 1] fp32, and
+    # the normalized x in the input dtype (the weight's grad needs it).
+    return rows * (4 * h + 4 + B * h)
+
+
+def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:
+    """Bytes one transformer layer saves for one microbatch on one rank, by what saves them.
+
+    ``mode``: "none" (everything kept), "full" (the layer is recomputed: its input only) or
+    "selective" (the attention core is recomputed). T = b*s tokens; with sequence parallelism
+    the norms, dropouts, residual stream and column-parallel inputs hold T/t rows (Megatron's
+    column-parallel layer saves its sequence-sharded input and gathers it again in backward).
+    """
+    B = dtype_bytes(layout.params_dtype)
+    cuda = layout.device_type == "cuda"
+    t, h, d = layout.tp, config.hidden_size, config.head_dim
+    T = layout.micro_batch_size * layout.seq_length
+    rows = T // t if layout.sequence_parallel else T
+    if mode == "full":
+        return {"layer_input": B * h * rows}
+    heads, groups = config.num_attention_heads // t, config.query_groups // t
+    hq = heads * d  # this rank's query width
+    gqa = heads != groups
+    rope = config.position_embedding_type == "rope"
+    mask = 1 if cuda else B  # dropout mask: bool from the fused CUDA kernel; CPU keeps input * noise
+    terms = {
+        "norms": 2 * _norm_terms(config, rows, B, cuda),
+        "norm_outputs": 2 * B * h * rows,  # inputs of linear_qkv and linear_fc1 (fc1_gate/up share it)
+    }
+    # SDPA's inputs: q and k are fresh tensors after RoPE or the GQA repeat, v after the repeat;
+    # otherwise they are views of the fused QKV output, which then stays alive whole.
+    qkv = 0 if gqa else B * (heads + 2 * groups) * d * T
+    fresh = (rope or gqa) * 2 + gqa
+    if _attention_uses_math_kernel(config, layout) and mode != "selective":
+        # Math kernel: fp32 scaled q, k, v; softmax out, dropout noise, dropped probs [b, a/t, s, s]
+        # in fp32; its output is copied back to the dtype for linear_proj.
+        terms["attention_qkv"] = 3 * 4 * hq * T
+        terms["attention_scores"] = 3 * 4 * heads * layout.seq_length * T
+        terms["attention_out"] = B * hq * T
+    else:
+        terms["attention_qkv"] = qkv + fresh * B * hq * T
+        terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
+        if mode != "selective":
+            terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
+    if config.hidden_dropout > 0:
+        terms["dropout_masks"] = 2 * mask * h * rows
+    f = config.ffn_size // t
+    # GELU: fc1 out (gelu's input), gelu out (fc2's input). SwiGLU: gate, silu(gate), up, product.
+    terms["mlp"] = (4 if config.swiglu else 2) * B * f * T
+    return terms
+
+
+def layer_activation_bytes(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> int:
+    return sum(layer_activation_terms(config, layout, mode).values())
+
+
+def layer_modes(layout: MemoryLayout, num_layers: int) -> list[str]:
+    """Per layer of a chunk: what it saves. Uniform groups of N layers keep one input per group."""
+    g, n = layout.recompute_granularity, layout.recompute_num_layers or 0
+    if g is None:
+        return ["none"] * num_layers
+    if g == "selective":
+        return ["selective"] * num_layers
+    if layout.recompute_method == "block":
+        return ["full" if i < n else "none" for i in range(num_layers)]
+    # uniform: the group's first layer saves the input; the others inside the group save nothing
+    return ["full" if i % n == 0 else "inside" for i in range(num_layers)]
+
+
+def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> dict[str, int]:
+    """Bytes one microbatch leaves saved on one chunk: embedding, layers, head and loss."""
+    B = dtype_bytes(layout.params_dtype)
+    cuda = layout.device_type == "cuda"
+    t, h = layout.tp, config.hidden_size
+    T = layout.micro_batch_size * layout.seq_length
+    rows = T // t if layout.sequence_parallel else T
+    terms: dict[str, int] = {}
+    if chunk.pre_process:
+        # VocabParallelEmbedding: local ids int64 (embedding's backward) and the foreign-id mask (bool).
+        emb = 8 * T + T
+        if config.position_embedding_type == "learned_absolute":
+            emb += 8 * T  # position ids, int64
+        if config.hidden_dropout > 0:
+            emb += (1 if cuda else B) * h * rows
+        terms["embedding"] = emb
+    modes = layer_modes(layout, chunk.num_layers)
+    for mode in ("none", "selective", "full"):
+        n = modes.count(mode)
+        if n:
+            terms[f"layers_{mode}"] = n * layer_activation_bytes(config, layout, mode)
+    if config.position_embedding_type == "rope" and any(m in ("none", "selective") for m in modes):
+        # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE.
+        terms["rope"] = 2 * B * layout.micro_batch_size * layout.seq_length * config.head_dim
+    if chunk.post_process:
+        vocab = config.padded_vocab_size(t)
+        # final norm; its output is the head's input (full T rows: gathered before the logits
+        # under SP); the cross entropy's fp32 softmax, local targets int64, foreign mask bool;
+        # the loss mask fp32 and the token-count divisor (4 bytes).
+        head = _norm_terms(config, rows, B, cuda) + B * h * T
+        head += 4 * (vocab // t) * T + 8 * T + T
+        head += 4 * T + 4
+        terms["head"] = head
+    return terms
+
+
+def chunk_activation_bytes(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> int:
+    return sum(chunk_activation_terms(config, layout, chunk).values())
+
+
+def peak_in_flight(layout: MemoryLayout, pp_rank: int, per_chunk: list[int]) -> int:
+    """Walk this rank's schedule plan: add a chunk's bytes at each forward, drop them at its
+    backward; return the maximum (the number of microbatches in flight comes from the plan)."""
+    live = peak = 0
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    for step in schedule_plan(schedule, layout.pp, pp_rank, layout.num_microbatches, layout.vp):
+        if step.forward is not None:
+            live += per_chunk[step.forward[0]]
+            peak = max(peak, live)
+        if step.backward is not None:
+            live -= per_chunk[step.backward[0]]
+    return peak
+
+
+def activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    chunks = stage_chunks(config, layout)[pp_rank]
+    return peak_in_flight(layout, pp_rank, [chunk_activation_bytes(config, layout, c) for c in chunks])
+
+
+def recompute_transient_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
+    """Extra bytes alive while one recomputed unit runs its backward (not a saved tensor)."""
+    if layout.recompute_granularity == "full":
+        n = layout.recompute_num_layers if layout.recompute_method == "uniform" else 1
+        return n * layer_activation_bytes(config, layout, "none")
+    if layout.recompute_granularity == "selective":
+        return layer_activation_bytes(config, layout, "none") - layer_activation_bytes(
+            config, layout, "selective"
+        )
+    return 0
+
+
+@dataclass
+class RankMemory:
+    """Predicted bytes of one rank, by category; ``extra`` holds what the hooks do not measure."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def categories(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in CATEGORIES}
+
+    @property
+    def total(self) -> int:
+        return sum(self.categories().values()) + sum(self.extra.values())
+
+
+def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> RankMemory:
+    """Bytes rank (pp_rank, dp_rank) holds (any tp_rank: TP ranks hold equal shapes)."""
+    layout.validate()
+    config.validate(layout.tp)
+    B = dtype_bytes(layout.params_dtype)
+    rows = layout.seq_length // layout.tp if layout.sequence_parallel else layout.seq_length
+    p2p = B * layout.micro_batch_size * rows * config.hidden_size if layout.pp > 1 else 0
+    return RankMemory(
+        params=param_bytes(config, layout, pp_rank),
+        grads=grad_buffer_bytes(config, layout, pp_rank),
+        optimizer=optimizer_bytes(config, layout, pp_rank, dp_rank),
+        activations=activation_bytes(config, layout, pp_rank),
+        extra={
+            # One activation and one grad [b, s(/t), h] received per exchange; the activation is
+            # counted in `activations` once its forward saves it.
+            "p2p_buffers": 2 * p2p,
+            "recompute_transient": recompute_transient_bytes(config, layout),
+        },
+    )
+
+
+# ---- Korthikanti et al. 2022, for comparison ------------------------------------------------
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, selective: bool = False
+) -> float:
+    """The paper's activation bytes per transformer layer (16-bit, 1-byte dropout masks)."""
+    attn = 0.0 if selective else 5 * a * s / (h * t)
+    if sp:
+        return s * b * h * (34 / t + attn)
+    return s * b * h * (10 + 24 / t + attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+class _Packed:
+    """What autograd keeps instead of a saved tensor: the tensor, and a release on collection."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedTensorMeter):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class SavedTensorMeter:
+    """Peak bytes of the storages autograd holds for backward while active.
+
+    Each saved tensor is counted by its storage (``untyped_storage().data_ptr()``) once however
+    many ops save it or views of it; its bytes leave the count when the last op that saved it
+    releases it (after that op's backward). Parameters' storages are not activations: excluded.
+    Tensors saved inside a non-reentrant checkpoint are the checkpoint's business (its own hooks
+    are innermost), so a recomputed layer counts only the input the checkpoint saves.
+    """
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        self._refs: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self._lock = threading.Lock()  # CUDA backward runs on autograd's device threads
+        self.live = 0
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or storage.nbytes() == 0:
+            return tensor
+        with self._lock:
+            if key not in self._refs:
+                self._refs[key] = 0
+                self._bytes[key] = storage.nbytes()
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            self._refs[key] += 1
+        return _Packed(tensor, key, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Packed) else packed
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if self._refs[key] == 0:
+                del self._refs[key]
+                self.live -= self._bytes.pop(key)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[SavedTensorMeter]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
+    """params / grads / optimizer bytes this rank holds, from the tensors themselves."""
+    return {
+        "params": sum(p.nbytes for c in model_chunks for p in c.parameters()),
+        "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
+        "optimizer": optimizer.optimizer_state_bytes(),
+    }
+
+
+class MemoryProbe:
+    """The first iteration's memory report, in two calls from the training loop::
+
+    with probe.track():          # first call only; later calls are a no-op context
+        step = train_step(...)
+    probe.report(sinks)          # first call only: gather, table, JSON lines, TensorBoard
+    """
+
+    def __init__(self, state):
+        self.state = state
+        self.done = False
+        self.meter: SavedTensorMeter | None = None
+
+    @contextlib.contextmanager
+    def track(self):
+        if self.done:
+            yield
+            return
+        params = [p for c in self.state.model for p in c.parameters()]
+        self.meter = SavedTensorMeter(params)
+        if self.state.mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.state.mesh.device)
+        with self.meter.track():
+            yield
+
+    def report(self, sinks) -> list[dict] | None:
+        """Gather every rank's record; the logging rank prints and writes them. Collective."""
+        if self.done or self.meter is None:
+            return None
+        self.done = True
+        record = rank_record(self.state, self.meter)
+        records = [record]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            records = [None] * dist.get_world_size()
+            dist.all_gather_object(records, record)
+        if sinks.enabled:
+            for r in records:
+                sinks.write_record(r)
+            for key, value in stage_summary(records).items():
+                sinks.scalar(f"memory/{key}", value, self.state.iteration)
+            sinks.console(format_memory_table(records))
+        return records
+
+
+def rank_record(state, meter: SavedTensorMeter) -> dict:
+    """This rank's ``{"kind": "memory", ...}`` record: measured vs predicted bytes."""
+    mesh, args = state.mesh, state.args
+    layout = MemoryLayout.from_args(args, mesh.device.type)
+    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_rank)
+    measured = measure_state_bytes(state.model, state.optimizer)
+    measured["activations"] = meter.peak
+    measured_extra = {}
+    if mesh.device.type == "cuda":
+        measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
+    return {
+        "kind": "memory",
+        "iteration": state.iteration,
+        "rank": mesh.rank,
+        "tp_rank": mesh.tp_rank,
+        "pp_rank": mesh.pp_rank,
+        "dp_rank": mesh.dp_rank,
+        "measured": measured,
+        "predicted": predicted.categories(),
+        "measured_extra": measured_extra,
+        "predicted_extra": predicted.extra,
+        "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
+    }
+
+
+def stage_summary(records: list[dict]) -> dict[str, int]:
+    """Per pipeline stage, the largest bytes over its ranks: ``stage{p}/{measured,predicted}_{cat}``."""
+    out: dict[str, int] = {}
+    for r in records:
+        for side in ("measured", "predicted"):
+            for cat, value in r[side].items():
+                key = f"stage{r['pp_rank']}/{side}_{cat}"
+                out[key] = max(out.get(key, 0), value)
+        for cat, value in r.get("measured_extra", {}).items():
+            key = f"stage{r['pp_rank']}/measured_{cat}"
+            out[key] = max(out.get(key, 0), value)
+    return out
+
+
+def relative_error(measured: int, predicted: int) -> float:
+    return abs(measured - predicted) / max(predicted, 1)
+
+
+def format_memory_table(records: list[dict]) -> str:
+    """One row per pipeline stage: predicted / measured MiB per category (max over the stage's
+    ranks) and the worst relative error of any rank of the stage."""
+    summary = stage_summary(records)
+    stages = sorted({r["pp_rank"] for r in records})
+    mib = 2**20
+    header = ["stage", "ranks"] + [f"{c} MiB pred/meas" for c in CATEGORIES] + ["max rel err"]
+    cuda = any("cuda_max_allocated" in r.get("measured_extra", {}) for r in records)
+    if cuda:
+        header.append("cuda max alloc MiB")
+    rows = [header]
+    for p in stages:
+        mine = [r for r in records if r["pp_rank"] == p]
+        err = max(relative_error(r["measured"][c], r["predicted"][c]) for r in mine for c in CATEGORIES)
+        row = [str(p), str(len(mine))]
+        for c in CATEGORIES:
+            row.append(
+                f"{summary[f'stage{p}/predicted_{c}'] / mib:.3f} / {summary[f'stage{p}/measured_{c}'] / mib:.3f}"
+            )
+        row.append(f"{100 * err:.2f}%")
+        if cuda:
+            row.append(f"{summary.get(f'stage{p}/measured_cuda_max_allocated', 0) / mib:.1f}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    title = " memory per rank, iteration 1 (predicted / measured; max over each stage's ranks):"
+    return "\n".join([title] + [" " + line for line in lines])
+
+
+__all__ = [
+    "CATEGORIES",
+    "ChunkSpec",
+    "MemoryLayout",
+    "MemoryModelError",
+    "MemoryProbe",
+    "ParamShape",
+    "RankMemory",
+    "SavedTensorMeter",
+    "activation_bytes",
+    "chunk_activation_bytes",
+    "chunk_activation_terms",
+    "chunk_param_shapes",
+    "grad_buffer_bytes",
+    "korthikanti_layer_bytes",
+    "layer_activation_bytes",
+    "layer_activation_terms",
+    "layer_modes",
+    "optimizer_bytes",
+    "param_bytes",
+    "peak_in_flight",
+    "predict_rank",
+    "stage_chunks",
+]
