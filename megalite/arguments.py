@@ -76,11 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="Pad the vocab to a multiple of this times TP size (Megatron's rule).",
     )
-    g.add_argument(
-        "--recompute-activations",
-        action="store_true",
-        help="Recompute each transformer layer in backward instead of storing its activations.",
-    )
+    add_sequence_parallel_and_recompute_args(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (within a node).")
@@ -260,6 +256,87 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_sequence_parallel_and_recompute_args(p: argparse.ArgumentParser) -> None:
+    """Activation-memory savers, with Megatron-LM's names and meanings (checked by
+    :func:`validate_sequence_parallel_and_recompute`)."""
+    g = p.add_argument_group("activation memory: sequence parallelism and recompute")
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split norms, dropout and residual activations along the sequence over TP ranks "
+        "(all-gather / reduce-scatter instead of all-reduce); a no-op at TP size 1.",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="full: recompute whole transformer layers (with --recompute-method and "
+        "--recompute-num-layers); selective: recompute only the attention core.",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="With --recompute-granularity full. uniform: recompute groups of "
+        "--recompute-num-layers layers as one unit; block: recompute the first "
+        "--recompute-num-layers layers of each pipeline chunk only.",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="Layers per recompute unit (uniform) or recomputed layers per chunk (block).",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Same as --recompute-granularity selective (Megatron's meaning).",
+    )
+
+
+def validate_sequence_parallel_and_recompute(args: argparse.Namespace) -> None:
+    """Megatron's rules for the flags of :func:`add_sequence_parallel_and_recompute_args`."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ArgumentError(msg)
+
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("note: --sequence-parallel is a no-op with --tensor-model-parallel-size 1; disabled")
+        args.sequence_parallel = False
+    need(
+        not args.sequence_parallel or args.seq_length % tp == 0,
+        f"--seq-length ({args.seq_length}) is not divisible by --tensor-model-parallel-size ({tp}), "
+        f"which --sequence-parallel needs; use a multiple of {tp}",
+    )
+    if args.recompute_activations:
+        need(
+            args.recompute_granularity in (None, "selective"),
+            "--recompute-activations means --recompute-granularity selective; drop one of the two",
+        )
+        args.recompute_granularity = "selective"
+    need(
+        args.recompute_method is None or args.recompute_granularity == "full",
+        "--recompute-method needs --recompute-granularity full",
+    )
+    need(
+        args.recompute_num_layers is None or args.recompute_granularity == "full",
+        "--recompute-num-layers needs --recompute-granularity full and --recompute-method",
+    )
+    if args.recompute_granularity == "full":
+        need(
+            args.recompute_method is not None and args.recompute_num_layers is not None,
+            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+            "(uniform 1 recomputes every layer)",
+        )
+        need(
+            args.recompute_num_layers >= 1,
+            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
+        )
+
+
 def _apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """Turn ``--config FILE`` into defaults; flags on the command line still win."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -388,6 +465,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         "--transformer-impl transformer_engine: megalite does not build Transformer Engine layers yet; "
         "use --transformer-impl local (the default; attention already uses PyTorch's fused SDPA kernels)",
     )
+    validate_sequence_parallel_and_recompute(args)
     model_config(args, vocab_size=args.vocab_size or 1).validate(tp)
     return args
 

@@ -111,7 +111,10 @@ def setup(args: argparse.Namespace) -> TrainState:
         first_stage_layers=args.decoder_first_pipeline_num_layers,
         last_stage_layers=args.decoder_last_pipeline_num_layers,
         rng=rng,
-        recompute_activations=args.recompute_activations,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         dtype=params_dtype(args),
         device=mesh.device,
     )
@@ -223,6 +226,12 @@ def forward_step(chunk, microbatch, input_tensor):
     return (out * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def stage_tensor_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """The [b, s, h] every pipeline stage sends on: [b, s/t, h] under --sequence-parallel."""
+    s = args.seq_length // args.tensor_model_parallel_size if args.sequence_parallel else args.seq_length
+    return (args.micro_batch_size, s, args.hidden_size)
+
+
 def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> list:
     args, mesh = state.args, state.mesh
     if mesh.pp_size == 1:
@@ -237,7 +246,7 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
         model=state.model,
         mesh=mesh,
         num_microbatches=len(microbatches),
-        tensor_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
+        tensor_shape=stage_tensor_shape(args),
         dtype=params_dtype(args),
         schedule=schedule,
         forward_only=forward_only,

@@ -4,7 +4,7 @@
 #
 #   bash scripts/train_llama_1b.sh                      # all visible GPUs, default data
 #   DATA_PATH=my_text_document TOKENIZER_MODEL=tok.model bash scripts/train_llama_1b.sh
-#   TP=2 PP=2 GLOBAL_BATCH_SIZE=256 bash scripts/train_llama_1b.sh --recompute-activations
+#   TP=2 PP=2 GLOBAL_BATCH_SIZE=256 bash scripts/train_llama_1b.sh --sequence-parallel --recompute-activations
 #   DRY_RUN=1 GPUS_PER_NODE=8 bash scripts/train_llama_1b.sh   # print the command only
 #
 # Settings are environment variables (scripts/launch_common.sh lists them); arguments

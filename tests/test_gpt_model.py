@@ -239,9 +239,19 @@ def test_init_is_deterministic_and_scaled():
     assert not torch.equal(pb["output_layer.weight"][:V], pb["embedding.word_embeddings.weight"][:V])
 
 
-def test_recompute_reproduces_dropout_exactly():
+RECOMPUTE_MODES = {  # Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(RECOMPUTE_MODES))
+def test_recompute_reproduces_dropout_exactly(mode):
     cfg = flavours()["llama_gqa"]
     cfg.hidden_dropout, cfg.attention_dropout = 0.2, 0.2
+    cfg.num_layers = 3  # uniform 2: a unit of two layers and a shorter last one
     mesh = Mesh.single()
     ids, labels, weights = batch()
     rng = TensorParallelRNG(11, mesh, torch.device("cpu"))
@@ -250,18 +260,20 @@ def test_recompute_reproduces_dropout_exactly():
     def run(recompute):
         torch.set_rng_state(start[0])
         rng.set_state(start[1])
-        model = GPTModel(cfg, mesh, rng=rng, recompute_activations=recompute).train()
+        model = GPTModel(cfg, mesh, rng=rng, **recompute).train()
         loss = model(ids, labels=labels)
         (loss * weights).sum().backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model, rng.get_state()
 
-    loss_a, grads_a, model = run(False)
-    loss_b, grads_b, _ = run(True)
+    loss_a, grads_a, model, end_a = run({})
+    loss_b, grads_b, _, end_b = run(RECOMPUTE_MODES[mode])
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
     for n in grads_a:
         torch.testing.assert_close(
             grads_b[n], grads_a[n], rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}"
         )
+    # The recompute leaves both streams where a plain forward + backward leaves them.
+    assert all(torch.equal(end_a[k], end_b[k]) for k in end_a)
     with torch.no_grad():
         assert not torch.allclose(model.eval()(ids, labels=labels), loss_a)  # dropout was active
 

@@ -73,7 +73,8 @@ def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     return gather_full(grad_of(p), p, mesh)
 
 
-CASES = [  # (schedule, vp, m as a multiple of pp, extra, recompute_activations)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+CASES = [  # (schedule, vp, m as a multiple of pp, extra, full recompute of every layer)
     ("gpipe", 1, 1, 0, False),
     ("gpipe", 1, 2, 1, False),
     ("1f1b", 1, 1, 0, False),
@@ -92,7 +93,7 @@ def _run(layouts):
         for flavour, config in flavours().items():
             for schedule, vp, times, extra, recompute in CASES:
                 m = times * pp + extra
-                chunks = build_model_chunks(config, mesh, vp=vp, recompute_activations=recompute)
+                chunks = build_model_chunks(config, mesh, vp=vp, **(FULL_RECOMPUTE if recompute else {}))
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                     chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
                 losses = forward_backward(

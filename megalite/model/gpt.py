@@ -23,11 +23,26 @@ TP x PP layout starts from the same model.
 ``GPTModel.forward`` reads embed -> decoder (:class:`TransformerBlock`: the layers, with
 optional recompute, then the final norm) -> head and loss. Layout is ``[b, s, h]``
 (batch first) throughout.
+
+Sequence parallelism (``sequence_parallel``, Megatron's ``--sequence-parallel``): between
+the TP matmuls (embedding output, norms, dropout, residual adds, final norm, the tensors
+sent between pipeline stages) each TP rank holds its ``s/t`` consecutive tokens,
+``[b, s/t, h]``. The column-parallel layers all-gather the sequence before their matmul
+(attention therefore sees the whole sequence, at its global positions), the row-parallel
+layers and the embedding reduce-scatter it, and the output head gathers it before the
+vocab-parallel logits. Dropout there uses the per-TP-rank RNG stream (different tokens,
+different masks), and the replicated params used on ``[b, s/t, h]`` are tagged so their
+grads are summed over TP (:func:`~megalite.parallel.data_parallel.finalize_model_grads`).
+
+Recompute (Megatron's ``--recompute-granularity`` / ``--recompute-method`` /
+``--recompute-num-layers``): ``"selective"`` recomputes the attention core only;
+``"full"`` recomputes whole layers, grouped by :func:`recompute_units`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 
@@ -42,11 +57,16 @@ from megalite.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linear,
     init_param_from_full,
 )
-from megalite.parallel.mappings import copy_to_tensor_model_parallel_region
+from megalite.parallel.mappings import split_along_sequence_dim
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import mark_replicated, mark_shared_embedding
+from megalite.parallel.param_attributes import (
+    mark_replicated,
+    mark_sequence_parallel,
+    mark_shared_embedding,
+)
 from megalite.parallel.pipeline_layout import stage_layer_ranges
 
 # The layers would draw their own init from torch's global RNG; GPTModel.init_weights sets
@@ -72,15 +92,34 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def build_norm(config: ModelConfig, dtype, device) -> nn.Module:
-    """LayerNorm (with bias) or RMSNorm; its params are replicated over TP."""
+def build_norm(config: ModelConfig, dtype, device, sequence_parallel: bool = False) -> nn.Module:
+    """LayerNorm (with bias) or RMSNorm; its params are replicated over TP.
+
+    Under sequence parallelism the norm sees only this rank's tokens, so its grads are
+    partial: tagged to be summed over TP.
+    """
     if config.normalization == "RMSNorm":
         norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
     else:
         norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
     for p in norm.parameters():
         mark_replicated(p)
+        if sequence_parallel:
+            mark_sequence_parallel(p)
     return norm
+
+
+def dropout(x: torch.Tensor, p: float, rng) -> torch.Tensor:
+    """``F.dropout(x, p)``; with ``rng`` (sequence-sharded x) drawn from this TP rank's stream.
+
+    Replicated activations must drop the same elements on every TP rank (the default
+    stream); under sequence parallelism each rank holds other tokens, and Megatron draws
+    their masks from the per-TP-rank stream. ``p`` is 0 in eval.
+    """
+    if p == 0.0:
+        return x
+    with rng.fork() if rng is not None else contextlib.nullcontext():
+        return F.dropout(x, p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +167,7 @@ class SelfAttention(nn.Module):
     ``query_groups/tp`` complete groups, with no communication inside attention.
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device):
+    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False):
         super().__init__()
         tp = mesh.tp_size
         self.head_dim = config.head_dim
@@ -137,10 +176,18 @@ class SelfAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
         self.rng = rng
+        self.selective_recompute = selective
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
         bias = config.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, mesh, bias=bias, **_NO_INIT, dtype=dtype, device=device
+            config.hidden_size,
+            qkv_size,
+            mesh,
+            bias=bias,
+            sequence_parallel=sp,
+            **_NO_INIT,
+            dtype=dtype,
+            device=device,
         )
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -148,16 +195,21 @@ class SelfAttention(nn.Module):
             mesh,
             bias=bias,
             input_is_parallel=True,
+            sequence_parallel=sp,
             **_NO_INIT,
             dtype=dtype,
             device=device,
         )
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h] (replicated over TP after linear_proj's all-reduce)."""
-        b, s, _ = x.shape
+        """x [b, s, h] -> [b, s, h] (replicated over TP after linear_proj's all-reduce).
+
+        Sequence parallel: x [b, s/t, h] -> [b, s/t, h]; linear_qkv gathers the whole
+        sequence, so attention and RoPE (cos/sin [b, 1, s, d]) run on all s tokens.
+        """
         d = self.head_dim
         qkv = self.linear_qkv(x)  # [b, s, groups/tp * (q_per_group + 2) * d]
+        b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.q_per_group + 2, d)
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, d).transpose(1, 2)  # [b, heads/tp, s, d]
@@ -165,6 +217,17 @@ class SelfAttention(nn.Module):
         v = v.squeeze(3).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.selective_recompute and torch.is_grad_enabled():
+            # Megatron's selective recompute: keep q, k, v; rerun the core (the part whose
+            # memory grows with s^2) in backward, with the same dropout masks.
+            out = tp_random.recompute(self.core_attention, self.rng, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        out = out.transpose(1, 2).reshape(b, s, self.local_heads * d)  # [b, s, heads/tp * d]
+        return self.linear_proj(out)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v: q [b, heads/tp, s, d], k, v [b, groups/tp, s, d]."""
         if self.q_per_group > 1:
             # Query heads of group g sit next to each other, so repeat each k/v head in place.
             k = k.repeat_interleave(self.q_per_group, dim=1)
@@ -172,9 +235,7 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        out = out.transpose(1, 2).reshape(b, s, self.local_heads * d)  # [b, s, heads/tp * d]
-        return self.linear_proj(out)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -184,26 +245,27 @@ class MLP(nn.Module):
     (``linear_fc1_gate``, ``linear_fc1_up``) so each has a plain contiguous shard layout.
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device):
+    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device, sp=False):
         super().__init__()
         h, ffn, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        common = dict(bias=bias, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device)
 
         def column():
-            return ColumnParallelLinear(h, ffn, mesh, bias=bias, **_NO_INIT, dtype=dtype, device=device)
+            # SwiGLU under SP gathers the sequence once per column layer (twice); Megatron
+            # fuses gate and up into one fc1 and gathers once.
+            return ColumnParallelLinear(h, ffn, mesh, **common)
 
         if self.swiglu:
             self.linear_fc1_gate = column()
             self.linear_fc1_up = column()
         else:
             self.linear_fc1 = column()
-        self.linear_fc2 = RowParallelLinear(
-            ffn, h, mesh, bias=bias, input_is_parallel=True, **_NO_INIT, dtype=dtype, device=device
-        )
+        self.linear_fc2 = RowParallelLinear(ffn, h, mesh, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]."""
+        """x [b, s, h] -> [b, s, h] ([b, s/t, h] -> [b, s/t, h] under sequence parallelism)."""
         if self.swiglu:
             y = F.silu(self.linear_fc1_gate(x)) * self.linear_fc1_up(x)  # [b, s, ffn/tp]
         else:
@@ -214,56 +276,92 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device):
+    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False):
         super().__init__()
-        self.input_layernorm = build_norm(config, dtype, device)
-        self.self_attention = SelfAttention(config, mesh, rng, dtype, device)
-        self.pre_mlp_layernorm = build_norm(config, dtype, device)
-        self.mlp = MLP(config, mesh, dtype, device)
-        # The residual stream is replicated over TP, so this dropout uses the default
-        # RNG stream, identical on every TP rank (the activations must stay identical).
+        self.input_layernorm = build_norm(config, dtype, device, sp)
+        self.self_attention = SelfAttention(config, mesh, rng, dtype, device, sp, selective)
+        self.pre_mlp_layernorm = build_norm(config, dtype, device, sp)
+        self.mlp = MLP(config, mesh, dtype, device, sp)
+        # Replicated residual stream: the default RNG stream, identical on every TP rank (the
+        # activations must stay identical). Sequence-sharded: the TP stream (other tokens).
+        self.dropout_rng = rng if sp else None
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x [b, s, h] -> [b, s, h]."""
+        """x [b, s, h] -> [b, s, h] ([b, s/t, h] under sequence parallelism)."""
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x), rope), p)
-        x = x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), p)
+        x = x + dropout(self.self_attention(self.input_layernorm(x), rope), p, self.dropout_rng)
+        x = x + dropout(self.mlp(self.pre_mlp_layernorm(x)), p, self.dropout_rng)
         return x
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def recompute_units(num_layers: int, method: str | None, n: int | None) -> list[tuple[int, int, bool]]:
+    """How full recompute covers a chunk's ``num_layers`` layers: ``[(start, end, recompute)]``.
+
+    Megatron's ``--recompute-method``: ``uniform`` checkpoints consecutive groups of
+    ``n`` layers as one unit (only each group's input is kept; the last group may be
+    shorter); ``block`` checkpoints the first ``n`` layers of the chunk one by one and
+    runs the rest normally. ``None``: no layer recomputed.
+    """
+    if method is None:
+        return [(i, i + 1, False) for i in range(num_layers)]
+    if n is None or n < 1:
+        raise ValueError(f"--recompute-num-layers must be >= 1 with --recompute-method {method}, got {n}")
+    if method == "uniform":
+        return [(i, min(i + n, num_layers), True) for i in range(0, num_layers, n)]
+    if method == "block":
+        return [(i, i + 1, i < n) for i in range(num_layers)]
+    raise ValueError(f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {method!r}")
+
+
+def _run_layers(layers, rope, hidden: torch.Tensor) -> torch.Tensor:
+    return functools.reduce(lambda x, layer: layer(x, rope), layers, hidden)
 
 
 class TransformerBlock(nn.Module):
     """This chunk's transformer layers, keyed by GLOBAL index, then the final norm on the last chunk."""
 
-    def __init__(self, config, mesh, layer_range, post_process, rng, recompute_activations, dtype, device):
+    def __init__(self, config, mesh, layer_range, post_process, rng, dtype, device, sp, recompute):
         super().__init__()
+        granularity, method, n = recompute
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, mesh, rng, dtype, device) for i in range(*layer_range)}
+            {
+                str(i): TransformerLayer(config, mesh, rng, dtype, device, sp, granularity == "selective")
+                for i in range(*layer_range)
+            }
         )
-        self.final_norm = build_norm(config, dtype, device) if post_process else None
+        self.final_norm = build_norm(config, dtype, device, sp) if post_process else None
         self.rng = rng
-        self.recompute_activations = recompute_activations
+        full = granularity == "full"
+        self.units = recompute_units(len(self.layers), method if full else None, n if full else None)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """hidden [b, s, h] -> [b, s, h], final-normed on the last chunk."""
-        for layer in self.layers.values():
-            if self.recompute_activations and torch.is_grad_enabled():
-                # Keep only the layer's input; backward reruns it with the same dropout masks.
-                hidden = tp_random.recompute(lambda x, layer=layer: layer(x, rope), self.rng, hidden)
+        """hidden [b, s, h] -> [b, s, h] ([b, s/t, h] under SP), final-normed on the last chunk."""
+        layers = list(self.layers.values())
+        for start, end, recompute in self.units:
+            run = functools.partial(_run_layers, layers[start:end], rope)
+            if recompute and torch.is_grad_enabled():
+                # Keep only the unit's input; backward reruns it with the same dropout masks.
+                hidden = tp_random.recompute(run, self.rng, hidden)
             else:
-                hidden = layer(hidden, rope)
+                hidden = run(hidden)
         return self.final_norm(hidden) if self.final_norm is not None else hidden
 
 
 class LanguageModelEmbedding(nn.Module):
     """Token embedding (vocab-parallel) + learned positions (GPT-2 only) + dropout."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device):
+    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size(mesh.tp_size),
             config.hidden_size,
             mesh,
+            reduce_scatter_embeddings=sp,
             **_NO_INIT,
             dtype=dtype,
             device=device,
@@ -274,20 +372,24 @@ class LanguageModelEmbedding(nn.Module):
                 config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device
             )
             mark_replicated(self.position_embeddings.weight)
+            if sp:  # looked up for this rank's tokens only: partial grads
+                mark_sequence_parallel(self.position_embeddings.weight)
+        self.tp_group = mesh.tp_group if sp else None
+        self.dropout_rng = rng if sp else None
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids [b, s] -> [b, s, h]."""
+        """input_ids, position_ids [b, s] -> [b, s, h] (this rank's tokens [b, s/t, h] under SP)."""
         s, positions = input_ids.shape[1], self.position_embeddings
         if positions is not None and s > positions.num_embeddings:
             raise ValueError(
                 f"sequence length {s} exceeds --max-position-embeddings ({positions.num_embeddings}); "
                 f"lower --seq-length or raise the limit"
             )
-        x = self.word_embeddings(input_ids)
+        x = self.word_embeddings(input_ids)  # reduce-scattered to [b, s/t, h] under SP
         if positions is not None:
-            x = x + positions(position_ids)
-        return F.dropout(x, self.hidden_dropout if self.training else 0.0)
+            x = x + positions(split_along_sequence_dim(position_ids, self.tp_group))
+        return dropout(x, self.hidden_dropout if self.training else 0.0, self.dropout_rng)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +413,11 @@ class GPTModel(nn.Module):
         post_process: this chunk holds the final norm and output head (last stage).
         layer_range: global ``[start, end)`` of the transformer layers held (None = all).
         rng: per-TP-rank RNG streams; attention dropout runs in ``rng.fork()``.
-        recompute_activations: recompute each transformer layer in backward
-            (saves activation memory; dropout masks are reproduced exactly).
+        sequence_parallel: split the activations outside the TP matmuls along the
+            sequence over TP (``[b, s/t, h]``); a no-op at tp=1.
+        recompute_granularity: None, ``"selective"`` (the attention core) or ``"full"``
+            (whole layers, as ``recompute_method`` / ``recompute_num_layers`` say; see
+            :func:`recompute_units`). Dropout masks are reproduced exactly.
     """
 
     def __init__(
@@ -324,7 +429,10 @@ class GPTModel(nn.Module):
         post_process: bool = True,
         layer_range: tuple[int, int] | None = None,
         rng: tp_random.TensorParallelRNG | None = None,
-        recompute_activations: bool = False,
+        sequence_parallel: bool = False,
+        recompute_granularity: str | None = None,
+        recompute_method: str | None = None,
+        recompute_num_layers: int | None = None,
         dtype=torch.float32,
         device=None,
     ):
@@ -345,11 +453,17 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.layer_range = (start, end)
         self.tied = not config.untie_embeddings_and_output_weights
+        self.sequence_parallel = sp = sequence_parallel and mesh.tp_size > 1
+        if recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ValueError(
+                f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}"
+            )
         device = device if device is not None else mesh.device
 
-        self.embedding = LanguageModelEmbedding(config, mesh, dtype, device) if pre_process else None
+        self.embedding = LanguageModelEmbedding(config, mesh, rng, dtype, device, sp) if pre_process else None
+        recompute = (recompute_granularity, recompute_method, recompute_num_layers)
         self.decoder = TransformerBlock(
-            config, mesh, (start, end), post_process, rng, recompute_activations, dtype, device
+            config, mesh, (start, end), post_process, rng, dtype, device, sp, recompute
         )
         self.output_layer = None
         if post_process and not (self.tied and pre_process):
@@ -361,6 +475,7 @@ class GPTModel(nn.Module):
                 config.padded_vocab_size(mesh.tp_size),
                 mesh,
                 bias=False,
+                sequence_parallel=sp,
                 **_NO_INIT,
                 dtype=dtype,
                 device=device,
@@ -429,7 +544,9 @@ class GPTModel(nn.Module):
         input_ids [b, s] long (first stage) or input_tensor [b, s, h] (later stages);
         position_ids [b, s] (default 0..s-1). Returns hidden states [b, s, h] (not the last
         stage), logits [b, s, V_pad/tp] (last stage, no labels; this rank's vocab shard) or
-        the per-token loss [b, s] fp32 (last stage, labels [b, s]).
+        the per-token loss [b, s] fp32 (last stage, labels [b, s]). Under sequence
+        parallelism input_tensor and the returned hidden states are [b, s/t, h];
+        position_ids, logits and the loss still cover the whole sequence.
         """
         x = input_ids if self.pre_process else input_tensor
         if x is None:
@@ -439,19 +556,22 @@ class GPTModel(nn.Module):
                 else "a later pipeline stage (pre_process=False) needs input_tensor [b, s, h]"
             )
         b, s = x.shape[:2]
+        if self.sequence_parallel and not self.pre_process:
+            s *= self.mesh.tp_size  # input_tensor is this rank's [b, s/t, h]
         if position_ids is None:
             position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
-        hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor  # [b, s, h]
+        # hidden: [b, s, h], or this rank's tokens [b, s/t, h] under sequence parallelism
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor
         rope = None
         if self.config.position_embedding_type == "rope":  # cos, sin [b, 1, s, d]
             rope = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype)
-        hidden = self.decoder(hidden, rope)  # [b, s, h]
+        hidden = self.decoder(hidden, rope)  # [b, s, h] ([b, s/t, h])
         if not self.post_process:
             return hidden
-        # Column-parallel head (tied on one stage: the embedding matrix itself); the replicated
-        # input's grad is summed over TP in backward.
+        # Column-parallel head (tied on one stage: the embedding matrix itself); SP gathers the
+        # sequence first. The input's grad is summed (reduce-scattered) over TP in backward.
         head = self.output_layer if self.output_layer is not None else self.embedding.word_embeddings
-        logits = F.linear(copy_to_tensor_model_parallel_region(hidden, self.mesh.tp_group), head.weight)
+        logits = column_parallel_linear(hidden, head.weight, None, self.mesh.tp_group, self.sequence_parallel)
         if labels is None:
             return logits  # [b, s, V_pad/tp]
         return vocab_parallel_cross_entropy(
@@ -473,7 +593,7 @@ def build_model_chunks(
     (:func:`~megalite.parallel.pipeline_layout.stage_layer_ranges`); the embedding
     lives on virtual stage 0 (rank 0, chunk 0) and the final norm + head on the
     last one (rank pp-1, chunk vp-1). ``gpt_kwargs`` go to every GPTModel
-    (rng, recompute_activations, dtype, device).
+    (rng, sequence_parallel, recompute_*, dtype, device).
     """
     ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first_stage_layers, last_stage_layers)
     return [
@@ -489,4 +609,4 @@ def build_model_chunks(
     ]
 
 
-__all__ = ["GPTModel", "apply_rotary", "build_model_chunks", "rotary_cos_sin"]
+__all__ = ["GPTModel", "apply_rotary", "build_model_chunks", "recompute_units", "rotary_cos_sin"]

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param
-from megalite.parallel.data_parallel import Bucket, DistributedDataParallel, all_gather_flat
+from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
+from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
 
 

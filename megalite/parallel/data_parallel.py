@@ -25,8 +25,8 @@ Megatron-Core's DistributedDataParallel, in one readable file:
 Gradient accumulation over microbatches: run all but the last microbatch under
 :meth:`no_sync` (gradients just accumulate in ``main_grad``), the last one
 outside it, then call :func:`finalize_model_grads` before the optimizer step (it
-finishes every chunk's DP sync and sums the tied embedding's grads over the first
-and last pipeline stage) and :meth:`zero_grad_buffer` before the next iteration.
+finishes every chunk's DP sync, sums the sequence-parallel params' grads over TP and
+the tied embedding's grads over the first and last pipeline stage) and :meth:`zero_grad_buffer` before the next iteration.
 """
 
 from __future__ import annotations
@@ -39,17 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import grad_of, is_shared_embedding, set_main_grad
-
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
-    """All-gather equal 1-D shards into the flat ``output`` [n * dp] (in place when ``shard`` is its own slice)."""
-    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+from megalite.parallel.param_attributes import (
+    grad_of,
+    is_sequence_parallel,
+    is_shared_embedding,
+    set_main_grad,
+)
 
 
 class Bucket:
@@ -248,8 +245,8 @@ class DistributedDataParallel(nn.Module):
             bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
             if self.use_distributed_optimizer:
                 lo, hi = bucket.shard_range(self.dp_rank)
-                bucket.handle = _reduce_scatter_flat(
-                    bucket.grad_data[lo:hi], bucket.grad_data, group=self.dp_group, async_op=True
+                bucket.handle = reduce_scatter_flat(
+                    bucket.grad_data[lo:hi], bucket.grad_data, self.dp_group, async_op=True
                 )
             else:
                 bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
@@ -312,7 +309,8 @@ def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
     """Make this rank's grads final for the optimizer step (Megatron-Core's name); collective.
 
     First every DistributedDataParallel chunk finishes its DP sync (unwrapped chunks keep
-    ``.grad``). Then, with tied embeddings and pp > 1, the two copies of the word embedding
+    ``.grad``). Then, under sequence parallelism, the grads of the TP-replicated params
+    marked ``sequence_parallel`` are summed over TP. Then, with tied embeddings and pp > 1, the two copies of the word embedding
     (first stage: input embedding, last stage: output head) each saw only their own use in
     backward: summing their grads over ``mesh.embedding_group`` gives both the grad of the one
     tied weight, so the copies stay identical after the step.
@@ -320,14 +318,36 @@ def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
     for chunk in model_chunks:
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
+    _allreduce_sequence_parallel_grads(model_chunks, mesh)
     if mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
-    shared = [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]
-    for p in shared:
-        grad = grad_of(p)
-        if grad is None:  # no backward touched it: contribute zeros, the peer still waits
-            p.grad = grad = torch.zeros_like(p)
-        dist.all_reduce(grad, group=mesh.embedding_group)
+    for p in [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]:
+        dist.all_reduce(_grad_or_zeros(p), group=mesh.embedding_group)
+
+
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    grad = grad_of(p)
+    if grad is None:  # no backward touched it: contribute zeros, the peers still wait
+        p.grad = grad = torch.zeros_like(p)
+    return grad
+
+
+def _allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
+    """Sum over TP the grads of replicated params that saw only this rank's tokens (SP).
+
+    Megatron-Core's ``_allreduce_layernorm_grads``. It runs after the DP sync: the
+    grad buffers of the TP ranks have the same layout, so with ZeRO-1 the DP shard
+    each rank owns is summed with the same shard of its TP peers. One coalesced
+    all-reduce for all of them.
+    """
+    params = [p for chunk in model_chunks for p in chunk.parameters() if is_sequence_parallel(p)]
+    if mesh.tp_size == 1 or not params:
+        return
+    grads = [_grad_or_zeros(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh.tp_group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
 
 
 def own_bucket(param: nn.Parameter, use_distributed_optimizer: bool) -> bool:

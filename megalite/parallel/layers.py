@@ -6,6 +6,13 @@ The MLP pattern shows why the pair exists (one all-reduce per block)::
                -> gelu (local, no communication)
                -> RowParallelLinear (W2 split by columns)    -> partial [..., h] -> all-reduce
 
+With sequence parallelism (``sequence_parallel=True``, Megatron's ``--sequence-parallel``)
+the activations between the pairs are split along the sequence instead of replicated::
+
+    x [b, s/t, h] -> ColumnParallelLinear: all-gather seq -> [b, s, h] -> matmul -> [b, s, 4h/tp]
+                  -> gelu
+                  -> RowParallelLinear: matmul -> partial [b, s, h] -> reduce-scatter -> [b, s/t, h]
+
 Every parameter carries ``tensor_model_parallel`` (True = sharded over TP) and
 ``partition_dim`` (the sharded dim, -1 when replicated); see
 :mod:`megalite.parallel.param_attributes`. The logical full
@@ -25,8 +32,11 @@ from torch import nn
 from megalite.parallel import param_attributes
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_along_sequence_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_sequence_dim,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megalite.parallel.mesh import Mesh
@@ -85,6 +95,52 @@ def _divide(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
+# ---- the column-parallel matmul ------------------------------------------------------------------
+
+
+class _LinearWithSequenceParallelInput(torch.autograd.Function):
+    """``F.linear`` of the sequence-gathered input; only the sequence SHARD is saved for backward.
+
+    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence
+    parallelism: saving the gathered ``[b, s, in]`` would keep t times the bytes SP
+    saves, so backward all-gathers the shard again for the weight grad. The input
+    grad is reduce-scattered back to ``[b, s/t, in]`` (each rank's is a partial sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_along_sequence_dim(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_along_sequence_dim(grad_out.matmul(weight), ctx.group)
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
+        if ctx.needs_input_grad[1]:
+            total = gather_along_sequence_dim(x, ctx.group)  # [b, s, in], again
+            grad_w = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool
+) -> torch.Tensor:
+    """``x A^T + b`` with A this rank's rows ``[out/t, in]``: -> ``[b, s, out/t]``.
+
+    x is ``[b, s, in]`` replicated over TP (its grad is summed over TP in backward),
+    or with ``sequence_parallel`` this rank's ``[b, s/t, in]`` (all-gathered first).
+    """
+    if sequence_parallel:
+        return _LinearWithSequenceParallelInput.apply(x, weight, bias, group)
+    return F.linear(copy_to_tensor_model_parallel_region(x, group), weight, bias)
+
+
 class _TPModule(nn.Module):
     """Shared plumbing: TP coordinates from the mesh, parameter creation and default init."""
 
@@ -112,7 +168,9 @@ class ColumnParallelLinear(_TPModule):
     """``y = x A^T + b`` with A split by output rows: x ``[..., in]`` -> y ``[..., out/tp]``.
 
     weight ``[out/tp, in]``, bias ``[out/tp]`` (both partition_dim 0). With
-    ``gather_output`` the result is all-gathered to ``[..., out]``.
+    ``gather_output`` the result is all-gathered to ``[..., out]``. With
+    ``sequence_parallel`` x is this rank's ``[b, s/t, in]``, all-gathered along the
+    sequence before the matmul (a no-op at tp=1).
     """
 
     def __init__(
@@ -123,26 +181,28 @@ class ColumnParallelLinear(_TPModule):
         *,
         bias: bool = True,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
         init_method: InitFn | None = DEFAULT_INIT,
     ):
         super().__init__(mesh, dtype, device)
         self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         out_per_rank = _divide(output_size, self.tp_size, "ColumnParallelLinear output_size")
         self.weight = self._param(out_per_rank, input_size, partition_dim=0)
         self.bias = self._param(out_per_rank, partition_dim=0) if bias else None
         self._init(init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # bwd: sum input grads over TP
-        y = F.linear(x, self.weight, self.bias)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (
             f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -151,7 +211,9 @@ class RowParallelLinear(_TPModule):
 
     weight ``[out, in/tp]`` (partition_dim 1); bias ``[out]`` is replicated and added
     once, after the all-reduce. With ``input_is_parallel=False`` x is ``[..., in]`` and
-    each rank keeps its own chunk.
+    each rank keeps its own chunk. With ``sequence_parallel`` the partial
+    ``[b, s, out]`` is reduce-scattered to ``[b, s/t, out]`` instead, and the bias,
+    added to this rank's tokens only, is tagged so its grad is summed over TP.
     """
 
     def __init__(
@@ -162,6 +224,7 @@ class RowParallelLinear(_TPModule):
         *,
         bias: bool = True,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
         init_method: InitFn | None = DEFAULT_INIT,
@@ -169,21 +232,33 @@ class RowParallelLinear(_TPModule):
         super().__init__(mesh, dtype, device)
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear with sequence_parallel needs input_is_parallel=True (as Megatron)"
+            )
         in_per_rank = _divide(input_size, self.tp_size, "RowParallelLinear input_size")
         self.weight = self._param(output_size, in_per_rank, partition_dim=1)
         self.bias = self._param(output_size, partition_dim=-1) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            param_attributes.mark_sequence_parallel(self.bias)
         self._init(init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)  # partial sum over this rank's input features
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [b, s/t, out]
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
             f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -193,7 +268,9 @@ class VocabParallelEmbedding(_TPModule):
     ``num_embeddings`` is the padded vocab; weight ``[V_pad/tp, h]`` (partition_dim 0)
     holds rows ``[tp_rank * V_pad/tp, (tp_rank + 1) * V_pad/tp)``. Each rank looks up
     the ids it owns, writes zeros for the others, and the all-reduce fills in the rest.
-    Ids outside ``[0, V_pad)`` are owned by no rank and embed to zeros.
+    Ids outside ``[0, V_pad)`` are owned by no rank and embed to zeros. With
+    ``reduce_scatter_embeddings`` (sequence parallelism) the partial results are
+    reduce-scattered instead: ids ``[b, s]`` -> this rank's tokens ``[b, s/t, h]``.
     """
 
     def __init__(
@@ -202,12 +279,14 @@ class VocabParallelEmbedding(_TPModule):
         embedding_dim: int,
         mesh: Mesh,
         *,
+        reduce_scatter_embeddings: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
         init_method: InitFn | None = DEFAULT_INIT,
     ):
         super().__init__(mesh, dtype, device)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
         per_rank = _divide(
             num_embeddings, self.tp_size, "VocabParallelEmbedding num_embeddings (padded vocab)"
         )
@@ -221,6 +300,8 @@ class VocabParallelEmbedding(_TPModule):
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tensor_model_parallel_region(out, self.tp_group)
 
     def extra_repr(self) -> str:

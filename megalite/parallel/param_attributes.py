@@ -15,6 +15,11 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     pipeline stages (first stage: the input embedding; last stage: the output
     head). Their grads are summed over the embedding group, and grad norms and
     parameter counts take the copy on the first stage only.
+``sequence_parallel`` (bool)
+    A TP-replicated parameter applied to sequence-sharded activations ``[b, s/t, h]``
+    (norm weights and biases, the row-parallel bias, learned positions under
+    ``--sequence-parallel``): each TP rank's grad covers only its own tokens, so
+    ``finalize_model_grads`` sums these grads over TP.
 ``main_grad`` (Tensor)
     Set by ``DistributedDataParallel``: a view of the flat fp32 grad buffer
     that backward accumulates into and the optimizer reads.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding")
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding", "sequence_parallel")
 
 
 # ---- tensor parallelism -------------------------------------------------------------------------
@@ -58,6 +63,16 @@ def logical_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
     if is_tensor_parallel(param):
         shape[param.partition_dim] *= tp_size
     return torch.Size(shape)
+
+
+# ---- sequence parallelism ------------------------------------------------------------------------
+def mark_sequence_parallel(param: torch.Tensor) -> None:
+    """``param`` is replicated over TP but sees only this rank's tokens: its grad is summed over TP."""
+    param.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "sequence_parallel", False)
 
 
 # ---- the tied embedding across pipeline stages -------------------------------------------------
