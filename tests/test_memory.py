@@ -188,7 +188,8 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     if flavour == "llama_gqa":
         kw["num_query_groups"] = 2
     config = (ModelConfig.gpt2 if flavour == "gpt2" else ModelConfig.llama)(**kw)
-    model = GPTModel(config, Mesh.single(torch.device("cpu")), dtype=dtype, recompute_activations=recompute)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = GPTModel(config, Mesh.single(torch.device("cpu")), dtype=dtype, **(full if recompute else {}))
     b, s = 3, 16
     ids = torch.randint(0, 200, (b, s))
     meter = SavedTensorMeter(list(model.parameters()))
