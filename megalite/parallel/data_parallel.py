@@ -41,6 +41,7 @@ from torch import nn
 
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import grad_of, is_shared_embedding, set_main_grad
+from megalite.profiling import profiled
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -296,6 +297,7 @@ class DistributedDataParallel(nn.Module):
 
 
 # ---- finishing the step's gradients -----------------------------------------------------------
+@profiled("all-grads-sync")
 def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
     """Make this rank's grads final for the optimizer step (Megatron-Core's name); collective.
 

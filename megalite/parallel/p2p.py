@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.mesh import Mesh
+from megalite.profiling import profiled
 
 Shape = tuple[int, ...]
 
@@ -43,6 +44,7 @@ def _check_send(tensor: torch.Tensor, tensor_shape: Shape, dtype: torch.dtype, w
     return tensor.detach().contiguous()
 
 
+@profiled("p2p")
 def _communicate(
     *,
     tensor_send_next: torch.Tensor | None,

@@ -33,6 +33,7 @@ from torch import nn
 from megalite.errors import MegaliteError
 from megalite.parallel import p2p
 from megalite.parallel.mesh import Mesh
+from megalite.profiling import profiled
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -94,6 +95,7 @@ class _Steps:
         # Backwards still to run per chunk: the last one syncs DP grads.
         self._backwards_left = [num_microbatches] * len(chunks)
 
+    @profiled("forward-compute")
     def forward(
         self, chunk_id: int, microbatch_id: int, input_tensor: torch.Tensor | None, computes_loss: bool
     ) -> torch.Tensor:
@@ -110,6 +112,7 @@ class _Steps:
         self.losses.append(out.detach())
         return out / self.num_microbatches
 
+    @profiled("backward-compute")
     def backward(
         self,
         chunk_id: int,
