@@ -93,11 +93,15 @@ def add_logging_args(parser) -> None:
         action="store_true",
         help="Write mem-* allocator statistics (CUDA; on CPU the peak RSS, mem-max-rss-bytes).",
     )
-    g.add_argument("--log-params-norm", action="store_true", help="Compute and log the global params norm.")
+    g.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Compute and log the global params norm (one all-reduce per TensorBoard step and log line).",
+    )
     g.add_argument(
         "--log-num-zeros-in-grad",
         action="store_true",
-        help="Count and log the zero elements of the gradient (one extra all-reduce per step).",
+        help="Count and log the zero elements of the gradient (one all-reduce and host sync per step).",
     )
     g.add_argument(
         "--log-validation-ppl-to-tensorboard",
@@ -113,7 +117,7 @@ def add_logging_args(parser) -> None:
         "--no-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard",
         action="store_false",
-        help="Do not write loss-scale.",
+        help="Do not write loss-scale (written by default).",
     )
     g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write world-size.")
     g.add_argument(

@@ -90,6 +90,9 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert gc.isenabled(), "--manual-gc gives automatic GC back at the end"
     assert collects == [False] * (1 + ITERS // 2), "one collection at start, then every 2 steps"
+    plain = tmp_path / "plain.jsonl"
+    _pretrain_runs([COMMON + ["--metrics-file", str(plain)]])  # logging does not change the math
+    assert [x["loss"] for x in _records(plain)] == [x["loss"] for x in _records(tmp_path / "single.jsonl")]
 
     three_d = COMMON + LOGGING + _run_flags(tmp_path, "3d") + [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -217,7 +220,7 @@ def _wandb_records(path: Path):
 
 
 def test_wandb_offline_run_writes_the_loss(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from megalite.training import pretrain
 
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}.items():
@@ -226,6 +229,7 @@ def test_wandb_offline_run_writes_the_loss(tmp_path, monkeypatch):
     metrics = tmp_path / "m.jsonl"
     flags = ["--wandb-project", "megalite-test", "--wandb-exp-name", "tiny", "--wandb-save-dir", "wb"]
     pretrain(COMMON + flags + ["--metrics-file", str(metrics)])
+    wandb.teardown()  # finish() may return before wandb's service wrote everything; teardown waits
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list((tmp_path / "wb").rglob("*"))
     history = {}
@@ -240,3 +244,34 @@ def test_wandb_offline_run_writes_the_loss(tmp_path, monkeypatch):
     assert set(history["lm loss validation"]) == {2, 4}
     assert torch.tensor(list(history["learning-rate"].values())).min() >= 0
     assert os.path.isdir(tmp_path / "wb")
+
+
+def _wandb_init_fails(tmp):
+    """wandb.init fails on the logging rank only: every rank stops with one line, none waits."""
+    import importlib.machinery
+    import types
+
+    from megalite.training import pretrain
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)\nsecond line")
+
+    fake.init = init
+    sys.modules["wandb"] = fake
+    os.chdir(tmp)
+    try:
+        pretrain(COMMON + ["--wandb-project", "p"])
+    except MegaliteError as e:
+        return str(e)
+    return None
+
+
+def test_wandb_init_failure_stops_every_rank_in_one_line(tmp_path):
+    messages = run_distributed(_wandb_init_fails, 2, str(tmp_path), timeout=120)
+    assert "wandb.init failed (api_key not configured (no-tty))" in messages[0]
+    assert "WANDB_MODE=offline" in messages[0]
+    assert "logging rank could not open" in messages[1]
+    assert all("\n" not in m for m in messages)
