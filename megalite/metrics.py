@@ -356,8 +356,9 @@ class TrainingMonitor:
         self._samples = state.consumed_train_samples
         if it % args.tensorboard_log_interval != 0:
             return
-        if args.log_params_norm:
-            self._params_norm = (it, state.optimizer.params_norm())  # a collective: every rank
+        # A collective, so every rank decides alike (from flags); without a writer at_log computes it.
+        if args.log_params_norm and (args.tensorboard_dir or args.wandb_project):
+            self._params_norm = (it, state.optimizer.params_norm())
         if not self.sinks.writes_scalars:
             return
         tags = {
@@ -368,7 +369,7 @@ class TrainingMonitor:
             "world-size": state.mesh.world_size if args.log_world_size_to_tensorboard else None,
             "grad-norm": step.get("grad_norm"),
             "num-zeros": self._num_zeros,
-            "params-norm": self._params_norm[1] if args.log_params_norm else None,
+            "params-norm": self._params_norm[1] if self._params_norm and self._params_norm[0] == it else None,
         }
         self.sinks.scalars(it, tags, samples=state.consumed_train_samples)
         if self.sinks.wandb is not None:
