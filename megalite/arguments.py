@@ -14,6 +14,7 @@ import os
 import yaml
 
 from megalite.errors import MegaliteError
+from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="On SIGTERM finish the current step, save and exit 0 (SLURM preemption).",
     )
+    add_logging_args(p)  # TensorBoard / wandb / profiling / GC flags: megalite/metrics.py
     return p
 
 

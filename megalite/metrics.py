@@ -1,14 +1,18 @@
-"""FLOPs, MFU and metric sinks (console, TensorBoard, JSON lines)."""
+"""FLOPs, MFU, metric sinks (console, TensorBoard, wandb, JSON lines) and the loop's logging hooks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
 
 import torch
+import torch.distributed as dist
 
+from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
+from megalite.profiling import Profiler, add_profiling_args, check_profiling_args, start_memory_history
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of the device name.
 _PEAK_TFLOPS = {
@@ -63,15 +67,119 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class MetricSinks:
-    """Where log lines go: console always; TensorBoard and JSON lines when asked.
+# ---------------------------------------------------------------------------- flags
+def add_logging_args(parser) -> None:
+    """Megatron-LM's TensorBoard, wandb, profiling and GC flags (called once by build_parser)."""
+    g = parser.add_argument_group("TensorBoard and Weights & Biases (Megatron-LM's tags)")
+    g.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="Steps between Megatron-named TensorBoard/wandb scalars (lm loss, learning-rate, ...).",
+    )
+    g.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="TensorBoard events buffered before a write to disk.",
+    )
+    g.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Write iteration-time (and with --log-throughput, throughput) at each log line.",
+    )
+    g.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Write mem-* allocator statistics (CUDA; on CPU the peak RSS, mem-max-rss-bytes).",
+    )
+    g.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Compute and log the global params norm (one all-reduce per TensorBoard step and log line).",
+    )
+    g.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Count and log the zero elements of the gradient (one all-reduce and host sync per step).",
+    )
+    g.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Also write validation perplexity (lm loss validation ppl).",
+    )
+    g.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="Log TFLOP/s per device as 'throughput' (megalite always prints it on the log line).",
+    )
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        help="Do not write loss-scale (written by default).",
+    )
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write world-size.")
+    g.add_argument(
+        "--wandb-project", default=None, help="Log to this Weights & Biases project (needs megalite[wandb])."
+    )
+    g.add_argument("--wandb-exp-name", default=None, help="The wandb run name.")
+    g.add_argument(
+        "--wandb-save-dir", default=None, help="Local wandb directory (default --save/wandb, else ./wandb)."
+    )
+    g.add_argument("--wandb-entity", default=None, help="The wandb entity (team or user).")
+    add_profiling_args(parser)
 
-    Only the logging rank creates one with files; the others get a silent one.
+
+WANDB_INSTALL = "pip install 'megalite[wandb]'"
+
+
+def check_logging_args(args) -> list[str]:
+    """Raise MegaliteError on bad logging/profiling flags; return one-line notes for rank 0."""
+    if args.tensorboard_log_interval < 1:
+        raise MegaliteError(f"--tensorboard-log-interval must be >= 1, got {args.tensorboard_log_interval}")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise MegaliteError(f"--wandb-project needs the wandb package: {WANDB_INSTALL}")
+    notes = check_profiling_args(args)
+    tb_only = [
+        flag
+        for flag, on in (
+            ("--log-timers-to-tensorboard", args.log_timers_to_tensorboard),
+            ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+            ("--log-validation-ppl-to-tensorboard", args.log_validation_ppl_to_tensorboard),
+        )
+        if on
+    ]
+    if tb_only and not (args.tensorboard_dir or args.wandb_project):
+        notes.append(f"{', '.join(tb_only)} write nothing without --tensorboard-dir or --wandb-project")
+    return notes
+
+
+# ---------------------------------------------------------------------------- sinks
+class MetricSinks:
+    """Where metrics go: console always; TensorBoard, wandb and JSON lines when asked.
+
+    Only the logging rank (the last stage's first rank: it holds the loss)
+    writes; the others get a silent one. Two sets of names reach TensorBoard
+    and wandb: ours, ``train/loss``, ``train/mfu``, ... once per log line
+    (:meth:`record`, also the JSON lines), and Megatron-LM's, ``lm loss``,
+    ``learning-rate``, ``grad-norm``, ... (:meth:`scalars`), each also
+    ``"<tag> vs samples"`` over consumed samples, so dashboards built for
+    Megatron work unchanged.
     """
 
-    def __init__(self, enabled: bool, tensorboard_dir: str | None = None, metrics_file: str | None = None):
+    def __init__(
+        self,
+        enabled: bool,
+        tensorboard_dir: str | None = None,
+        metrics_file: str | None = None,
+        *,
+        tensorboard_queue_size: int = 1000,
+        wandb_init: dict | None = None,
+    ):
         self.enabled = enabled
         self.tb = None
+        self.wandb = None
         self.jsonl = None
         if not enabled:
             return
@@ -79,26 +187,66 @@ class MetricSinks:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError(
+                raise MegaliteError(
                     "--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'"
                 ) from e
-            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=tensorboard_queue_size)
+        if wandb_init is not None:
+            self.wandb = _wandb_start(wandb_init)
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.jsonl = open(metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    @classmethod
+    def open(cls, args, enabled: bool, device: torch.device) -> MetricSinks:
+        """The sinks ``args`` ask for on the logging rank; if they cannot open, every rank stops.
+
+        One flag is all-reduced over the world once, so a failure on the logging
+        rank (wandb not logged in, ...) ends the job instead of leaving the other
+        ranks waiting in the first collective until the timeout.
+        """
+        error = None
+        sinks = None
+        try:
+            sinks = cls(
+                enabled,
+                args.tensorboard_dir,
+                args.metrics_file,
+                tensorboard_queue_size=args.tensorboard_queue_size,
+                wandb_init=wandb_init_kwargs(args) if args.wandb_project else None,
+            )
+        except MegaliteError as e:
+            error = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if error is None and failed.item() > 0:
+                sinks.close()
+                raise MegaliteError("the logging rank could not open --tensorboard-dir / --wandb-project")
+        if error is not None:
+            raise error
+        return sinks
+
+    @property
+    def writes_scalars(self) -> bool:
+        """True where Megatron-named scalars have somewhere to go (TensorBoard or wandb)."""
+        return self.tb is not None or self.wandb is not None
 
     def console(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
 
     def record(self, kind: str, iteration: int, values: dict) -> None:
+        """One log line's values under our names: ``kind/key`` to TensorBoard and wandb, JSON lines."""
         if not self.enabled:
             return
+        numbers = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self.tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(f"{kind}/{key}", value, iteration)
+            for tag, value in numbers.items():
+                self.tb.add_scalar(tag, value, iteration)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=iteration)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
 
@@ -109,11 +257,160 @@ class MetricSinks:
 
     def scalar(self, tag: str, value: float, iteration: int) -> None:
         """One TensorBoard scalar under its full tag (e.g. ``memory/stage0/measured_params``)."""
-        if self.enabled and self.tb is not None:
-            self.tb.add_scalar(tag, value, iteration)
+        self.scalars(iteration, {tag: value})  # TensorBoard and wandb alike
+
+    def scalars(self, iteration: int, values: dict, samples: int | None = None) -> None:
+        """Megatron-named scalars at ``iteration``; with ``samples`` also ``"<tag> vs samples"``."""
+        if not self.enabled:
+            return
+        values = {k: v for k, v in values.items() if v is not None}
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, iteration)
+                if samples is not None:
+                    self.tb.add_scalar(f"{tag} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.log(values, step=iteration)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
+
+
+def wandb_init_kwargs(args) -> dict:
+    """``wandb.init`` arguments, as Megatron-LM builds them (the whole flag namespace is the config)."""
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
+    kwargs = {"dir": save_dir, "project": args.wandb_project, "name": args.wandb_exp_name}
+    kwargs["config"] = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))}
+    if args.wandb_entity:
+        kwargs["entity"] = args.wandb_entity
+    return kwargs
+
+
+def _wandb_start(init_kwargs: dict):
+    try:
+        import wandb
+    except ImportError as e:
+        raise MegaliteError(f"--wandb-project needs the wandb package: {WANDB_INSTALL}") from e
+    os.makedirs(init_kwargs["dir"], exist_ok=True)
+    try:
+        run = wandb.init(**init_kwargs)
+    except Exception as e:  # not logged in, no network, bad entity: wandb's own message, on one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MegaliteError(
+            f"--wandb-project {init_kwargs['project']}: wandb.init failed ({first}); run `wandb login`, "
+            "or set WANDB_MODE=offline to keep the run on disk (sync it later with `wandb sync`)"
+        ) from e
+    return run
+
+
+# ---------------------------------------------------------------------------- the loop's hooks
+def memory_scalars(device: torch.device) -> dict:
+    """Megatron's mem-* tags from the CUDA allocator; on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        return {
+            "mem-reserved-bytes": s["reserved_bytes.all.current"],
+            "mem-allocated-bytes": s["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": s["allocated_bytes.all.peak"],
+            "mem-allocated-count": s["allocation.all.current"],
+        }
+    return {"mem-max-rss-bytes": peak_memory_mb(device) * 2**20}
+
+
+class TrainingMonitor:
+    """Megatron-LM's logging and profiling around ``training.train``'s loop.
+
+    Built before the model (so ``--record-memory-history`` sees every
+    allocation); the loop calls ``before_step`` / ``after_step`` around each
+    step on every rank, ``at_log`` at each log line (it returns extra values
+    for the line) and ``at_eval`` after an evaluation. With none of its flags
+    set, a step costs a few integer tests: no host sync, no collective.
+    """
+
+    def __init__(self, args, rank: int | None = None):
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        for note in check_logging_args(args):
+            if self.rank == 0:
+                print(f"megalite: note: {note}", flush=True)
+        self.profiler = Profiler(args, self.rank, start_memory_history(args, self.rank))
+        self.sinks: MetricSinks | None = None
+        self._started = False
+        self._samples = 0
+        self._params_norm: tuple[int, float] | None = None  # (iteration, norm)
+        self._num_zeros: int | None = None
+
+    def before_step(self, state, sinks: MetricSinks) -> None:
+        if not self._started:
+            self._started = True
+            self.sinks = sinks
+            self._samples = state.consumed_train_samples
+            state.optimizer.log_num_zeros_in_grad = self.args.log_num_zeros_in_grad
+            self.profiler.start()
+        self.profiler.before_step(state.iteration)
+
+    def after_step(self, state, step: dict) -> None:
+        args, it = self.args, state.iteration
+        self.profiler.after_step(it)
+        self._num_zeros = step.get("num_zeros")
+        batch_size = state.consumed_train_samples - self._samples
+        self._samples = state.consumed_train_samples
+        if it % args.tensorboard_log_interval != 0:
+            return
+        # A collective, so every rank decides alike (from flags); without a writer at_log computes it.
+        if args.log_params_norm and (args.tensorboard_dir or args.wandb_project):
+            self._params_norm = (it, state.optimizer.params_norm())
+        if not self.sinks.writes_scalars:
+            return
+        tags = {
+            "learning-rate": state.scheduler.get_lr(),
+            "batch-size": batch_size,
+            "lm loss": step.get("loss"),
+            "loss-scale": state.optimizer.get_loss_scale() if args.log_loss_scale_to_tensorboard else None,
+            "world-size": state.mesh.world_size if args.log_world_size_to_tensorboard else None,
+            "grad-norm": step.get("grad_norm"),
+            "num-zeros": self._num_zeros,
+            "params-norm": self._params_norm[1] if self._params_norm and self._params_norm[0] == it else None,
+        }
+        self.sinks.scalars(it, tags, samples=state.consumed_train_samples)
+        if self.sinks.wandb is not None:
+            self.sinks.wandb.log({"samples vs steps": state.consumed_train_samples}, step=it)
+        if args.log_memory_to_tensorboard:
+            self.sinks.scalars(it, memory_scalars(state.mesh.device))
+
+    def at_log(self, state, values: dict) -> dict:
+        """Extra values for the log line (params norm, num zeros); iteration-time / throughput tags."""
+        args, it = self.args, state.iteration
+        extra = {}
+        if args.log_params_norm:
+            if self._params_norm is None or self._params_norm[0] != it:
+                self._params_norm = (it, state.optimizer.params_norm())  # a collective: every rank
+            extra["params_norm"] = self._params_norm[1]
+        if args.log_num_zeros_in_grad:
+            extra["num_zeros"] = self._num_zeros
+        if args.log_timers_to_tensorboard and self.sinks is not None:
+            tags = {"iteration-time": values["iteration_time_s"]}
+            if args.log_throughput:
+                tags["throughput"] = values["tflops_per_device"]
+            self.sinks.scalars(it, tags)
+        self.profiler.dump_memory_snapshot()
+        return extra
+
+    def at_eval(self, state, loss: float, ppl: float) -> None:
+        if self.sinks is None:
+            return
+        samples = state.consumed_train_samples
+        self.sinks.scalars(state.iteration, {"lm loss validation": loss}, samples=samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            self.sinks.scalars(state.iteration, {"lm loss validation ppl": ppl}, samples=samples)
+
+    def close(self) -> None:
+        self.profiler.close()

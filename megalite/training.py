@@ -24,7 +24,13 @@ from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoi
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
 from megalite.memory import MemoryProbe
-from megalite.metrics import MetricSinks, detect_peak_tflops, model_flops_per_token, peak_memory_mb
+from megalite.metrics import (
+    MetricSinks,
+    TrainingMonitor,
+    detect_peak_tflops,
+    model_flops_per_token,
+    peak_memory_mb,
+)
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer
@@ -272,7 +278,7 @@ def train_step(state: TrainState, data_iter) -> dict:
     microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
     losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
-    ok, grad_norm, _ = state.optimizer.step()
+    ok, grad_norm, num_zeros = state.optimizer.step()
     if ok:
         state.scheduler.step(1)
     else:
@@ -283,6 +289,7 @@ def train_step(state: TrainState, data_iter) -> dict:
         "loss": average_loss(losses, mesh, mesh.device),
         "grad_norm": grad_norm,
         "skipped": not ok,
+        "num_zeros": num_zeros,
     }
 
 
@@ -319,8 +326,14 @@ def describe_layout(state: TrainState) -> str:
     )
 
 
-def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None = None) -> dict:
+def train(
+    state: TrainState,
+    sinks: MetricSinks,
+    hooks: CheckpointHooks | None = None,
+    monitor: TrainingMonitor | None = None,
+) -> dict:
     args, mesh = state.args, state.mesh
+    monitor = monitor or TrainingMonitor(args, mesh.rank)  # --profile, --log-params-norm, --manual-gc, ...
     train_ds, valid_ds, _ = state.datasets
     data_iter = microbatch_iterator(train_ds, state.consumed_train_samples, args, mesh)
     tokens_per_step = args.global_batch_size * args.seq_length
@@ -333,9 +346,11 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
     last = {}
     memory = MemoryProbe(state)  # the first iteration's predicted-vs-measured memory report
     while state.iteration < args.train_iters:
+        monitor.before_step(state, sinks)
         with memory.track():  # saved-tensor hooks on the first step only
             step = train_step(state, data_iter)
         memory.report(sinks)
+        monitor.after_step(state, step)  # Megatron's TensorBoard / wandb tags, profiler window, GC
         window_iters += 1
         if step["loss"] is not None:
             window_loss.append(step["loss"])
@@ -358,6 +373,7 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
                 "mfu": tflops / peak if peak else None,
                 "peak_memory_mb": peak_memory_mb(mesh.device),
             }
+            values.update(monitor.at_log(state, values))  # params norm, num zeros (when asked)
             last = values
             sinks.record("train", state.iteration, values)
             sinks.console(format_train_line(state.iteration, args.train_iters, values))
@@ -368,6 +384,7 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
             if eval_loss is not None:
                 ppl = math.exp(min(eval_loss, 20.0))
                 sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
+                monitor.at_eval(state, eval_loss, ppl)
                 sinks.console(f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {ppl:.3f}")
         stop = hooks is not None and hooks.after_step(state)  # --save-interval, --exit-*, SIGTERM
         window_start += time.perf_counter() - paused
@@ -375,6 +392,7 @@ def train(state: TrainState, sinks: MetricSinks, hooks: CheckpointHooks | None =
             break
     if hooks is not None:
         hooks.at_end(state)  # the final save
+    monitor.close()
     return last
 
 
@@ -394,24 +412,30 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
     if v["mfu"] is not None:
         parts.append(f"MFU {100 * v['mfu']:.1f}%")
     parts.append(f"peak mem {v['peak_memory_mb']:.0f} MB")
+    if v.get("params_norm") is not None:
+        parts.append(f"params norm {v['params_norm']:.3f}")
+    if v.get("num_zeros") is not None:
+        parts.append(f"num zeros {v['num_zeros']}")
     return " | ".join(parts)
 
 
 def pretrain(argv: list[str] | None = None) -> dict:
     """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
     args = parse_args(argv)
+    monitor = TrainingMonitor(args)  # before the model: --record-memory-history sees every allocation
     state = setup(args)
     ckpt = CheckpointConfig.from_args(args)
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
     hooks = CheckpointHooks(state, ckpt)
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
-    sinks = MetricSinks(log_here, args.tensorboard_dir, args.metrics_file)
+    sinks = MetricSinks.open(args, log_here, mesh.device)
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)
     try:
-        return train(state, sinks, hooks)
+        return train(state, sinks, hooks, monitor)
     finally:
         hooks.close()
         sinks.close()
+        monitor.close()

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm
+from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm, count_zeros, get_params_norm
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import copy_parallel_attributes
+from megalite.profiling import profiled
 
 
 @dataclass
@@ -77,6 +78,7 @@ class MixedPrecisionOptimizer(ABC):
     """
 
     dp_sharded = False  # the distributed optimizer's grads are DP shards
+    log_num_zeros_in_grad = False  # --log-num-zeros-in-grad: step() counts them (one host sync)
 
     def __init__(
         self,
@@ -124,9 +126,13 @@ class MixedPrecisionOptimizer(ABC):
             chunk.zero_grad_buffer()
         self._release_main_grads()
 
+    @profiled("optimizer")
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, None]:
-        """Returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's."""
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's.
+
+        ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad`` is set.
+        """
         grads = self._prepare_main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf(grads)
@@ -138,10 +144,19 @@ class MixedPrecisionOptimizer(ABC):
         if self.clip_grad > 0.0:
             mains = [m.main for m in self.main_params]
             grad_norm = clip_grad_norm(mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded)
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            num_zeros = count_zeros([m.main for m in self.main_params], self.mesh, dp_sharded=self.dp_sharded)
         self.inner.step()
         self._release_main_grads()
         self._copy_main_params_to_model_params()
-        return True, grad_norm, None
+        return True, grad_norm, num_zeros
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 main params (--log-params-norm); a collective over TP, PP (and DP)."""
+        mains = [m.main for m in self.main_params]
+        return get_params_norm(mains, self.mesh, dp_sharded=self.dp_sharded)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: Adam moments (+ step) and fp32 main-param copies."""

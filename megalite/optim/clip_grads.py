@@ -1,4 +1,5 @@
-"""Global gradient norm and clipping across TP, PP and (with ZeRO-1) DP.
+"""Global gradient norm and clipping across TP, PP and (with ZeRO-1) DP (plus the params norm and
+the zero count of ``--log-params-norm`` / ``--log-num-zeros-in-grad``, by the same rules).
 
 The norm must be that of the FULL model's gradient, every logical element
 counted exactly once, whatever the layout:
@@ -52,26 +53,52 @@ def get_grad_norm(
         norm_type: 2.0 or ``math.inf``.
         dp_sharded: the grads are this DP rank's ZeRO-1 shard; sum over DP too.
     """
-    if norm_type not in (2.0, math.inf):
-        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    grads = [
+        g
+        for p in params
+        if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
+    ]
+    return _global_norm(grads, mesh, norm_type, dp_sharded)
+
+
+def get_params_norm(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool = False) -> float:
+    """L2 norm of the whole model's parameters, each logical element counted once (as the grad norm)."""
+    values = [p.detach() for p in params if counted_once(p, mesh.tp_rank, mesh.is_first_stage)]
+    return _global_norm(values, mesh, 2.0, dp_sharded)
+
+
+def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool = False) -> int:
+    """Zero elements of the whole model's gradient, each logical element counted once (one host sync)."""
     grads = [
         g
         for p in params
         if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
     ]
     device = grads[0].device if grads else mesh.device
+    total = torch.zeros((), dtype=torch.float64, device=device)  # float64: exact up to 2**53 elements
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g)
+    groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+    return int(all_reduce_over(total, dist.ReduceOp.SUM, *groups).item())
+
+
+def _global_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, dp_sharded: bool) -> float:
+    """Norm over this rank's ``tensors`` (already filtered to count once) and the ranks that share them."""
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    device = tensors[0].device if tensors else mesh.device
     groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
     if norm_type == math.inf:
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local = torch.maximum(local, g.detach().abs().max().float())
+        for t in tensors:
+            local = torch.maximum(local, t.detach().abs().max().float())
         return float(all_reduce_over(local, dist.ReduceOp.MAX, *groups))
-    if grads:
+    if tensors:
         norms = torch._foreach_norm(
-            [g.detach().float() if g.dtype != torch.float32 else g.detach() for g in grads]
+            [t.detach().float() if t.dtype != torch.float32 else t.detach() for t in tensors]
         )
         total = torch.stack(norms).pow(2).sum()
-    else:  # a rank may own no grads (e.g. its ZeRO shard is all padding); it still joins the all-reduce
+    else:  # a rank may own no tensors (e.g. its ZeRO shard is all padding); it still joins the all-reduce
         total = torch.zeros((), dtype=torch.float32, device=device)
     return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups)) ** 0.5
 

@@ -47,6 +47,7 @@ from megalite.parallel.param_attributes import (
     is_shared_embedding,
     set_main_grad,
 )
+from megalite.profiling import profiled
 
 
 class Bucket:
@@ -305,6 +306,7 @@ class DistributedDataParallel(nn.Module):
 
 
 # ---- finishing the step's gradients -----------------------------------------------------------
+@profiled("all-grads-sync")
 def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
     """Make this rank's grads final for the optimizer step (Megatron-Core's name); collective.
 

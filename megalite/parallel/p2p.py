@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.mesh import Mesh
+from megalite.profiling import profiled
 
 Shape = tuple[int, ...]
 
@@ -59,6 +60,7 @@ class P2PCommunicator:
             tensor_send_next=output, tensor_send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next
         )
 
+    @profiled("p2p")
     def _communicate(
         self,
         *,

@@ -39,6 +39,7 @@ from torch import nn
 from megalite.errors import MegaliteError
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.p2p import P2PCommunicator
+from megalite.profiling import profiled
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -242,6 +243,7 @@ class MicrobatchRunner:
         self._saved: dict[Key, tuple] = {}  # (chunk, microbatch) -> (input, output) awaiting backward
         self._backwards_left = [len(microbatches)] * len(chunks)
 
+    @profiled("forward-compute")
     def forward(self, key: Key, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """Run one chunk on one microbatch: the activation [b, s, h], or loss / m on the loss stage."""
         chunk_id, microbatch_id = key
@@ -259,6 +261,7 @@ class MicrobatchRunner:
             self._saved[key] = (input_tensor, out)
         return out
 
+    @profiled("backward-compute")
     def backward(self, key: Key, output_grad: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of one forward; returns the grad of its input [b, s, h] (None on the first stage)."""
         chunk_id, _ = key

@@ -1,0 +1,294 @@
+"""Profiling: named ranges, the profiled step window, CUDA memory history and manual GC.
+
+Megatron-LM's flags, same meanings:
+
+* ``--profile --use-pytorch-profiler``: ``torch.profiler`` records the steps of
+  the window and writes one Chrome trace per rank (``rank-N.json.gz``; open it
+  in https://ui.perfetto.dev or chrome://tracing).
+* ``--profile`` alone on CUDA: ``cudaProfilerStart/Stop`` around the window, for
+  ``nsys profile --capture-range=cudaProfilerApi``; on a CPU, where nsys has
+  nothing to capture, it writes the torch.profiler trace instead (one note says so).
+* The window: the step about to run when ``--profile-step-start`` steps are done,
+  up to the step that completes ``--profile-step-end`` (the log's iterations
+  ``start + 1 .. end``), on ``--profile-ranks`` (default: every rank).
+* ``--record-memory-history``: the CUDA caching allocator records its history
+  from start-up; a snapshot (``--memory-snapshot-path`` + ``_RANK``) is written
+  at each log line and at the end, for https://pytorch.org/memory_viz.
+* ``--manual-gc``: Python's automatic garbage collector is off; it runs every
+  ``--manual-gc-interval`` steps instead (0: never), on every rank at the same
+  step, so no rank stalls the others at a random moment.
+
+Named ranges (``@profiled("forward-compute")``) mark forward, backward, p2p,
+the DP gradient reduction and the optimizer step. They are ``record_function``
+ranges (seen by torch.profiler) and NVTX ranges on CUDA (seen by nsys), and
+cost one flag test per call outside the profiled window.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+from collections.abc import Callable
+
+import torch
+
+# The one switch the ranges read: True only while this rank records a profile.
+# A module flag rather than an argument threaded through every layer, like
+# Megatron's configure_nvtx_profiling; only Profiler below sets it.
+_ranges_on = False
+
+
+class _Range:
+    """A record_function range, plus an NVTX range on CUDA."""
+
+    __slots__ = ("name", "_rf")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self._rf = torch.profiler.record_function(self.name)
+        self._rf.__enter__()
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_push(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_pop()
+        self._rf.__exit__(*exc)
+        return False
+
+
+def named_range(name: str):
+    """``with named_range("p2p"): ...``: a profiler range while profiling, else a no-op."""
+    return _Range(name) if _ranges_on else _NULL
+
+
+class _Null:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def profiled(name: str) -> Callable:
+    """Decorator: run the function inside ``named_range(name)`` while profiling."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if not _ranges_on:
+                return fn(*args, **kwargs)
+            with _Range(name):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
+
+
+def add_profiling_args(parser) -> None:
+    """Megatron-LM's profiling and GC flags (one argument group)."""
+    g = parser.add_argument_group("profiling")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile the steps of the window: nsys capture range on CUDA, or with "
+        "--use-pytorch-profiler (and always on CPU) a Chrome trace per rank.",
+    )
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="With --profile: record with torch.profiler and write --profile-dir/rank-N.json.gz.",
+    )
+    g.add_argument(
+        "--profile-step-start", type=int, default=10, help="Profile from the step after this many steps."
+    )
+    g.add_argument(
+        "--profile-step-end", type=int, default=12, help="Stop profiling when this many steps are done."
+    )
+    g.add_argument(
+        "--profile-ranks",
+        nargs="+",
+        type=int,
+        default=[],
+        help="Global ranks to profile (default: every rank).",
+    )
+    g.add_argument(
+        "--profile-dir",
+        default=None,
+        help="Where traces go (megalite; default as Megatron: --tensorboard-dir/../torch_profile, "
+        "else ./torch_profile).",
+    )
+    g.add_argument(
+        "--pytorch-profiler-collect-shapes", action="store_true", help="Record tensor shapes in the trace."
+    )
+    g.add_argument(
+        "--pytorch-profiler-collect-callstack",
+        action="store_true",
+        help="Record Python call stacks in the trace.",
+    )
+    g.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record the CUDA allocator's history and write memory snapshots (CUDA only).",
+    )
+    g.add_argument(
+        "--memory-snapshot-path",
+        default="snapshot.pickle",
+        help="Memory snapshot file; _RANK is added before the extension.",
+    )
+    g.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="Turn off Python's automatic garbage collector; collect every --manual-gc-interval steps.",
+    )
+    g.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="Steps between manual garbage collections (0: only at start-up).",
+    )
+
+
+def check_profiling_args(args) -> list[str]:
+    """Raise MegaliteError on bad values; return one-line notes to print (rank 0)."""
+    from megalite.errors import MegaliteError
+
+    notes = []
+    if args.manual_gc_interval < 0:
+        raise MegaliteError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile:
+        if args.profile_step_start < 0 or args.profile_step_end <= args.profile_step_start:
+            raise MegaliteError(
+                f"--profile-step-start ({args.profile_step_start}) and --profile-step-end "
+                f"({args.profile_step_end}) must satisfy 0 <= start < end"
+            )
+        if not args.use_pytorch_profiler and not torch.cuda.is_available():
+            notes.append(
+                "--profile without --use-pytorch-profiler drives nsys, which needs CUDA; on this CPU "
+                "megalite writes the torch.profiler Chrome trace instead"
+            )
+    if args.record_memory_history and not torch.cuda.is_available():
+        notes.append(
+            "--record-memory-history records the CUDA caching allocator; on CPU there is none, "
+            "so no memory snapshot is written"
+        )
+    return notes
+
+
+def profile_dir(args) -> str:
+    if args.profile_dir:
+        return args.profile_dir
+    if args.tensorboard_dir:  # Megatron's place: beside the TensorBoard directory
+        return os.path.join(args.tensorboard_dir, os.pardir, "torch_profile")
+    return "torch_profile"
+
+
+def snapshot_path(args, rank: int) -> str:
+    base, ext = os.path.splitext(args.memory_snapshot_path)
+    return f"{base}_{rank}{ext}"
+
+
+def start_memory_history(args, rank: int) -> bool:
+    """Turn on the CUDA allocator history (before the model is built, so every allocation is in it)."""
+    if not args.record_memory_history or not torch.cuda.is_available():
+        return False
+    if args.profile_ranks and rank not in args.profile_ranks:
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return True
+
+
+class Profiler:
+    """The step window of ``--profile``, manual GC and memory snapshots for one rank.
+
+    ``before_step(done)`` and ``after_step(done)`` take the number of steps done
+    (the iteration counter before / after the step).
+    """
+
+    def __init__(self, args, rank: int, memory_history: bool = False):
+        self.args = args
+        self.rank = rank
+        self.memory_history = memory_history
+        self.on_this_rank = args.profile and (not args.profile_ranks or rank in args.profile_ranks)
+        self.torch_profiler = args.use_pytorch_profiler or not torch.cuda.is_available()
+        self._prof = None
+        self._nsys = False
+        self.trace_path: str | None = None
+        self._gc_disabled = False
+
+    def start(self) -> None:
+        """Before the first step: with --manual-gc, automatic GC off for the run and one full collection."""
+        if self.args.manual_gc and gc.isenabled():
+            gc.disable()
+            self._gc_disabled = True
+            gc.collect()
+
+    def before_step(self, done: int) -> None:
+        if self.on_this_rank and done == self.args.profile_step_start:
+            self._start()
+
+    def after_step(self, done: int) -> None:
+        if self._prof is not None:
+            self._prof.step()  # a ProfilerStep#N marker per step in the trace
+        if (self._prof is not None or self._nsys) and done >= self.args.profile_step_end:
+            self._stop()
+        interval = self.args.manual_gc_interval
+        if self.args.manual_gc and interval and done % interval == 0:
+            gc.collect()
+
+    def dump_memory_snapshot(self) -> None:
+        if self.memory_history:
+            torch.cuda.memory._dump_snapshot(snapshot_path(self.args, self.rank))
+
+    def close(self) -> None:
+        """Stop a window the run ended inside, write the last snapshot, give GC back."""
+        if self._prof is not None or self._nsys:
+            self._stop()
+        if self.memory_history:
+            self.dump_memory_snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory_history = False
+        if self._gc_disabled:
+            gc.enable()
+            self._gc_disabled = False
+
+    def _start(self) -> None:
+        global _ranges_on
+        if self.torch_profiler:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(
+                activities=activities,
+                record_shapes=self.args.pytorch_profiler_collect_shapes,
+                with_stack=self.args.pytorch_profiler_collect_callstack,
+            )
+            self._prof.start()
+        else:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+            self._nsys = True
+        _ranges_on = True
+
+    def _stop(self) -> None:
+        global _ranges_on
+        _ranges_on = False
+        if self._nsys:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            self._nsys = False
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.stop()
+            out = profile_dir(self.args)
+            os.makedirs(out, exist_ok=True)
+            self.trace_path = os.path.join(out, f"rank-{self.rank}.json.gz")
+            prof.export_chrome_trace(self.trace_path)
