@@ -58,7 +58,9 @@ def _run_flags(tmp: Path, name: str) -> list[str]:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The log and eval lines (the memory report's one-off ``kind: memory`` lines left out)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [x for x in lines if x["kind"] != "memory"]
 
 
 def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
