@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gather_full, one_thread
-from test_checkpoint_resume import COMMON, _pretrain_runs, layout, metrics
+from conftest import COMMON, GPT2_DROPOUT, LLAMA, gather_full, layout, metrics, one_thread, pretrain_runs
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.model.config import ModelConfig
@@ -234,14 +233,6 @@ def test_sequence_parallel_parity_world8():
 
 
 # ---- training: resume with dropout, SP vs no SP -------------------------------------------------
-GPT2_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-LLAMA = [
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
-]  # fmt: skip
-
-
 @pytest.mark.timeout(200)
 def test_sequence_parallel_training_resumes_bitwise(tmp_path):
     d = tmp_path
@@ -259,7 +250,7 @@ def test_sequence_parallel_training_resumes_bitwise(tmp_path):
         llama + out("llama"),
         llama + ["--sequence-parallel", "--recompute-activations"] + out("llama-sp"),
     ]
-    run_distributed(_pretrain_runs, 8, runs, timeout=180)
+    run_distributed(pretrain_runs, 8, runs, timeout=180)
     straight, resumed = metrics(d / "straight.jsonl"), metrics(d / "resumed.jsonl")
     assert len(straight) == 6 and resumed == straight[3:], f"not bitwise:\n{resumed}\n{straight[3:]}"
     a, b = metrics(d / "llama.jsonl"), metrics(d / "llama-sp.jsonl")
