@@ -45,6 +45,41 @@ def gather_full(t: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Tenso
     return gather_tp(t, partition_dim(param), mesh)
 
 
+# ---- parity of a parallel model with one process (schedules, SP, recompute) --------------------
+def microbatches(m: int, dp_rank: int, vocab: int, b: int, s: int) -> list[dict]:
+    """``m`` microbatches ``{"tokens", "labels"}`` [b, s] of DP rank ``dp_rank``, the same on every call."""
+    g = torch.Generator().manual_seed(100 * dp_rank + m)
+    tokens = torch.randint(0, vocab, (m, b, s + 1), generator=g)
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+
+
+def forward_step(chunk, mb, input_tensor):
+    """The schedules' forward step for a GPTModel chunk (or its DDP wrapper)."""
+    from megalite.parallel.data_parallel import DistributedDataParallel
+
+    gpt = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+    out = chunk(
+        input_ids=mb["tokens"] if gpt.pre_process else None,
+        labels=mb["labels"] if gpt.post_process else None,
+        input_tensor=input_tensor,
+    )
+    return out.mean() if gpt.post_process else out  # per-token loss [b, s] -> microbatch mean
+
+
+@one_thread()
+def reference(config, m: int, dp_rank: int, b: int, s: int):
+    """One process on the same microbatches: (losses [m], {name: grad}) of the mean loss."""
+    from megalite.model.gpt import GPTModel
+
+    model = GPTModel(config, Mesh.single())
+    losses = []
+    for mb in microbatches(m, dp_rank, config.vocab_size, b, s):
+        loss = model(input_ids=mb["tokens"], labels=mb["labels"]).mean()
+        (loss / m).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
+
+
 # ---- pretrain() runs in spawned ranks (--mock-data, tiny models) -------------------------------
 ITERS = 20
 COMMON = [
