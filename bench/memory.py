@@ -11,9 +11,9 @@ Prints one JSON object:
               processes, h=128, 4 layers, s=128, b=8, 2 microbatches, ZeRO-1, fp32; and the same
               layout with --sequence-parallel
   step_time   per mode (none, SP, each recompute mode, SP + selective) at tp=2 on 2 processes,
-              GPT-2 with hidden and attention dropout 0.1: the median iteration time and its ratio
-              to no SP / no recompute, all in this run; the modes alternate (none, sp, ...,
-              none, sp, ...) so that machine load hits them alike; with the predicted activation
+              GPT-2 with hidden and attention dropout 0.1: the median and the minimum iteration
+              time and their ratios to no SP / no recompute, all in this run; the modes alternate
+              (each repeat runs them all, in a rotated order) so that machine load hits them alike; with the predicted activation
               bytes per rank of each mode. CPU gloo timings on a shared machine are noisy: compare
               the ratios, not the seconds, and repeat before trusting a difference of a few %.
 """
@@ -165,9 +165,10 @@ def _table(path: str) -> list[str]:
 
 def step_times(a, tmp: str) -> dict:
     """Iteration times per mode, modes alternated within each repeat, in one spawn."""
-    runs, where = [], []
+    runs, where, modes = [], [], list(TIME_MODES.items())
     for rep in range(a.repeats):
-        for i, (mode, flags) in enumerate(TIME_MODES.items()):
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # rotated: no mode always first
+        for i, (mode, flags) in enumerate(order):
             argv = _model(a, a.time_hidden_size, a.time_seq_length) + tp_pp(TIME_WORLD, 1) + flags
             argv += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
             argv += ["--train-iters", str(a.iters + a.warmup), "--global-batch-size", str(a.micro_batch_size)]
@@ -179,10 +180,10 @@ def step_times(a, tmp: str) -> dict:
     for mode, (_, path) in zip(where, runs):
         times[mode] += [r["iteration_time_s"] for r in _records(path, "train")][a.warmup :]
         predicted[mode] = max(r["predicted"]["activations"] for r in _records(path, "memory"))
-    base = statistics.median(times["none"])
+    base, base_min = statistics.median(times["none"]), min(times["none"])
     return {
-        "note": "CPU, gloo, a shared and noisy machine: medians over repeats x iterations, modes "
-        "alternated; trust the ratios to a few percent at best",
+        "note": "CPU, gloo, a shared and noisy machine: medians (and minima) over repeats x "
+        "iterations, modes alternated in a rotating order; trust the ratios to a few percent at best",
         "layout": f"tp={TIME_WORLD}, GPT-2 h={a.time_hidden_size} s={a.time_seq_length} "
         f"b={a.micro_batch_size} 4 layers, dropout 0.1, fp32; {a.repeats} repeats x {a.iters} iterations",
         "modes": {
@@ -190,6 +191,7 @@ def step_times(a, tmp: str) -> dict:
                 "median_step_s": round(statistics.median(ts), 4),
                 "ratio_vs_none": round(statistics.median(ts) / base, 3),
                 "min_step_s": round(min(ts), 4),
+                "ratio_of_mins_vs_none": round(min(ts) / base_min, 3),
                 "predicted_activation_bytes_per_rank": predicted[mode],
             }
             for mode, ts in times.items()
@@ -206,9 +208,9 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--time-hidden-size", type=int, default=128, help="hidden size of the step-time runs")
     p.add_argument("--time-seq-length", type=int, default=128)
-    p.add_argument("--iters", type=int, default=5, help="timed iterations per mode and repeat")
+    p.add_argument("--iters", type=int, default=8, help="timed iterations per mode and repeat")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="alternating passes over the modes")
+    p.add_argument("--repeats", type=int, default=6, help="alternating passes over the modes")
     p.add_argument("--quickstart", action="store_true", help="also the quickstart layout on 8 processes")
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--skip-time", action="store_true")

@@ -672,7 +672,7 @@ def format_memory_table(records: list[dict]) -> str:
             row.append(f"{summary.get(f'stage{p}/measured_cuda_max_allocated', 0) / mib:.1f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     title = " memory per rank, iteration 1 (predicted / measured; max over each stage's ranks):"
     return "\n".join([title] + [" " + line for line in lines])
 
