@@ -38,20 +38,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.errors import MegaliteError
+from megalite.arguments import validate_sequence_parallel_and_recompute
 from megalite.model.config import ModelConfig
+from megalite.model.gpt import recompute_units
 from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
 from megalite.parallel.param_attributes import mark_shared_embedding
 from megalite.parallel.pipeline_layout import stage_layer_ranges
-from megalite.parallel.schedules import SCHEDULES, schedule_plan
+from megalite.parallel.schedules import schedule_plan
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
-GRANULARITIES = (None, "full", "selective")
-METHODS = (None, "uniform", "block")
-
-
-class MemoryModelError(MegaliteError, ValueError):
-    """A layout the memory model cannot describe; the message names the flag."""
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -91,19 +86,15 @@ class MemoryLayout:
     ddp_bucket_size: int = 40_000_000
     device_type: str = "cpu"
 
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (the flag is a no-op at tp=1, as in Megatron)."""
+        return self.sequence_parallel and self.tp > 1
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, device_type: str = "cpu") -> MemoryLayout:
-        """The one place the memory model reads argparse (flags of validated ``args``).
-
-        The sequence-parallel and Megatron recompute flags may not exist yet: read with
-        defaults. Without ``--recompute-granularity``, ``--recompute-activations`` is today's
-        behaviour, every layer recomputed: full / uniform / 1.
-        """
-        granularity = getattr(args, "recompute_granularity", None)
-        method = getattr(args, "recompute_method", None)
-        num_layers = getattr(args, "recompute_num_layers", None)
-        if granularity is None and not hasattr(args, "recompute_granularity") and args.recompute_activations:
-            granularity, method, num_layers = "full", "uniform", 1
+        """The one place the memory model reads argparse: the flags of ``args`` after
+        ``validate_args`` (``--recompute-activations`` is already ``selective`` there)."""
         pp = args.pipeline_model_parallel_size
         vp = args.virtual_pipeline_model_parallel_size
         schedule = "interleaved" if vp > 1 else (args.pipeline_schedule if pp > 1 else "1f1b")
@@ -117,11 +108,10 @@ class MemoryLayout:
             num_microbatches=args.num_microbatches,
             params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
             schedule=schedule,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False))
-            and args.tensor_model_parallel_size > 1,
-            recompute_granularity=granularity,
-            recompute_method=method,
-            recompute_num_layers=num_layers,
+            sequence_parallel=args.sequence_parallel,
+            recompute_granularity=args.recompute_granularity,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
             use_distributed_optimizer=args.use_distributed_optimizer,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
@@ -130,39 +120,18 @@ class MemoryLayout:
         )
 
     def validate(self) -> MemoryLayout:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise MemoryModelError(msg)
-
-        for name in ("tp", "pp", "dp", "vp", "micro_batch_size", "seq_length", "num_microbatches"):
-            need(getattr(self, name) >= 1, f"memory model: {name} must be >= 1, got {getattr(self, name)}")
-        need(
-            self.schedule in SCHEDULES,
-            f"--pipeline-schedule must be one of {SCHEDULES}, got {self.schedule!r}",
-        )
-        need(
-            self.recompute_granularity in GRANULARITIES,
-            f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}",
-        )
-        need(
-            self.recompute_method in METHODS,
-            f"--recompute-method must be uniform or block, got {self.recompute_method!r}",
-        )
-        if self.recompute_granularity == "full":
-            need(
-                self.recompute_method is not None and (self.recompute_num_layers or 0) >= 1,
-                "--recompute-granularity full needs --recompute-method {uniform,block} and "
-                "--recompute-num-layers >= 1",
+        """The flags' own rules (``arguments.validate_sequence_parallel_and_recompute``, the one
+        copy), for layouts built by hand rather than from validated ``args``; the same errors."""
+        validate_sequence_parallel_and_recompute(
+            argparse.Namespace(
+                tensor_model_parallel_size=self.tp,
+                seq_length=self.seq_length,
+                sequence_parallel=self.sp,
+                recompute_activations=False,
+                recompute_granularity=self.recompute_granularity,
+                recompute_method=self.recompute_method,
+                recompute_num_layers=self.recompute_num_layers,
             )
-        else:
-            need(
-                self.recompute_method is None,
-                "--recompute-method needs --recompute-granularity full",
-            )
-        need(
-            not self.sequence_parallel or self.seq_length % self.tp == 0,
-            f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
-            f"--tensor-model-parallel-size ({self.tp})",
         )
         return self
 
@@ -328,16 +297,18 @@ def _norm_terms(config: ModelConfig, rows: int, B: int, cuda: bool) -> int:
 def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:
     """Bytes one transformer layer saves for one microbatch on one rank, by what saves them.
 
-    ``mode``: "none" (everything kept), "full" (the layer is recomputed: its input only) or
-    "selective" (the attention core is recomputed). T = b*s tokens; with sequence parallelism
-    the norms, dropouts, residual stream and column-parallel inputs hold T/t rows (Megatron's
-    column-parallel layer saves its sequence-sharded input and gathers it again in backward).
+    ``mode``: "none" (everything kept), "full" (the layer starts a recomputed unit: its input
+    only) or "selective" (the attention core is recomputed: its inputs q, k, v are kept).
+    T = b*s tokens. With sequence parallelism the norms, dropout masks, residual stream and
+    the column-parallel inputs hold T/t rows (Megatron's column-parallel layer saves its
+    sequence-sharded input and gathers it again in backward); attention, the MLP's inner
+    activations and the row-parallel inputs still see all T tokens, their features split over TP.
     """
     B = dtype_bytes(layout.params_dtype)
     cuda = layout.device_type == "cuda"
     t, h, d = layout.tp, config.hidden_size, config.head_dim
     T = layout.micro_batch_size * layout.seq_length
-    rows = T // t if layout.sequence_parallel else T
+    rows = T // t if layout.sp else T
     if mode == "full":
         return {"layer_input": B * h * rows}
     heads, groups = config.num_attention_heads // t, config.query_groups // t
@@ -347,23 +318,27 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
     mask = 1 if cuda else B  # dropout mask: bool from the fused CUDA kernel; CPU keeps input * noise
     terms = {
         "norms": 2 * _norm_terms(config, rows, B, cuda),
-        "norm_outputs": 2 * B * h * rows,  # inputs of linear_qkv and linear_fc1 (fc1_gate/up share it)
+        # inputs of linear_qkv and of fc1 (SwiGLU's gate and up share one): [b, s(/t), h]
+        "norm_outputs": 2 * B * h * rows,
     }
-    # SDPA's inputs: q and k are fresh tensors after RoPE or the GQA repeat, v after the repeat;
-    # otherwise they are views of the fused QKV output, which then stays alive whole.
-    qkv = 0 if gqa else B * (heads + 2 * groups) * d * T
-    fresh = (rope or gqa) * 2 + gqa
+    # q, k, v are views of the fused QKV output [b, s, (a + 2g)/t * d] unless made fresh: q by
+    # RoPE or, under GQA, by its reshape (a copy); k by RoPE; k and v by the GQA repeat (SDPA's
+    # inputs; selective keeps them before it). A saved view keeps the whole QKV buffer alive
+    # (counted once per storage).
+    qkv_buffer = B * (heads + 2 * groups) * d * T
+    fresh_q = rope or gqa
     if _attention_uses_math_kernel(config, layout) and mode != "selective":
         # Math kernel: fp32 scaled q, k, v; softmax out, dropout noise, dropped probs [b, a/t, s, s]
         # in fp32; its output is copied back to the dtype for linear_proj.
         terms["attention_qkv"] = 3 * 4 * hq * T
         terms["attention_scores"] = 3 * 4 * heads * layout.seq_length * T
-        terms["attention_out"] = B * hq * T
-    else:
-        terms["attention_qkv"] = qkv + fresh * B * hq * T
-        terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
-        if mode != "selective":
-            terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
+    elif mode == "selective":  # the recompute's inputs: q, k after RoPE, v a view (before the repeat)
+        terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + rope * groups * d) * T
+    else:  # SDPA's inputs: v is a view unless GQA repeated it (then q, k, v are all fresh)
+        fresh = 2 * fresh_q + gqa  # q and k (same condition), v
+        terms["attention_qkv"] = (not gqa) * qkv_buffer + fresh * B * hq * T
+        terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
+    terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
     if config.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * mask * h * rows
     f = config.ffn_size // t
@@ -376,17 +351,19 @@ def layer_activation_bytes(config: ModelConfig, layout: MemoryLayout, mode: str 
     return sum(layer_activation_terms(config, layout, mode).values())
 
 
-def layer_modes(layout: MemoryLayout, num_layers: int) -> list[str]:
-    """Per layer of a chunk: what it saves. Uniform groups of N layers keep one input per group."""
-    g, n = layout.recompute_granularity, layout.recompute_num_layers or 0
-    if g is None:
-        return ["none"] * num_layers
-    if g == "selective":
-        return ["selective"] * num_layers
-    if layout.recompute_method == "block":
-        return ["full" if i < n else "none" for i in range(num_layers)]
-    # uniform: the group's first layer saves the input; the others inside the group save nothing
-    return ["full" if i % n == 0 else "inside" for i in range(num_layers)]
+def chunk_layer_counts(layout: MemoryLayout, num_layers: int) -> dict[str, int]:
+    """How many layers of a chunk save in each mode: the model's own :func:`recompute_units`.
+
+    Full recompute keeps one input per recomputed unit ("full"; uniform: a group of N layers,
+    block: each of the first N layers) and runs the other layers normally ("none").
+    """
+    if layout.recompute_granularity != "full":
+        return {layout.recompute_granularity or "none": num_layers}
+    units = recompute_units(num_layers, layout.recompute_method, layout.recompute_num_layers)
+    return {
+        "full": sum(1 for _, _, recompute in units if recompute),
+        "none": sum(end - start for start, end, recompute in units if not recompute),
+    }
 
 
 def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> dict[str, int]:
@@ -395,30 +372,31 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
     cuda = layout.device_type == "cuda"
     t, h = layout.tp, config.hidden_size
     T = layout.micro_batch_size * layout.seq_length
-    rows = T // t if layout.sequence_parallel else T
+    rows = T // t if layout.sp else T
     terms: dict[str, int] = {}
     if chunk.pre_process:
-        # VocabParallelEmbedding: local ids int64 (embedding's backward) and the foreign-id mask (bool).
+        # VocabParallelEmbedding: local ids int64 (embedding's backward) and the foreign-id mask
+        # (bool), all T tokens; this rank's position ids (int64) and dropout mask, rows tokens.
         emb = 8 * T + T
         if config.position_embedding_type == "learned_absolute":
-            emb += 8 * T  # position ids, int64
+            emb += 8 * rows
         if config.hidden_dropout > 0:
             emb += (1 if cuda else B) * h * rows
         terms["embedding"] = emb
-    modes = layer_modes(layout, chunk.num_layers)
-    for mode in ("none", "selective", "full"):
-        n = modes.count(mode)
+    counts = chunk_layer_counts(layout, chunk.num_layers)
+    for mode, n in counts.items():
         if n:
             terms[f"layers_{mode}"] = n * layer_activation_bytes(config, layout, mode)
-    if config.position_embedding_type == "rope" and any(m in ("none", "selective") for m in modes):
-        # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE.
+    if config.position_embedding_type == "rope" and counts.get("none", 0) + counts.get("selective", 0):
+        # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE
+        # (recomputed units get them from the closure, not as saved inputs).
         terms["rope"] = 2 * B * layout.micro_batch_size * layout.seq_length * config.head_dim
     if chunk.post_process:
         vocab = config.padded_vocab_size(t)
-        # final norm; its output is the head's input (full T rows: gathered before the logits
-        # under SP); the cross entropy's fp32 softmax, local targets int64, foreign mask bool;
-        # the loss mask fp32 and the token-count divisor (4 bytes).
-        head = _norm_terms(config, rows, B, cuda) + B * h * T
+        # final norm; its output, the head's input (column-parallel: this rank's rows under SP,
+        # gathered again in backward); the cross entropy's fp32 softmax [b, s, V/t], local
+        # targets int64, foreign mask bool; the loss mask fp32 and the token-count divisor.
+        head = _norm_terms(config, rows, B, cuda) + B * h * rows
         head += 4 * (vocab // t) * T + 8 * T + T
         head += 4 * T + 4
         terms["head"] = head
@@ -483,7 +461,7 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
     layout.validate()
     config.validate(layout.tp)
     B = dtype_bytes(layout.params_dtype)
-    rows = layout.seq_length // layout.tp if layout.sequence_parallel else layout.seq_length
+    rows = layout.seq_length // layout.tp if layout.sp else layout.seq_length
     p2p = B * layout.micro_batch_size * rows * config.hidden_size if layout.pp > 1 else 0
     return RankMemory(
         params=param_bytes(config, layout, pp_rank),
@@ -694,7 +672,7 @@ def format_memory_table(records: list[dict]) -> str:
             row.append(f"{summary.get(f'stage{p}/measured_cuda_max_allocated', 0) / mib:.1f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     title = " memory per rank, iteration 1 (predicted / measured; max over each stage's ranks):"
     return "\n".join([title] + [" " + line for line in lines])
 
@@ -703,7 +681,6 @@ __all__ = [
     "CATEGORIES",
     "ChunkSpec",
     "MemoryLayout",
-    "MemoryModelError",
     "MemoryProbe",
     "ParamShape",
     "RankMemory",
@@ -711,12 +688,12 @@ __all__ = [
     "activation_bytes",
     "chunk_activation_bytes",
     "chunk_activation_terms",
+    "chunk_layer_counts",
     "chunk_param_shapes",
     "grad_buffer_bytes",
     "korthikanti_layer_bytes",
     "layer_activation_bytes",
     "layer_activation_terms",
-    "layer_modes",
     "optimizer_bytes",
     "param_bytes",
     "peak_in_flight",

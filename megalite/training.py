@@ -317,12 +317,16 @@ def is_logging_rank(mesh: Mesh) -> bool:
 def describe_layout(state: TrainState) -> str:
     args, mesh = state.args, state.mesh
     mine, total = count_parameters(state.model, mesh)
+    recompute = args.recompute_granularity or "none"
+    if recompute == "full":
+        recompute += f" {args.recompute_method} {args.recompute_num_layers}"
     return (
         f"megalite: world {mesh.world_size} = tp {mesh.tp_size} x pp {mesh.pp_size} x dp {mesh.dp_size}"
         f" (virtual stages {args.virtual_pipeline_model_parallel_size}); microbatches per step "
         f"{args.num_microbatches} (global batch {args.global_batch_size} = micro {args.micro_batch_size}"
         f" x dp {mesh.dp_size} x {args.num_microbatches}); parameters: {total:,} total, {mine:,} on "
-        f"rank {mesh.rank}; dtype {params_dtype(args)}; device {mesh.device}"
+        f"rank {mesh.rank}; dtype {params_dtype(args)}; device {mesh.device}; sequence parallel "
+        f"{'on' if args.sequence_parallel else 'off'}; recompute {recompute}"
     )
 
 

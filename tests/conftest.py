@@ -7,6 +7,7 @@ they spawn, which import those modules) can ``from conftest import ...``.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 import torch.distributed as dist
@@ -42,3 +43,85 @@ def gather_full(t: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Tenso
     if not is_tensor_parallel(param) or mesh.tp_size == 1:
         return t.clone()
     return gather_tp(t, partition_dim(param), mesh)
+
+
+# ---- parity of a parallel model with one process (schedules, SP, recompute) --------------------
+def microbatches(m: int, dp_rank: int, vocab: int, b: int, s: int) -> list[dict]:
+    """``m`` microbatches ``{"tokens", "labels"}`` [b, s] of DP rank ``dp_rank``, the same on every call."""
+    g = torch.Generator().manual_seed(100 * dp_rank + m)
+    tokens = torch.randint(0, vocab, (m, b, s + 1), generator=g)
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+
+
+def forward_step(chunk, mb, input_tensor):
+    """The schedules' forward step for a GPTModel chunk (or its DDP wrapper)."""
+    from megalite.parallel.data_parallel import DistributedDataParallel
+
+    gpt = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+    out = chunk(
+        input_ids=mb["tokens"] if gpt.pre_process else None,
+        labels=mb["labels"] if gpt.post_process else None,
+        input_tensor=input_tensor,
+    )
+    return out.mean() if gpt.post_process else out  # per-token loss [b, s] -> microbatch mean
+
+
+@one_thread()
+def reference(config, m: int, dp_rank: int, b: int, s: int):
+    """One process on the same microbatches: (losses [m], {name: grad}) of the mean loss."""
+    from megalite.model.gpt import GPTModel
+
+    model = GPTModel(config, Mesh.single())
+    losses = []
+    for mb in microbatches(m, dp_rank, config.vocab_size, b, s):
+        loss = model(input_ids=mb["tokens"], labels=mb["labels"]).mean()
+        (loss / m).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
+
+
+# ---- pretrain() runs in spawned ranks (--mock-data, tiny models) -------------------------------
+ITERS = 20
+COMMON = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+    # NullTokenizer adds an eod id: 101 real rows, padded to 112 / 128 / 128 at tp 1 / 2 / 4, so the
+    # TP ranks hold 64 + 37 real rows (tp 2) or 32 + 32 + 32 + 5 (tp 4).
+    "--make-vocab-size-divisible-by", "16",
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
+    "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7",
+]  # fmt: skip
+# GPT-2 with dropout: the RNG streams must be restored for a bitwise resume.
+GPT2_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+# Llama with GQA (8 heads, 4 groups: TP up to 4), untied output layer, no dropout (so other
+# layouts, whose dropout streams differ by construction, can be compared).
+LLAMA = [
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
+]  # fmt: skip
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+def layout(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def metrics(path):
+    """[(iteration, loss)] of the train lines of a --metrics-file."""
+    with open(path) as f:
+        lines = [json.loads(x) for x in f]
+    return [(x["iteration"], x["loss"]) for x in lines if x["kind"] == "train"]
+
+
+def losses(path):
+    return [loss for _, loss in metrics(path)]
+
+
+def pretrain_runs(runs: list[list[str]]) -> None:
+    """pretrain() each argv in turn, inside one spawned rank (one spawn for many runs)."""
+    from megalite.training import pretrain
+
+    for argv in runs:
+        pretrain(argv)

@@ -1,7 +1,6 @@
 """Checkpoints in training: exact resume, resharding to other layouts, the flags around --load,
 a kill during a save, and SIGTERM / --exit-* (pretrain() with --mock-data, tiny models)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,54 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import COMMON, DISTOPT, GPT2_DROPOUT, ITERS, LLAMA, layout, losses, metrics, pretrain_runs
 
 from megalite.checkpoint import files
 from megalite.testing import run_distributed
 
-ITERS = 20
-COMMON = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-    # NullTokenizer adds an eod id: 101 real rows, padded to 112 / 128 / 128 at tp 1 / 2 / 4, so the
-    # TP ranks hold 64 + 37 real rows (tp 2) or 32 + 32 + 32 + 5 (tp 4).
-    "--make-vocab-size-divisible-by", "16",
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
-    "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7",
-]  # fmt: skip
-# GPT-2 with dropout: the RNG streams must be restored for a bitwise resume.
-GPT2_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-# Llama with GQA (8 heads, 4 groups: TP up to 4), untied output layer, no dropout (so other
-# layouts, whose dropout streams differ by construction, can be compared).
-LLAMA = [
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
-]  # fmt: skip
-DISTOPT = ["--use-distributed-optimizer"]
-
-
-def layout(tp, pp):
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-
-
-def metrics(path):
-    """[(iteration, loss)] of the train lines of a --metrics-file."""
-    with open(path) as f:
-        lines = [json.loads(x) for x in f]
-    return [(x["iteration"], x["loss"]) for x in lines if x["kind"] == "train"]
-
-
-def losses(path):
-    return [loss for _, loss in metrics(path)]
-
 
 def _pretrain_runs(runs, logits_check=None):
     """pretrain() each argv in turn (one spawn); then optionally compare logits with load_model."""
-    from megalite.training import pretrain
-
-    for argv in runs:
-        pretrain(argv)
+    pretrain_runs(runs)
     if logits_check is not None:
         return _training_vs_load_model_logits(*logits_check)
     return None

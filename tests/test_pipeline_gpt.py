@@ -11,10 +11,10 @@ schedule, m = pp and m > pp.
 from __future__ import annotations
 
 import torch
-from conftest import gather_full, one_thread
+from conftest import forward_step, gather_full, microbatches, reference
 
 from megalite.model.config import ModelConfig
-from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.model.gpt import build_model_chunks
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_shared_embedding
@@ -39,33 +39,6 @@ def flavours() -> dict[str, ModelConfig]:
         "gpt2": ModelConfig.gpt2(num_attention_heads=4, **SMALL),
         "llama": ModelConfig.llama(num_attention_heads=4, num_query_groups=2, **SMALL),
     }
-
-
-def make_microbatches(m: int, dp_rank: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(100 * dp_rank + m)
-    tokens = torch.randint(0, vocab, (m, B, S + 1), generator=g)
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
-
-
-def forward_step(chunk, mb, input_tensor):
-    gpt = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
-    out = chunk(
-        input_ids=mb["tokens"] if gpt.pre_process else None,
-        labels=mb["labels"] if gpt.post_process else None,
-        input_tensor=input_tensor,
-    )
-    return out.mean() if gpt.post_process else out  # per-token loss [b, s] -> microbatch mean
-
-
-@one_thread()
-def reference(config: ModelConfig, m: int, dp_rank: int):
-    model = GPTModel(config, Mesh.single())
-    losses = []
-    for mb in make_microbatches(m, dp_rank, config.vocab_size):
-        loss = model(input_ids=mb["tokens"], labels=mb["labels"]).mean()
-        (loss / m).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
 def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
@@ -98,7 +71,7 @@ def _run(layouts):
                     chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
                 losses = forward_backward(
                     forward_step_func=forward_step,
-                    microbatches=make_microbatches(m, mesh.dp_rank, config.vocab_size),
+                    microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),
                     model=chunks,
                     mesh=mesh,
                     num_microbatches=m,
@@ -139,7 +112,7 @@ def _check(results, layouts, world):
         assert sorted(s["pp_rank"] for s in stages) == list(range(pp)), case
         for d in range(world // (tp * pp)):
             if (flavour, m, d) not in refs:
-                refs[flavour, m, d] = reference(configs[flavour], m, d)
+                refs[flavour, m, d] = reference(configs[flavour], m, d, B, S)
         ref_losses, ref_grads = refs[flavour, m, dp_rank]
         if ddp:  # main_grad after finalize_model_grads: the mean over the DP replicas' global batches
             replicas = [refs[flavour, m, d][1] for d in range(world // (tp * pp))]

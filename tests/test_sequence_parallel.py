@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gather_full, one_thread
-from test_checkpoint_resume import COMMON, _pretrain_runs, layout, metrics
+from conftest import (
+    COMMON,
+    GPT2_DROPOUT,
+    LLAMA,
+    forward_step,
+    gather_full,
+    layout,
+    metrics,
+    microbatches,
+    pretrain_runs,
+    reference,
+)
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.model.config import ModelConfig
-from megalite.model.gpt import GPTModel, build_model_chunks, recompute_units
+from megalite.model.gpt import build_model_chunks, recompute_units
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_sequence_parallel
@@ -53,33 +63,6 @@ def flavours() -> dict[str, ModelConfig]:
         "gpt2": ModelConfig.gpt2(num_attention_heads=4, **SMALL),
         "llama": ModelConfig.llama(num_attention_heads=8, num_query_groups=4, **SMALL),
     }
-
-
-def microbatches(m: int, dp_rank: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(100 * dp_rank + m)
-    tokens = torch.randint(0, vocab, (m, B, S + 1), generator=g)
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
-
-
-def forward_step(chunk, mb, input_tensor):
-    gpt = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
-    out = chunk(
-        input_ids=mb["tokens"] if gpt.pre_process else None,
-        labels=mb["labels"] if gpt.post_process else None,
-        input_tensor=input_tensor,
-    )
-    return out.mean() if gpt.post_process else out
-
-
-@one_thread()
-def reference(config: ModelConfig, m: int, dp_rank: int):
-    model = GPTModel(config, Mesh.single())
-    losses = []
-    for mb in microbatches(m, dp_rank, config.vocab_size):
-        loss = model(input_ids=mb["tokens"], labels=mb["labels"]).mean()
-        (loss / m).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
 # ---- inside the ranks ---------------------------------------------------------------------------
@@ -143,7 +126,7 @@ def _run():
                 chunks = [DistributedDataParallel(c, mesh, bucket_size=3000) for c in chunks]
             losses = forward_backward(
                 forward_step_func=forward_step,
-                microbatches=microbatches(m, mesh.dp_rank, config.vocab_size),
+                microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),
                 model=chunks,
                 mesh=mesh,
                 num_microbatches=m,
@@ -202,7 +185,7 @@ def test_sequence_parallel_parity_world8():
         seen.add(lay)
         for d in range(dp):
             if (flavour, m, d) not in refs:
-                refs[flavour, m, d] = reference(configs[flavour], m, d)
+                refs[flavour, m, d] = reference(configs[flavour], m, d, B, S)
         ref_losses, ref_grads = refs[flavour, m, dp_rank]
         if ddp:  # main_grad after finalize_model_grads: the mean over the DP replicas
             replicas = [refs[flavour, m, d][1] for d in range(dp)]
@@ -234,14 +217,6 @@ def test_sequence_parallel_parity_world8():
 
 
 # ---- training: resume with dropout, SP vs no SP -------------------------------------------------
-GPT2_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-LLAMA = [
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
-]  # fmt: skip
-
-
 @pytest.mark.timeout(200)
 def test_sequence_parallel_training_resumes_bitwise(tmp_path):
     d = tmp_path
@@ -259,7 +234,7 @@ def test_sequence_parallel_training_resumes_bitwise(tmp_path):
         llama + out("llama"),
         llama + ["--sequence-parallel", "--recompute-activations"] + out("llama-sp"),
     ]
-    run_distributed(_pretrain_runs, 8, runs, timeout=180)
+    run_distributed(pretrain_runs, 8, runs, timeout=180)
     straight, resumed = metrics(d / "straight.jsonl"), metrics(d / "resumed.jsonl")
     assert len(straight) == 6 and resumed == straight[3:], f"not bitwise:\n{resumed}\n{straight[3:]}"
     a, b = metrics(d / "llama.jsonl"), metrics(d / "llama-sp.jsonl")

@@ -58,6 +58,7 @@ from megalite.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
+    column_parallel_linears,
     init_param_from_full,
 )
 from megalite.parallel.mappings import split_along_sequence_dim
@@ -242,7 +243,9 @@ class MLP(nn.Module):
     """fc1 (ColumnParallel) -> GELU or SwiGLU -> fc2 (RowParallel); each TP rank holds ffn/tp features.
 
     SwiGLU keeps gate and up as two separate column-parallel layers
-    (``linear_fc1_gate``, ``linear_fc1_up``) so each has a plain contiguous shard layout.
+    (``linear_fc1_gate``, ``linear_fc1_up``) so each has a plain contiguous shard layout, but
+    runs them as one, like Megatron's fused fc1: one all-gather of the sequence under SP (one
+    input-grad all-reduce without), one saved input.
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device, sp=False):
@@ -253,8 +256,6 @@ class MLP(nn.Module):
         common = dict(bias=bias, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device)
 
         def column():
-            # SwiGLU under SP gathers the sequence once per column layer (twice); Megatron
-            # fuses gate and up into one fc1 and gathers once.
             return ColumnParallelLinear(h, ffn, mesh, **common)
 
         if self.swiglu:
@@ -267,7 +268,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h] ([b, s/t, h] -> [b, s/t, h] under sequence parallelism)."""
         if self.swiglu:
-            y = F.silu(self.linear_fc1_gate(x)) * self.linear_fc1_up(x)  # [b, s, ffn/tp]
+            gate, up = self.linear_fc1_gate, self.linear_fc1_up
+            pairs = [(gate.weight, gate.bias), (up.weight, up.bias)]
+            gate, up = column_parallel_linears(x, pairs, gate.tp_group, gate.sequence_parallel)
+            y = F.silu(gate) * up  # [b, s, ffn/tp]
         else:
             y = F.gelu(self.linear_fc1(x), approximate=self.gelu_approximate)
         return self.linear_fc2(y)

@@ -99,46 +99,65 @@ def _divide(n: int, tp: int, what: str) -> int:
 
 
 class _LinearWithSequenceParallelInput(torch.autograd.Function):
-    """``F.linear`` of the sequence-gathered input; only the sequence SHARD is saved for backward.
+    """``F.linear`` of the sequence-gathered input, for one or more (weight, bias) pairs that
+    share it; only the sequence SHARD is saved for backward.
 
     Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence
     parallelism: saving the gathered ``[b, s, in]`` would keep t times the bytes SP
-    saves, so backward all-gathers the shard again for the weight grad. The input
-    grad is reduce-scattered back to ``[b, s/t, in]`` (each rank's is a partial sum).
+    saves, so backward all-gathers the shard again for the weight grads. The input
+    grad (summed over the pairs) is reduce-scattered back to ``[b, s/t, in]`` (each
+    rank's is a partial sum). Several pairs cost one all-gather each way and one
+    reduce-scatter, as Megatron's fused fc1 (SwiGLU's gate and up).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_along_sequence_dim(x, group), weight, bias)
+    def forward(ctx, x, group, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        total = gather_along_sequence_dim(x, group)  # [b, s, in]; freed after forward
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
+    def backward(ctx, *grad_outs):
+        x, *weights = ctx.saved_tensors
+        grads: list[torch.Tensor | None] = []
+        total = gather_along_sequence_dim(x, ctx.group) if any(ctx.needs_input_grad[2::2]) else None
+        for i, grad_out in enumerate(grad_outs):
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
+            need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+            grads.append(grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_w else None)
+            grads.append(grad_2d.sum(0) if ctx.has_bias[i] and need_b else None)
+        grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = reduce_scatter_along_sequence_dim(grad_out.matmul(weight), ctx.group)
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
-        if ctx.needs_input_grad[1]:
-            total = gather_along_sequence_dim(x, ctx.group)  # [b, s, in], again
-            grad_w = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_2d.sum(0)
-        return grad_x, grad_w, grad_b, None
+            grad_x = sum(g.matmul(w) for g, w in zip(grad_outs, weights))  # [b, s, in], partial
+            grad_x = reduce_scatter_along_sequence_dim(grad_x, ctx.group)
+        return grad_x, None, *grads
+
+
+def column_parallel_linears(
+    x: torch.Tensor, params: list[tuple[torch.Tensor, torch.Tensor | None]], group, sequence_parallel: bool
+) -> tuple[torch.Tensor, ...]:
+    """``x A_i^T + b_i`` for each (weight, bias) pair, A_i this rank's rows ``[out_i/t, in]``,
+    with one communication for all: -> ``[b, s, out_i/t]`` each.
+
+    x is ``[b, s, in]`` replicated over TP (its grad, summed over the pairs, is all-reduced
+    once in backward), or with ``sequence_parallel`` this rank's ``[b, s/t, in]``
+    (all-gathered once before the matmuls).
+    """
+    if sequence_parallel:
+        flat = [t for pair in params for t in pair]
+        return _LinearWithSequenceParallelInput.apply(x, group, *flat)
+    x = copy_to_tensor_model_parallel_region(x, group)
+    return tuple(F.linear(x, w, b) for w, b in params)
 
 
 def column_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool
 ) -> torch.Tensor:
-    """``x A^T + b`` with A this rank's rows ``[out/t, in]``: -> ``[b, s, out/t]``.
-
-    x is ``[b, s, in]`` replicated over TP (its grad is summed over TP in backward),
-    or with ``sequence_parallel`` this rank's ``[b, s/t, in]`` (all-gathered first).
-    """
-    if sequence_parallel:
-        return _LinearWithSequenceParallelInput.apply(x, weight, bias, group)
-    return F.linear(copy_to_tensor_model_parallel_region(x, group), weight, bias)
+    """``x A^T + b`` with A this rank's rows ``[out/t, in]``: -> ``[b, s, out/t]``
+    (:func:`column_parallel_linears` with one pair)."""
+    return column_parallel_linears(x, [(weight, bias)], group, sequence_parallel)[0]
 
 
 class _TPModule(nn.Module):
