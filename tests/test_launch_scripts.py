@@ -208,7 +208,8 @@ def test_slurm_script_saves_on_sigterm_requeues_and_resumes(tmp_path):
     def iterations() -> list[int]:
         if not metrics.exists():
             return []
-        return [json.loads(x)["iteration"] for x in metrics.read_text().splitlines() if x.strip()]
+        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        return [x["iteration"] for x in lines if x["kind"] == "train"]  # not the memory report
 
     # First launch: train until a few steps are logged, then SLURM's warning signal.
     job = subprocess.Popen(
