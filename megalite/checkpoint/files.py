@@ -106,6 +106,12 @@ def resolve(root: str | Path, iteration: int | None = None, flag: str = "--load"
     root = Path(root)
     if not root.exists():
         raise CheckpointError(f"{flag} {root}: no such directory")
+    if (root / "config.json").is_file() and not (root / METADATA).is_file() and not (root / TRACKER).is_file():
+        raise CheckpointError(
+            f"{flag} {root} holds a Hugging Face transformers checkpoint (config.json), not a megalite one: "
+            f"convert it with tools/convert_checkpoint.py --input-format hf --input {root} --output-format "
+            "megalite --output DIR, then use DIR (with --finetune to start training from it)"
+        )
     if (root / METADATA).is_file() and iteration is None:  # an iter_N folder given directly
         return root, int(read_metadata(root)["iteration"])
     if iteration is None:
