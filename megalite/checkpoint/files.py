@@ -106,7 +106,11 @@ def resolve(root: str | Path, iteration: int | None = None, flag: str = "--load"
     root = Path(root)
     if not root.exists():
         raise CheckpointError(f"{flag} {root}: no such directory")
-    if (root / "config.json").is_file() and not (root / METADATA).is_file() and not (root / TRACKER).is_file():
+    if (
+        (root / "config.json").is_file()
+        and not (root / METADATA).is_file()
+        and not (root / TRACKER).is_file()
+    ):
         raise CheckpointError(
             f"{flag} {root} holds a Hugging Face transformers checkpoint (config.json), not a megalite one: "
             f"convert it with tools/convert_checkpoint.py --input-format hf --input {root} --output-format "

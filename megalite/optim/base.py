@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.errors import MegaliteError
-from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm
+from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm, get_grad_norm
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import copy_parallel_attributes
@@ -153,25 +153,24 @@ class MixedPrecisionOptimizer(ABC):
                 return False, None, None
             loss_not_finite = None  # already agreed on: the step is clean
         grad_norm = None
-        if self.clip_grad > 0.0:
+        check = self.check_for_nan and self.grad_scaler is None
+        if self.clip_grad > 0.0 or check:
             # The norm's all-reduce carries the loss check too: no extra collective, no extra sync.
+            # (Without clipping the guard computes the norm for itself: one fused norm and one
+            # all-reduce, cheaper than scanning each gradient for inf/NaN.)
             mains = [m.main for m in self.main_params]
-            poison = loss_not_finite if self.check_for_nan else None
-            grad_norm = clip_grad_norm(
-                mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded, poison=poison
-            )
-            bad = self.check_for_nan and not math.isfinite(grad_norm)
-        elif self.check_for_nan and self.grad_scaler is None:
-            # No norm to piggyback on: one MAX all-reduce of a flag (only when clipping is off).
-            bad = self._found_non_finite(grads, loss_not_finite)
-        else:
-            bad = False
-        if bad:
+            poison = loss_not_finite if check else None
+            if self.clip_grad > 0.0:
+                grad_norm = clip_grad_norm(
+                    mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded, poison=poison
+                )
+            else:
+                grad_norm = get_grad_norm(mains, self.mesh, dp_sharded=self.dp_sharded, poison=poison)
+        if check and not math.isfinite(grad_norm):
             self._release_main_grads()
-            what = (
-                f"the gradient norm is {grad_norm}" if grad_norm is not None else "a gradient or the loss is"
+            raise NonFiniteError(
+                f"the loss or gradient norm is {grad_norm} (not finite: NaN or Inf on some rank)"
             )
-            raise NonFiniteError(f"{what} (not finite: NaN or Inf on some rank)")
         self.inner.step()
         self._release_main_grads()
         self._copy_main_params_to_model_params()
