@@ -7,27 +7,20 @@
 or as a plain single process (``python pretrain_gpt.py ...``). See docs/flags.md.
 """
 
-import os
 import sys
 
-import torch.distributed as dist
-
-from megalite.errors import MegaliteError
+from megalite.cli import run_main
 from megalite.training import pretrain
 
 
-def main() -> int:
-    try:
-        pretrain(sys.argv[1:])
-    except MegaliteError as e:
-        # Bad flags, sizes, files or checkpoints: one line naming the fix, not a traceback.
-        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"pretrain_gpt.py: error: {rank}{e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _pretrain(argv: list[str] | None) -> int:
+    pretrain(sys.argv[1:] if argv is None else argv)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Bad flags, sizes, files or checkpoints, a frozen or dead rank: one line naming the fix, exit 2.
+    return run_main("pretrain_gpt.py", _pretrain, argv)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Default: nccl when CUDA is available, else gloo.",
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
+    add_fault_tolerance_args(p)
     g.add_argument(
         "--transformer-impl",
         choices=["local", "transformer_engine"],
@@ -339,6 +339,68 @@ def validate_sequence_parallel_and_recompute(args: argparse.Namespace) -> None:
         )
 
 
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
+    """Guards that stop a run instead of letting it hang or train on garbage (docs/training.md)."""
+    g = parser.add_argument_group("fault tolerance")
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=_positive_minutes,
+        default=10,
+        help="How long every collective (world, TP, PP, DP, model-parallel and embedding groups) waits "
+        "for a frozen or dead rank before the run stops; fractions allowed (0.1 = 6 s).",
+    )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="Stop the run at the first NaN/Inf loss or grad norm, before the optimizer step (fp32/bf16; "
+        "fp16 skips such steps and stops after many in a row). On by default.",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Let non-finite steps through (fp32/bf16: the weights become NaN).",
+    )
+    sched = g.add_mutually_exclusive_group()
+    sched.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="On resume, this command line's LR / weight-decay schedule replaces the checkpoint's.",
+    )
+    sched.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="On resume, keep the checkpoint's LR / weight-decay schedule (changed flags are ignored, "
+        "with a note). Neither flag: a changed schedule flag stops the run.",
+    )
+
+
+def _load_yaml(path: str):
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"--config {path}: cannot be read ({e})") from None
+
+
 def _apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """Turn ``--config FILE`` into defaults; flags on the command line still win."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -348,8 +410,7 @@ def _apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         return argv
     if not os.path.isfile(known.config):
         raise ArgumentError(f"--config {known.config}: file not found")
-    with open(known.config) as f:
-        data = yaml.safe_load(f) or {}
+    data = _load_yaml(known.config) or {}
     if not isinstance(data, dict):
         raise ArgumentError(f"--config {known.config}: expected a mapping of flag names to values")
     dests = {a.dest: a for a in parser._actions}

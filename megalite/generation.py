@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from megalite.errors import MegaliteError
+
+
+class GenerationError(MegaliteError, ValueError):
+    """A sampling flag or prompt that cannot work; the message names the flag."""
+
 
 def sample_next_token(
     logits: torch.Tensor,
@@ -32,11 +38,11 @@ def sample_next_token(
     and one id is drawn with ``generator``.
     """
     if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+        raise GenerationError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
-        raise ValueError(f"--top-k must be >= 0, got {top_k}")
+        raise GenerationError(f"--top-k must be >= 0, got {top_k}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+        raise GenerationError(f"--top-p must be in (0, 1], got {top_p}")
     logits = logits.float()
     if temperature == 0.0:
         return logits.argmax(dim=-1)
@@ -84,15 +90,15 @@ def generate(
             "generate() needs the whole model (pre_process and post_process), not a pipeline stage"
         )
     if max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        raise GenerationError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     device = next(model.parameters()).device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     if ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: generation needs at least one token to condition on")
+        raise GenerationError("the prompt is empty: generation needs at least one token to condition on")
     if int(ids.max()) >= config.vocab_size or int(ids.min()) < 0:
-        raise ValueError(f"prompt ids must be in [0, {config.vocab_size}) (the model's vocab size)")
+        raise GenerationError(f"prompt ids must be in [0, {config.vocab_size}) (the model's vocab size)")
     was_training = model.training
     model.eval()
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)

@@ -21,8 +21,10 @@ from torch.utils.data import Dataset
 
 from megalite.arguments import model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
+from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
+from megalite.errors import reading
 from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
@@ -33,7 +35,7 @@ from megalite.metrics import (
 )
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.optim import OptimizerParamScheduler, build_optimizer
-from megalite.optim.base import MixedPrecisionOptimizer
+from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
@@ -56,6 +58,7 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     skipped_iters: int = 0
+    consecutive_skipped: int = 0  # fp16 steps skipped in a row (not checkpointed)
     datasets: tuple[Dataset | None, ...] = ()  # (train, valid, test)
     extra: dict = field(default_factory=dict)
 
@@ -71,15 +74,14 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    # Every group gets the job's timeout: a frozen or dead rank stops the others, it never hangs them.
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            args.distributed_backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-        )
+        dist.init_process_group(args.distributed_backend, timeout=timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_args(args, world_size)
     return initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, device=device
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, device=device, timeout=timeout
     )
 
 
@@ -108,7 +110,8 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
 def setup(args: argparse.Namespace) -> TrainState:
     mesh = initialize_distributed(args)
     rng = set_random_seed(args.seed, mesh, mesh.device)
-    tokenizer = build_tokenizer(**tokenizer_kwargs(args))
+    with reading(f"--tokenizer-model {args.tokenizer_model}", OSError, RuntimeError):  # sentencepiece
+        tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
         config,
@@ -150,6 +153,7 @@ def setup(args: argparse.Namespace) -> TrainState:
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
     )
+    optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
     scheduler = OptimizerParamScheduler(
         optimizer,
         max_lr=args.lr,
@@ -161,6 +165,9 @@ def setup(args: argparse.Namespace) -> TrainState:
         end_wd=args.end_weight_decay,
         wd_incr_steps=max(args.train_iters, 1),  # Megatron: over the whole run
         wd_incr_style=args.weight_decay_incr_style,
+        # Megatron's resume rule: neither flag = a changed schedule flag stops the run.
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     state = TrainState(args, mesh, config, model, optimizer, scheduler, rng, tokenizer)
     state.datasets = build_datasets(args, state)
@@ -278,11 +285,21 @@ def train_step(state: TrainState, data_iter) -> dict:
     microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
     losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
-    ok, grad_norm, num_zeros = state.optimizer.step()
+    try:
+        ok, grad_norm, num_zeros = state.optimizer.step(loss_not_finite(losses))
+    except NonFiniteError as e:
+        raise NonFiniteError(
+            f"iteration {state.iteration + 1}: {e}; stopped before the optimizer step, so the weights "
+            f"and the checkpoints are untouched. Lower --lr, check the data, or resume from the last "
+            f"checkpoint (--no-check-for-nan-in-loss-and-grad lets such steps through)"
+        ) from None
     if ok:
         state.scheduler.step(1)
+        state.consecutive_skipped = 0
     else:
         state.skipped_iters += 1
+        state.consecutive_skipped += 1
+        check_skipped_steps(state)
     state.iteration += 1
     state.consumed_train_samples += args.global_batch_size
     return {
@@ -291,6 +308,31 @@ def train_step(state: TrainState, data_iter) -> dict:
         "skipped": not ok,
         "num_zeros": num_zeros,
     }
+
+
+def loss_not_finite(losses: list) -> torch.Tensor | None:
+    """On the last stage, a device bool: some microbatch loss is NaN/Inf (no host sync)."""
+    if not losses:
+        return None
+    return ~torch.isfinite(torch.stack([x.detach().float() for x in losses])).all()
+
+
+# fp16: steps skipped in a row before the run stops. The dynamic scaler halves its scale every
+# --hysteresis overflows, so finding its scale takes log2(initial / final) x hysteresis skips (32 from
+# the defaults down to 2^16); a hundred in a row means the loss scale cannot fix it.
+MAX_CONSECUTIVE_SKIPPED_STEPS = 100
+
+
+def check_skipped_steps(state: TrainState) -> None:
+    args = state.args
+    if not args.check_for_nan_in_loss_and_grad or state.consecutive_skipped < MAX_CONSECUTIVE_SKIPPED_STEPS:
+        return
+    raise NonFiniteError(
+        f"iteration {state.iteration + 1}: the last {state.consecutive_skipped} steps were all skipped "
+        f"(NaN/Inf gradients at loss scale {state.optimizer.get_loss_scale():g}); the loss scale cannot "
+        "fix this: check --loss-scale / --initial-loss-scale / --min-loss-scale / --hysteresis, "
+        "lower --lr, or try --bf16 (--no-check-for-nan-in-loss-and-grad keeps skipping)"
+    )
 
 
 @torch.no_grad()
@@ -426,11 +468,20 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
 def pretrain(argv: list[str] | None = None) -> dict:
     """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
     args = parse_args(argv)
+    ckpt = CheckpointConfig.from_args(args)
+    done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
+    if done is not None and done >= args.train_iters:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f" --load {ckpt.load} is at iteration {done} and --train-iters is {args.train_iters}: "
+                "this run is finished, nothing to do (raise --train-iters to train further)",
+                flush=True,
+            )
+        return {}
     monitor = TrainingMonitor(args)  # before the model: --record-memory-history sees every allocation
     state = setup(args)
-    ckpt = CheckpointConfig.from_args(args)
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
-    hooks = CheckpointHooks(state, ckpt)
+    hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
     sinks = MetricSinks.open(args, log_here, mesh.device)

@@ -75,6 +75,13 @@ def test_metadata_unpickling_refuses_code(tmp_path):
     path = save_model_checkpoint(GPTModel(cfg, Mesh.single()), cfg, tmp_path / "ck")
     _Evil.marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    # The recorded checksums catch the swapped file before anything is unpickled...
+    with pytest.raises(CheckpointError, match=r"\.metadata \(written by rank 0\) is truncated"):
+        load_model(tmp_path / "ck")
+    # ...and without them (a checkpoint from before they existed) the restricted unpickler does.
+    meta = json.loads((path / "megalite_checkpoint.json").read_text())
+    del meta["checksums"]
+    (path / "megalite_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointFormatError, match="refusing to unpickle posix.system"):
         load_model(tmp_path / "ck")
     assert not _Evil.marker.exists()

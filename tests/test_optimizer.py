@@ -415,7 +415,7 @@ def test_weight_decay_schedule_and_checks():
     strict = OptimizerParamScheduler(
         opt, use_checkpoint_opt_param_scheduler=False, **(common | {"max_lr": 2.0})
     )
-    with pytest.raises(ValueError, match="--lr is 2.0"):
+    with pytest.raises(ValueError, match="--lr 2.0 .checkpoint 1.0."):
         strict.load_state_dict(lin.state_dict())
     keep = OptimizerParamScheduler(
         opt,

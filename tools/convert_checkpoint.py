@@ -31,12 +31,14 @@ import torch  # noqa: E402
 
 from megalite.checkpoint import files as ckpt_files  # noqa: E402
 from megalite.checkpoint import hf  # noqa: E402
+from megalite.cli import run_main  # noqa: E402
 from megalite.data.progress import Progress  # noqa: E402
+from megalite.errors import MegaliteError  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ConvertError(ValueError):
+class ConvertError(MegaliteError, ValueError):
     """Bad flags or inputs; printed as ``convert_checkpoint.py: error: ...``."""
 
 
@@ -166,21 +168,8 @@ def convert(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megalite.checkpoint import CheckpointError, CheckpointFormatError
-
-    args = build_parser().parse_args(argv)
-    try:
-        convert(args)
-    except (
-        ConvertError,
-        hf.HFConversionError,
-        CheckpointError,
-        CheckpointFormatError,
-        FileNotFoundError,
-    ) as e:
-        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    # Bad flags or inputs (all MegaliteErrors): one line on stderr, exit 2; bugs keep their traceback.
+    return run_main("convert_checkpoint.py", lambda a: convert(build_parser().parse_args(a)), argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import build_parser  # noqa: E402
+from megalite.cli import run_main  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "flags.md")
 
@@ -52,10 +53,10 @@ def render() -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="fail if docs/flags.md is out of date")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     text = render()
     if a.check:
         current = Path(DOC).read_text() if os.path.exists(DOC) else ""
@@ -68,6 +69,10 @@ def main() -> int:
         f.write(text)
     print(f"wrote {DOC}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("gen_flags_doc.py", _main, argv)
 
 
 if __name__ == "__main__":

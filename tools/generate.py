@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.cli import run_main  # noqa: E402
+from megalite.errors import MegaliteError, reading  # noqa: E402
+
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
 
@@ -72,7 +75,7 @@ def tokenizer_flags(args: argparse.Namespace, saved_args: dict, vocab_size: int)
     flags = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
     if flags["tokenizer_type"] is None:
         if "tokenizer_type" not in saved_args:
-            raise ValueError(
+            raise MegaliteError(
                 "--tokenizer-type is needed: this checkpoint does not record the flags it was trained with "
                 "(a converted or weights-only checkpoint)"
             )
@@ -94,9 +97,10 @@ def run(args: argparse.Namespace) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     flags = tokenizer_flags(args, saved_args, config.vocab_size)
-    tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)
+    with reading(f"--tokenizer-model {flags.get('tokenizer_model')}", OSError, RuntimeError):  # sentencepiece
+        tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
+        raise MegaliteError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}: "
             "pass the tokenizer flags the checkpoint was trained with"
         )
@@ -125,17 +129,15 @@ def run(args: argparse.Namespace) -> str:
     return tokenizer.detokenize(new_ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from megalite.checkpoint import CheckpointError, CheckpointFormatError
-
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        text = run(args)
-    except (ValueError, CheckpointError, CheckpointFormatError, FileNotFoundError) as e:
-        print(f"generate.py: error: {e}", file=sys.stderr)
-        return 2
-    print(text, flush=True)
+    print(run(args), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # User errors (MegaliteError): one line on stderr, exit 2; bugs keep their traceback.
+    return run_main("generate.py", _main, argv)
 
 
 if __name__ == "__main__":

@@ -67,4 +67,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from megalite.cli import run_main  # user errors: one line, exit 2
+
+    sys.exit(run_main("prepare_default_corpus.py", main))

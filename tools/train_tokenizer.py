@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megalite.cli import run_main  # noqa: E402
 from megalite.data.tokenizer_training import (  # noqa: E402
     train_gpt2_bpe,
     train_sentencepiece,
@@ -26,7 +27,7 @@ from megalite.data.tokenizer_training import (  # noqa: E402
 from megalite.errors import MegaliteError  # noqa: E402
 
 
-def main(argv=None):
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--input", nargs="+", required=True, help=".jsonl files (text under --json-key) or text files"
@@ -44,23 +45,35 @@ def main(argv=None):
     p.add_argument("--max-sentences", type=int, default=300_000, help="lines sampled for training")
     p.add_argument("--num-threads", type=int, default=None)
     args = p.parse_args(argv)
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise MegaliteError(f"--input {path}: no such file")
+    if args.vocab_size < 4:
+        raise MegaliteError(f"--vocab-size must be at least 4 (3 special pieces + 1), got {args.vocab_size}")
     t0 = time.perf_counter()
     if args.tokenizer_type == "SentencePieceTokenizer":
-        path = train_sentencepiece(
-            args.input,
-            args.model_prefix,
-            vocab_size=args.vocab_size,
-            json_key=args.json_key,
-            model_type=args.model_type,
-            max_sentences=args.max_sentences,
-            num_threads=args.num_threads,
-        )
+        try:
+            path = train_sentencepiece(
+                args.input,
+                args.model_prefix,
+                vocab_size=args.vocab_size,
+                json_key=args.json_key,
+                model_type=args.model_type,
+                max_sentences=args.max_sentences,
+                num_threads=args.num_threads,
+            )
+        except (KeyError, TypeError, ValueError) as e:  # a JSON line without --json-key, or not JSON
+            raise MegaliteError(
+                f"--input {' '.join(args.input)}: a line is not a JSON object with the key --json-key "
+                f"{args.json_key!r} ({type(e).__name__}: {' '.join(str(e).split())})"
+            ) from None
+        except RuntimeError as e:  # sentencepiece's trainer: e.g. a --vocab-size too large for the text
+            raise MegaliteError(
+                f"sentencepiece could not train on --input {' '.join(args.input)}: {' '.join(str(e).split())}"
+            ) from None
         print(f"wrote {path} (vocab {args.vocab_size}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return
-    try:
-        vocab_file, merge_file = train_gpt2_bpe(args.input, args.model_prefix, args.vocab_size, args.json_key)
-    except MegaliteError as e:
-        sys.exit(f"train_tokenizer.py: error: {e}")
+    vocab_file, merge_file = train_gpt2_bpe(args.input, args.model_prefix, args.vocab_size, args.json_key)
     use = f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab_file} --merge-file {merge_file}"
     if args.tokenizer_type == "TikTokenizer":
         n = write_megatron_tiktoken(merge_file, args.model_prefix + ".json")
@@ -71,5 +84,10 @@ def main(argv=None):
     print(f"trained in {time.perf_counter() - t0:.1f} s; use it with {use}", file=sys.stderr)
 
 
+def main(argv=None) -> int:
+    # User errors: one line on stderr, exit 2 (megalite.cli.run_main); bugs keep their traceback.
+    return run_main("train_tokenizer.py", _main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

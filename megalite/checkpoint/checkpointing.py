@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -79,6 +81,53 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
+def first_error(error: str | None) -> str | None:
+    """The first rank's error message among every rank's (None: none failed); collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | None:
+    """Collective, before training: every rank can write ``--save``, and no other job is writing it.
+
+    Returns the lock (rank 0 holds it; release it when the run ends), None without ``--save``.
+    """
+    if not config.save:
+        return None
+    root, lock, error, note = Path(config.save), None, None, None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_test.{socket.gethostname()}.{os.getpid()}"
+        probe.write_text("ok")  # every rank writes its own shard file: every rank must be able to
+        probe.unlink()
+        if mesh.rank == 0:
+            lock = files.SaveLock(root)
+            note = lock.acquire()
+    except files.CheckpointError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"--save {root}: cannot write there ({e.strerror or e}); pick a directory this job can write"
+    error = first_error(error)
+    if error is not None:
+        if lock is not None:
+            lock.release()
+        raise files.CheckpointError(error)
+    if note:
+        _log(mesh, f" note: {note}")
+    return lock
+
+
+def resume_iteration(config: CheckpointConfig) -> int | None:
+    """The iteration ``--load`` would resume at (None: nothing to resume, or ``--finetune``)."""
+    if not config.load or config.finetune:
+        return None
+    found = find_checkpoint(config)
+    return None if found is None else found[1]
+
+
 # ---------------------------------------------------------------------------------- model
 def model_pieces(chunks: list, config: ModelConfig, mesh: Mesh, for_load: bool = False) -> dict:
     """This rank's model pieces ``{logical name: Shard | Tensor}`` (views of the params)."""
@@ -130,7 +179,9 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
     pieces = model_pieces(state.model, state.config, mesh)
     pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
     pieces.update(rng_state.capture(mesh, state.rng))
-    storage.write(pieces, files.staging_dir(root, iteration))  # returns once every rank's files are on disk
+    staging = files.staging_dir(root, iteration)
+    storage.write(pieces, staging)  # returns once every rank's files are on disk
+    checksums = gather_checksums(staging, mesh)  # each rank reads back its own files, in parallel
 
     error, final = None, files.iteration_dir(root, iteration)
     if mesh.rank == 0:
@@ -153,6 +204,7 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
                     },
                     "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
                     "args": config.flags,
+                    "checksums": checksums,
                 },
             )
         except Exception as e:  # every rank must learn of it, or they would carry on without a save
@@ -169,6 +221,36 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
             flush=True,
         )
     return final
+
+
+def gather_checksums(staging: Path, mesh: Mesh) -> dict | None:
+    """Collective: the checksums of every rank's DCP files (+ rank 0's ``.metadata``), on rank 0."""
+    mine = files.checksum_files(staging, files.rank_files(staging, mesh.rank), mesh.rank)
+    if mesh.rank == 0:
+        mine.update(files.checksum_files(staging, [".metadata"], 0))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        mine = {name: entry for part in parts for name, entry in part.items()}
+    return {"algorithm": "crc32", "files": mine}
+
+
+def verify_checkpoint(folder: Path, iteration: int, meta: dict, mesh: Mesh) -> None:
+    """Collective: every file of ``folder`` against its recorded crc32 and size, split over the ranks.
+
+    A damaged file stops every rank with one line naming the file, the rank that wrote it and the
+    newest earlier checkpoint that verifies. A checkpoint without checksums loads, with a note.
+    """
+    sums = files.stored_checksums(meta)
+    if sums is None:
+        _log(mesh, f" {files.legacy_note(folder)}")
+        return
+    names = sorted(sums)
+    mine = {n: sums[n] for i, n in enumerate(names) if i % mesh.world_size == mesh.rank}
+    problem = files.check_files(folder, mine)
+    error = first_error(str(files.damaged(folder, iteration, problem)) if problem else None)
+    if error is not None:
+        raise files.CheckpointError(error)
 
 
 # ---------------------------------------------------------------------------------- load
@@ -216,6 +298,7 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
         return False
     folder, iteration = found
     meta = files.read_metadata(folder)
+    verify_checkpoint(folder, iteration, meta, mesh)
     check_same_model(files.config_from_metadata(meta), model_config, folder)
     stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
 
@@ -233,6 +316,10 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     want_rng = not (finetune or config.no_load_rng) and contents.get("rng", False)
     load_rng = want_rng and same_layout
 
+    notes = []
+    if not finetune and state.scheduler is not None and meta.get("scheduler") is not None:
+        # First, so that a refused schedule (SchedulerError) stops the run before any tensor is read.
+        notes = state.scheduler.load_state_dict(meta["scheduler"]) or []
     targets = model_pieces(state.model, model_config, mesh, for_load=True)
     opt_load = None
     if load_optim:
@@ -254,8 +341,6 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
         state.iteration = iteration
         state.consumed_train_samples = int(meta["consumed_train_samples"])
         state.skipped_iters = int(meta.get("skipped_iters", 0))
-        if state.scheduler is not None and meta.get("scheduler") is not None:
-            state.scheduler.load_state_dict(meta["scheduler"])
     if load_rng:
         rng_state.restore(mesh, state.rng, rng_targets)
 
@@ -265,6 +350,8 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
         f" loaded checkpoint {folder} (iteration {iteration}; {what}) in {time.perf_counter() - start:.2f} s"
         + ("; --finetune: starting at iteration 0 with a fresh optimizer" if finetune else ""),
     )
+    for note in notes:
+        _log(mesh, f" note: {note}")
     if want_rng and not same_layout:
         _log(
             mesh,
@@ -277,6 +364,8 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
 
 __all__ = [
     "CheckpointConfig",
+    "claim_save_dir",
+    "resume_iteration",
     "check_same_model",
     "find_checkpoint",
     "load_checkpoint",

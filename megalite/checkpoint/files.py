@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
+import time
+import zlib
 from pathlib import Path
 
 from megalite import __version__
@@ -28,6 +32,7 @@ from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
+LOCK = ".megalite_save.lock"  # which job writes this --save directory: {"host", "pid", "job", "started"}
 METADATA = "megalite_checkpoint.json"
 FORMAT = "megalite-dcp"
 FORMAT_VERSION = 1
@@ -101,6 +106,16 @@ def resolve(root: str | Path, iteration: int | None = None, flag: str = "--load"
     root = Path(root)
     if not root.exists():
         raise CheckpointError(f"{flag} {root}: no such directory")
+    if (
+        (root / "config.json").is_file()
+        and not (root / METADATA).is_file()
+        and not (root / TRACKER).is_file()
+    ):
+        raise CheckpointError(
+            f"{flag} {root} holds a Hugging Face transformers checkpoint (config.json), not a megalite one: "
+            f"convert it with tools/convert_checkpoint.py --input-format hf --input {root} --output-format "
+            "megalite --output DIR, then use DIR (with --finetune to start training from it)"
+        )
     if (root / METADATA).is_file() and iteration is None:  # an iter_N folder given directly
         return root, int(read_metadata(root)["iteration"])
     if iteration is None:
@@ -186,6 +201,88 @@ def read_metadata(folder: str | Path) -> dict:
     return data
 
 
+# ------------------------------------------------------------------------------- checksums
+# The metadata's "checksums": {"algorithm": "crc32", "files": {name: {"crc32", "bytes", "rank"}}}: every
+# DCP file of the folder, with the rank that wrote it. zlib's crc32 runs at GB/s; a flipped bit, a
+# truncated or a missing file are all caught before DCP reads anything.
+_CHUNK = 16 * 2**20
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def file_checksum(path: Path) -> dict:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"crc32": crc, "bytes": size}
+
+
+def rank_files(folder: Path, rank: int) -> list[str]:
+    """The DCP files ``rank`` wrote into ``folder`` (``__<rank>_<i>.distcp``)."""
+    return sorted(p.name for p in Path(folder).glob(f"__{rank}_*.distcp"))
+
+
+def checksum_files(folder: Path, names: list[str], rank: int) -> dict:
+    """``{name: {"crc32", "bytes", "rank"}}`` of files ``names`` in ``folder``, written by ``rank``."""
+    return {name: {**file_checksum(Path(folder) / name), "rank": rank} for name in names}
+
+
+def writer_rank(name: str) -> int | None:
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def check_files(folder: Path, expected: dict) -> str | None:
+    """The first problem with ``folder``'s files against ``expected`` (a slice of the checksums), or None."""
+    for name, want in sorted(expected.items()):
+        path = Path(folder) / name
+        rank = want.get("rank")
+        who = f"{path} (written by rank {rank})" if rank is not None else str(path)
+        if not path.is_file():
+            return f"{who} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            how = "truncated" if size < want["bytes"] else "longer than written"
+            return f"{who} is {how}: {size} bytes, {want['bytes']} written"
+        got = file_checksum(path)["crc32"]
+        if got != want["crc32"]:
+            return f"{who} is corrupt: crc32 {got:08x}, {want['crc32']:08x} written"
+    return None
+
+
+def stored_checksums(metadata: dict) -> dict | None:
+    """The metadata's per-file checksums, or None for a checkpoint written before they existed."""
+    entry = metadata.get("checksums")
+    return None if entry is None else dict(entry["files"])
+
+
+def legacy_note(folder: Path) -> str:
+    return f"note: {folder} has no checksums (written before megalite recorded them): loading it unverified"
+
+
+def intact_before(root: Path, iteration: int) -> str:
+    """Which checkpoint before ``iteration`` under ``root`` verifies (a phrase for an error message)."""
+    for it in reversed([i for i in finished_iterations(root) if i < iteration]):
+        folder = iteration_dir(root, it)
+        try:
+            sums = stored_checksums(read_metadata(folder))
+        except CheckpointError:
+            continue
+        if sums is None:
+            return f"iteration {it} ({folder}) predates checksums and could not be verified; try it with --ckpt-step {it}"
+        if check_files(folder, sums) is None:
+            return f"iteration {it} ({folder}) is intact: resume from it with --ckpt-step {it}"
+    return f"no earlier checkpoint in {root} is intact"
+
+
+def damaged(folder: Path, iteration: int, problem: str) -> CheckpointError:
+    """The one-line error for a checkpoint whose file failed verification."""
+    return CheckpointError(
+        f"checkpoint {folder} is damaged: {problem}; {intact_before(Path(folder).parent, iteration)}"
+    )
+
+
 def directory_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
@@ -245,3 +342,93 @@ def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
 def config_from_metadata(metadata: dict) -> ModelConfig:
     fields = set(ModelConfig.__dataclass_fields__)
     return ModelConfig(**{k: v for k, v in metadata["model_config"].items() if k in fields})
+
+
+# ------------------------------------------------------------------------------- the save lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _this_job() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+class SaveLock:
+    """``SAVE/.megalite_save.lock``: one training job at a time writes a ``--save`` directory.
+
+    Two jobs saving into one directory would each delete the other's ``iter_N.tmp`` staging
+    folder and overwrite the tracker. The lock names the host and pid of its job; a lock is
+    stale (taken over, with a note) when its pid is dead on this host, or when it belongs to
+    this very SLURM job (a requeue). A live job elsewhere, or one we cannot check, is refused.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.path = self.root / LOCK
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock (raises CheckpointError naming the holder); returns a note for a stale one."""
+        note = None
+        mine = _this_job()
+        for _ in range(2):
+            tmp = self.path.with_name(f"{LOCK}.{mine['host']}.{mine['pid']}")
+            tmp.write_text(json.dumps(mine))
+            try:
+                os.link(tmp, self.path)  # atomic: fails if a lock exists, never leaves a half-written one
+                self.held = True
+                return note
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+            holder = self._read_holder()
+            stale = self._stale_reason(holder, mine)
+            if stale is None:
+                raise CheckpointError(
+                    f"--save {self.root} is in use by another job ({self._describe(holder)}, see {self.path}): "
+                    "two jobs saving into one directory would destroy each other's checkpoints; use another "
+                    f"--save, or delete {self.path} if that job is gone"
+                )
+            self.path.unlink(missing_ok=True)
+            note = f"took over the stale lock {self.path} ({stale})"
+        raise CheckpointError(f"--save {self.root}: could not take {self.path}; another job keeps taking it")
+
+    def _read_holder(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _describe(holder: dict) -> str:
+        job = f", SLURM job {holder['job']}" if holder.get("job") else ""
+        return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{job}, since {holder.get('started', '?')}"
+
+    @staticmethod
+    def _stale_reason(holder: dict, mine: dict) -> str | None:
+        if holder.get("job") and holder.get("job") == mine["job"]:
+            return f"left by an earlier run of this SLURM job {mine['job']}"
+        if holder.get("host") == mine["host"] and isinstance(holder.get("pid"), int):
+            if holder["pid"] == mine["pid"]:
+                return "left by this process"
+            if not _pid_alive(holder["pid"]):
+                return f"its process {holder['pid']} on this host has exited"
+        return None
+
+    def release(self) -> None:
+        if self.held and self._read_holder().get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False

@@ -46,7 +46,7 @@ from megalite.checkpoint.logical import (
     logical_shapes,
     real_vocab_rows,
 )
-from megalite.errors import MegaliteError
+from megalite.errors import MegaliteError, reading
 from megalite.model.config import ModelConfig
 
 POS_EMB = "embedding.position_embeddings.weight"
@@ -57,6 +57,10 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 class HFConversionError(MegaliteError, ValueError):
     """A checkpoint or config that has no faithful translation; the message says what and why."""
+
+
+class HFFileError(HFConversionError, FileNotFoundError):
+    """A transformers checkpoint file that is missing or cannot be read."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,19 +482,22 @@ def read_hf_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
 
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--input {directory}: no such directory")
+        raise HFFileError(f"--input {directory}: no such directory")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"--input {directory}: no config.json (not a transformers checkpoint?)")
-    with open(cfg_path) as f:
+        raise HFFileError(f"--input {directory}: no config.json (not a transformers checkpoint?)")
+    with reading(cfg_path, json.JSONDecodeError, UnicodeDecodeError, OSError), open(cfg_path) as f:
         hf_config = json.load(f)
+    if not isinstance(hf_config, dict):
+        raise HFConversionError(f"{cfg_path}: expected a JSON object")
 
     def shards(index_name: str) -> list[str] | None:
         path = os.path.join(directory, index_name)
         if not os.path.isfile(path):
             return None
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map.values()))
+        with reading(path, json.JSONDecodeError, UnicodeDecodeError, OSError, KeyError, TypeError):
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+            return sorted(set(weight_map.values()))
 
     def load_bin(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -505,14 +512,16 @@ def read_hf_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
     elif (names := shards(BIN_INDEX)) is not None:
         files, loader = names, load_bin
     else:
-        raise FileNotFoundError(
+        raise HFFileError(
             f"--input {directory}: no weights found ({SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
         )
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"--input {directory}: shard {name} listed in the index is missing")
-        state.update(loader(path))
+            raise HFFileError(f"--input {directory}: shard {name} listed in the index is missing")
+        # A truncated or corrupt file: safetensors raises SafetensorError, torch.load RuntimeError etc.
+        with reading(path, Exception):
+            state.update(loader(path))
     return state, hf_config
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import signal
 import time
 
-from megalite.checkpoint.checkpointing import CheckpointConfig, any_rank, save_checkpoint
+from megalite.checkpoint.checkpointing import CheckpointConfig, any_rank, claim_save_dir, save_checkpoint
 
 
 class SignalFlag:
@@ -45,6 +45,8 @@ class SignalFlag:
 class CheckpointHooks:
     def __init__(self, state, config: CheckpointConfig | None = None):
         self.config = config or CheckpointConfig.from_args(state.args)
+        # Collective: --save is writable by every rank and no other job writes it (a lock, until close()).
+        self.lock = claim_save_dir(self.config, state.mesh)
         self.start = time.monotonic()
         # A loaded checkpoint needs no re-save at the same iteration.
         self.last_saved = state.iteration if state.iteration > 0 else None
@@ -52,6 +54,9 @@ class CheckpointHooks:
         self.exit_reason: str | None = None
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
         if self.signal is not None:
             self.signal.restore()
             self.signal = None

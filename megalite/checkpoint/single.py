@@ -7,6 +7,7 @@ folders as training, as a single process (TP = PP = DP = 1).
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -27,8 +28,14 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
     ``path``: a ``--save`` directory (its tracker's iteration, or ``iteration``)
     or an ``iter_N`` folder. Works whatever TP / PP / DP layout wrote it.
     """
-    folder, _ = files.resolve(path, iteration, flag="load_model")
-    config = files.config_from_metadata(files.read_metadata(folder))
+    folder, it = files.resolve(path, iteration, flag="load_model")
+    meta = files.read_metadata(folder)
+    sums = files.stored_checksums(meta)
+    if sums is None:
+        print(files.legacy_note(folder), file=sys.stderr, flush=True)
+    elif problem := files.check_files(folder, sums):
+        raise files.damaged(folder, it, problem)
+    config = files.config_from_metadata(meta)
     model = GPTModel(config, Mesh.single(), dtype=torch.float32, device="cpu")
     storage.read(model_pieces([model], config, Mesh.single(), for_load=True), folder, no_dist=True)
     zero_vocab_padding([model], config, Mesh.single())
@@ -64,7 +71,9 @@ def save_model_checkpoint(
     tensors = {name: t.to("cpu").contiguous() for name, t in tensors.items()}
 
     root = Path(save_dir)
-    storage.write(tensors, files.new_staging_dir(root, iteration), no_dist=True)
+    staging = files.new_staging_dir(root, iteration)
+    storage.write(tensors, staging, no_dist=True)
+    checksums = files.checksum_files(staging, [*files.rank_files(staging, 0), ".metadata"], 0)
     return files.finish_save(
         root,
         {
@@ -76,5 +85,6 @@ def save_model_checkpoint(
             "params_dtype": str(tensors[EMBEDDING].dtype),
             "contents": {"model": True, "optimizer": False, "rng": False},
             "saved_at": time.time(),
+            "checksums": {"algorithm": "crc32", "files": checksums},
         },
     )

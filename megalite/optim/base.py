@@ -10,6 +10,8 @@ One step::
     main.grad <- main_grad (view; cast only if the buffer is not fp32)
     fp16: unscale, inf/NaN check agreed by every rank -> on overflow: skip, back off
     clip by the global norm (TP / PP / tied embedding / ZeRO shards each counted once)
+    fp32 / bf16 with check_for_nan: a NaN/Inf norm (or loss, folded into the norm's
+        all-reduce) raises NonFiniteError on every rank, before anything is updated
     AdamW on the main params
     copy main params back into the model params (subclass: cast, or all-gather)
 
@@ -19,6 +21,7 @@ values reach the model (``_copy_main_params_to_model_params``).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -26,11 +29,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.optim.clip_grads import all_reduce_over, clip_grad_norm, count_zeros, get_params_norm
+from megalite.errors import MegaliteError
+from megalite.optim.clip_grads import (
+    all_reduce_over,
+    clip_grad_norm,
+    count_zeros,
+    get_grad_norm,
+    get_params_norm,
+)
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import copy_parallel_attributes
 from megalite.profiling import profiled
+
+
+class NonFiniteError(MegaliteError, FloatingPointError):
+    """A NaN / Inf loss or gradient norm, caught before the optimizer step applied it."""
 
 
 @dataclass
@@ -79,6 +93,9 @@ class MixedPrecisionOptimizer(ABC):
 
     dp_sharded = False  # the distributed optimizer's grads are DP shards
     log_num_zeros_in_grad = False  # --log-num-zeros-in-grad: step() counts them (one host sync)
+    # --check-for-nan-in-loss-and-grad: stop before a step with a non-finite loss / grad norm
+    # (fp32 / bf16). Set by the training loop; off for direct users of the optimizer.
+    check_for_nan = False
 
     def __init__(
         self,
@@ -128,22 +145,42 @@ class MixedPrecisionOptimizer(ABC):
 
     @profiled("optimizer")
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int | None]:
+    def step(self, loss_not_finite: torch.Tensor | None = None) -> tuple[bool, float | None, int | None]:
         """Returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's.
 
         ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad`` is set.
+        ``loss_not_finite``: a bool tensor, True where this rank's loss is NaN/Inf (the last
+        stage's; None elsewhere). With ``check_for_nan`` (``--check-for-nan-in-loss-and-grad``)
+        a non-finite loss or grad norm on any rank raises :class:`NonFiniteError` on every rank
+        *before* AdamW touches the params. fp16 skips such a step instead (the loss scaler's job).
         """
         grads = self._prepare_main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check_for_inf(grads)
+            found_inf = self._unscale_and_check_for_inf(grads, loss_not_finite)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._release_main_grads()
                 return False, None, None
+            loss_not_finite = None  # already agreed on: the step is clean
         grad_norm = None
-        if self.clip_grad > 0.0:
+        check = self.check_for_nan and self.grad_scaler is None
+        if self.clip_grad > 0.0 or check:
+            # The norm's all-reduce carries the loss check too: no extra collective, no extra sync.
+            # (Without clipping the guard computes the norm for itself: one fused norm and one
+            # all-reduce, cheaper than scanning each gradient for inf/NaN.)
             mains = [m.main for m in self.main_params]
-            grad_norm = clip_grad_norm(mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded)
+            poison = loss_not_finite if check else None
+            if self.clip_grad > 0.0:
+                grad_norm = clip_grad_norm(
+                    mains, self.clip_grad, self.mesh, dp_sharded=self.dp_sharded, poison=poison
+                )
+            else:
+                grad_norm = get_grad_norm(mains, self.mesh, dp_sharded=self.dp_sharded, poison=poison)
+        if check and not math.isfinite(grad_norm):
+            self._release_main_grads()
+            raise NonFiniteError(
+                f"the loss or gradient norm is {grad_norm} (not finite: NaN or Inf on some rank)"
+            )
         num_zeros = None
         if self.log_num_zeros_in_grad:
             num_zeros = count_zeros([m.main for m in self.main_params], self.mesh, dp_sharded=self.dp_sharded)
@@ -217,12 +254,21 @@ class MixedPrecisionOptimizer(ABC):
         for m in self.main_params:
             m.main.grad = None
 
-    def _unscale_and_check_for_inf(self, grads: list[torch.Tensor]) -> bool:
-        """Divide grads by the loss scale; True if any grad on ANY rank is inf/NaN."""
-        device = grads[0].device if grads else self.mesh.device
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    def _unscale_and_check_for_inf(
+        self, grads: list[torch.Tensor], loss_not_finite: torch.Tensor | None = None
+    ) -> bool:
+        """Divide grads by the loss scale; True if any grad (or loss) on ANY rank is inf/NaN."""
         if grads:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+        return self._found_non_finite(grads, loss_not_finite)
+
+    def _found_non_finite(self, grads: list[torch.Tensor], loss_not_finite: torch.Tensor | None) -> bool:
+        """True if any of ``grads`` or the loss flag on ANY rank is inf/NaN (one MAX all-reduce)."""
+        device = grads[0].device if grads else self.mesh.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if loss_not_finite is not None:
+            found_inf = torch.maximum(found_inf, loss_not_finite.to(device).float())
+        if grads:
             for g in grads:
                 found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
         # Every rank must take the same decision, or the next collective deadlocks:

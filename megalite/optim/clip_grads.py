@@ -44,6 +44,7 @@ def get_grad_norm(
     *,
     norm_type: float = 2.0,
     dp_sharded: bool = False,
+    poison: torch.Tensor | None = None,
 ) -> float:
     """Norm of the whole model's gradient (see module docstring for what counts once).
 
@@ -52,13 +53,16 @@ def get_grad_norm(
             attributes); their gradient is ``main_grad`` if present, else ``.grad``.
         norm_type: 2.0 or ``math.inf``.
         dp_sharded: the grads are this DP rank's ZeRO-1 shard; sum over DP too.
+        poison: a bool tensor; True on any rank makes the norm NaN on every rank. The
+            non-finite guard passes "this rank's loss is not finite" here, so the one
+            all-reduce the norm needs anyway also tells every rank about the loss.
     """
     grads = [
         g
         for p in params
         if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
     ]
-    return _global_norm(grads, mesh, norm_type, dp_sharded)
+    return _global_norm(grads, mesh, norm_type, dp_sharded, poison)
 
 
 def get_params_norm(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool = False) -> float:
@@ -82,7 +86,13 @@ def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool 
     return int(all_reduce_over(total, dist.ReduceOp.SUM, *groups).item())
 
 
-def _global_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, dp_sharded: bool) -> float:
+def _global_norm(
+    tensors: list[torch.Tensor],
+    mesh: Mesh,
+    norm_type: float,
+    dp_sharded: bool,
+    poison: torch.Tensor | None = None,
+) -> float:
     """Norm over this rank's ``tensors`` (already filtered to count once) and the ranks that share them."""
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
@@ -92,6 +102,7 @@ def _global_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, dp_s
         local = torch.zeros((), dtype=torch.float32, device=device)
         for t in tensors:
             local = torch.maximum(local, t.detach().abs().max().float())
+        local = _poisoned(local, poison, math.inf)  # MAX keeps inf on every backend; NaN it may drop
         return float(all_reduce_over(local, dist.ReduceOp.MAX, *groups))
     if tensors:
         norms = torch._foreach_norm(
@@ -100,7 +111,15 @@ def _global_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, dp_s
         total = torch.stack(norms).pow(2).sum()
     else:  # a rank may own no tensors (e.g. its ZeRO shard is all padding); it still joins the all-reduce
         total = torch.zeros((), dtype=torch.float32, device=device)
+    total = _poisoned(total, poison, math.nan)
     return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups)) ** 0.5
+
+
+def _poisoned(value: torch.Tensor, poison: torch.Tensor | None, bad: float) -> torch.Tensor:
+    """``value``, or ``bad`` (NaN / inf) where ``poison`` is set (a device-side select: no host sync)."""
+    if poison is None:
+        return value
+    return torch.where(poison.to(value.device), torch.full_like(value, bad), value)
 
 
 def clip_grad_norm(
@@ -110,14 +129,15 @@ def clip_grad_norm(
     *,
     norm_type: float = 2.0,
     dp_sharded: bool = False,
+    poison: torch.Tensor | None = None,
 ) -> float:
     """Scale every gradient in place so the global norm is at most ``max_norm``; return the norm before.
 
     Like Megatron (and ``torch.nn.utils.clip_grad_norm_``) the coefficient is
-    ``max_norm / (norm + 1e-6)``, applied only when below 1.
+    ``max_norm / (norm + 1e-6)``, applied only when below 1 (never for a NaN norm).
     """
     params = list(params)
-    total_norm = get_grad_norm(params, mesh, norm_type=norm_type, dp_sharded=dp_sharded)
+    total_norm = get_grad_norm(params, mesh, norm_type=norm_type, dp_sharded=dp_sharded, poison=poison)
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     grads = [g for p in params if (g := grad_of(p)) is not None]
     if clip_coeff < 1.0 and grads:  # a ZeRO rank may own no params at all

@@ -11,8 +11,28 @@ from __future__ import annotations
 
 import math
 
+from megalite.errors import MegaliteError
+
 _LR_STYLES = ("constant", "linear", "cosine")
 _WD_STYLES = ("constant", "linear", "cosine")
+
+
+class SchedulerError(MegaliteError, ValueError):
+    """An LR / weight-decay schedule flag that cannot work, or that contradicts the checkpoint's."""
+
+
+# What load_state_dict compares, with the flag that sets each.
+_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay (or --weight-decay)",
+    "end_wd": "--end-weight-decay (or --weight-decay)",
+    "wd_incr_steps": "--train-iters (the weight-decay schedule's length)",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
 
 
 class OptimizerParamScheduler:
@@ -49,30 +69,34 @@ class OptimizerParamScheduler:
         override_opt_param_scheduler: bool = False,
     ):
         if lr_decay_style not in _LR_STYLES:
-            raise ValueError(f"--lr-decay-style must be one of {_LR_STYLES}, got {lr_decay_style!r}")
+            raise SchedulerError(f"--lr-decay-style must be one of {_LR_STYLES}, got {lr_decay_style!r}")
         if wd_incr_style not in _WD_STYLES:
-            raise ValueError(f"--weight-decay-incr-style must be one of {_WD_STYLES}, got {wd_incr_style!r}")
+            raise SchedulerError(
+                f"--weight-decay-incr-style must be one of {_WD_STYLES}, got {wd_incr_style!r}"
+            )
         if not 0.0 <= min_lr <= max_lr:
-            raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
+            raise SchedulerError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
         if lr_decay_steps <= 0:
-            raise ValueError(f"--lr-decay-iters must be > 0, got {lr_decay_steps}")
+            raise SchedulerError(f"--lr-decay-iters must be > 0, got {lr_decay_steps}")
         if not 0 <= lr_warmup_steps < lr_decay_steps:
-            raise ValueError(
+            raise SchedulerError(
                 f"--lr-warmup-iters ({lr_warmup_steps}) must be >= 0 and < --lr-decay-iters ({lr_decay_steps})"
             )
         if (start_wd is None) != (end_wd is None):
-            raise ValueError("give both --start-weight-decay and --end-weight-decay, or neither")
+            raise SchedulerError("give both --start-weight-decay and --end-weight-decay, or neither")
         if start_wd is None:
             start_wd = end_wd = float(getattr(optimizer, "weight_decay", 0.0))
         if not 0.0 <= start_wd <= end_wd:
-            raise ValueError(f"need 0 <= --start-weight-decay ({start_wd}) <= --end-weight-decay ({end_wd})")
+            raise SchedulerError(
+                f"need 0 <= --start-weight-decay ({start_wd}) <= --end-weight-decay ({end_wd})"
+            )
         if wd_incr_style == "constant" and start_wd != end_wd:
-            raise ValueError(
+            raise SchedulerError(
                 "--start-weight-decay differs from --end-weight-decay: set --weight-decay-incr-style "
                 "to linear or cosine"
             )
         if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
-            raise ValueError(
+            raise SchedulerError(
                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"
             )
         self.optimizer = optimizer
@@ -140,30 +164,52 @@ class OptimizerParamScheduler:
             "wd_incr_style": self.wd_incr_style,
         }
 
-    def _check_and_set(self, name: str, flag: str, checkpoint_value):
-        mine = getattr(self, name)
-        if self.override_opt_param_scheduler:
-            return mine
-        if not self.use_checkpoint_opt_param_scheduler and mine != checkpoint_value:
-            raise ValueError(
-                f"{flag} is {mine} but the checkpoint has {checkpoint_value}: pass "
-                "--use-checkpoint-opt_param-scheduler to take the checkpoint's value or "
-                "--override-opt_param-scheduler to keep yours"
-            )
-        return checkpoint_value
+    def differences(self, state_dict: dict) -> list[str]:
+        """``"FLAG VALUE (checkpoint VALUE)"`` for each schedule value that differs from ``state_dict``.
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        for name, flag in [
-            ("max_lr", "--lr"),
-            ("min_lr", "--min-lr"),
-            ("lr_warmup_steps", "--lr-warmup-iters"),
-            ("lr_decay_steps", "--lr-decay-iters"),
-            ("lr_decay_style", "--lr-decay-style"),
-            ("start_wd", "--start-weight-decay"),
-            ("end_wd", "--end-weight-decay"),
-            ("wd_incr_steps", "--lr-decay-iters (weight-decay increment steps)"),
-            ("wd_incr_style", "--weight-decay-incr-style"),
-        ]:
-            setattr(self, name, self._check_and_set(name, flag, state_dict[name]))
+        Lengths that cannot change the schedule are left out: the decay length and floor of a
+        constant LR, the increment length and start of a constant weight decay.
+        """
+        ignore = set()
+        if self.lr_decay_style == "constant" and state_dict["lr_decay_style"] == "constant":
+            ignore |= {"lr_decay_steps", "min_lr"}
+        if self.wd_incr_style == "constant" and state_dict["wd_incr_style"] == "constant":
+            ignore |= {"wd_incr_steps", "start_wd"}
+        return [
+            f"{flag} {getattr(self, name)} (checkpoint {state_dict[name]})"
+            for name, flag in _FLAGS.items()
+            if name not in ignore and getattr(self, name) != state_dict[name]
+        ]
+
+    def load_state_dict(self, state_dict: dict) -> list[str]:
+        """Resume at the checkpoint's step; returns notes on values taken from one side (to print).
+
+        Megatron's rule: ``override_opt_param_scheduler`` keeps this object's values,
+        ``use_checkpoint_opt_param_scheduler`` takes the checkpoint's; with neither, a
+        difference raises :class:`SchedulerError` (one line naming every flag that differs).
+        """
+        diffs = self.differences(state_dict)
+        notes = []
+        if diffs and self.override_opt_param_scheduler:
+            notes.append(
+                "--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: "
+                + ", ".join(diffs)
+            )
+        elif diffs and self.use_checkpoint_opt_param_scheduler:
+            notes.append(
+                "--use-checkpoint-opt_param-scheduler: the checkpoint's schedule is kept; ignored from this "
+                "command line: " + ", ".join(diffs)
+            )
+            for name in _FLAGS:
+                setattr(self, name, state_dict[name])
+        elif diffs:
+            raise SchedulerError(
+                "the LR / weight-decay schedule differs from the checkpoint's: "
+                + ", ".join(diffs)
+                + "; pass "
+                "--override-opt_param-scheduler to use this command line's schedule from the checkpoint's "
+                "step on, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            )
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)
+        return notes

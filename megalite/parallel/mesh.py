@@ -17,6 +17,7 @@ non-distributed run: every size is 1 and every group is ``None``.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -147,15 +148,31 @@ class Mesh:
         )
 
 
+def default_group_timeout() -> datetime.timedelta | None:
+    """The timeout the default (world) process group was created with, where torch exposes it."""
+    try:  # not public API; None falls back to torch's per-backend default
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return None
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     device: torch.device | str | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Mesh:
     """Build this rank's :class:`Mesh` from the initialised default process group.
 
     Every rank must call this collectively (``new_group`` is collective). With
     torch.distributed not initialised, only a 1x1x1 mesh is possible.
+
+    ``timeout``: how long any collective on the mesh's groups waits for a frozen
+    or dead peer before raising (``--distributed-timeout-minutes``). Default:
+    the world group's timeout. (``new_group`` without one would get torch's
+    30-minute default, not the world group's: a frozen rank would hang the
+    others that long.)
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if not (dist.is_available() and dist.is_initialized()):
@@ -167,10 +184,12 @@ def initialize_model_parallel(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
+    timeout = timeout or default_group_timeout()
+
     def build(groups: list[list[int]]):
         mine = None
         for g in groups:  # every rank creates every group, in the same order
-            pg = dist.new_group(g)
+            pg = dist.new_group(g, timeout=timeout)
             if rank in g:
                 mine = pg
         return mine
