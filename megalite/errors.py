@@ -26,8 +26,8 @@ def reading(what: str, *errors: type[BaseException]):
     ``what`` names the flag and file (``"--tokenizer-model tok.model"``). Only the listed exception
     types are translated, and only inside the block, so a bug elsewhere keeps its traceback::
 
-        with reading(f"--tokenizer-model {path}", OSError, RuntimeError):
-            tokenizer = build_tokenizer(...)
+        with reading(cfg_path, json.JSONDecodeError, OSError), open(cfg_path) as f:
+            config = json.load(f)
     """
     try:
         yield

@@ -24,7 +24,6 @@ from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoi
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
-from megalite.errors import reading
 from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
@@ -110,8 +109,7 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
 def setup(args: argparse.Namespace) -> TrainState:
     mesh = initialize_distributed(args)
     rng = set_random_seed(args.seed, mesh, mesh.device)
-    with reading(f"--tokenizer-model {args.tokenizer_model}", OSError, RuntimeError):  # sentencepiece
-        tokenizer = build_tokenizer(**tokenizer_kwargs(args))
+    tokenizer = build_tokenizer(**tokenizer_kwargs(args))  # unreadable files: one-line TokenizerError
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
         config,

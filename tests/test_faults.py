@@ -348,7 +348,7 @@ def test_entry_points_print_one_line_for_bad_inputs(tmp_path, capfd):
     garbage.write_bytes(os.urandom(300))
     spm = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model"]
     r = pretrain(capfd, "--train-iters", 1, *spm, garbage)
-    assert_user_error(r, f"--tokenizer-model {garbage}: cannot be read", "could not parse")
+    assert_user_error(r, f"--tokenizer-model {garbage}: not a sentencepiece model", "could not parse")
     assert_user_error(pretrain(capfd, "--train-iters", 1, *spm, tmp_path / "no.model"), "no.model")
 
     # convert_checkpoint.py: a truncated safetensors file, a broken config.json, a non-empty output.

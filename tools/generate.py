@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.cli import run_main  # noqa: E402
-from megalite.errors import MegaliteError, reading  # noqa: E402
+from megalite.errors import MegaliteError  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
@@ -97,8 +97,7 @@ def run(args: argparse.Namespace) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     flags = tokenizer_flags(args, saved_args, config.vocab_size)
-    with reading(f"--tokenizer-model {flags.get('tokenizer_model')}", OSError, RuntimeError):  # sentencepiece
-        tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)
+    tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)  # bad files: one-line TokenizerError
     if tokenizer.vocab_size > config.vocab_size:
         raise MegaliteError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}: "
