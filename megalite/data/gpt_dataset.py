@@ -28,6 +28,7 @@ sentence splitting) writes each non-empty document as exactly one sequence.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -222,9 +223,9 @@ def cached_arrays(
 
     The description (a JSON file, written last) marks a complete entry; arrays load
     memory-mapped. Each array's crc32 is stored in ``-checksums.json`` and checked on
-    load, then ``validate(arrays)`` (raising ``ValueError`` with the reason) checks
-    their structure. An entry that fails either, or cannot be read, is rebuilt with a
-    one-line warning: the same inputs give the same bytes. Returns ``(arrays, built_now)``.
+    load; an entry without it is checked by ``validate(arrays)`` (raising ``ValueError``
+    with the reason). An entry that fails, or cannot be read, is rebuilt with a one-line
+    warning: the same inputs give the same bytes. Returns ``(arrays, built_now)``.
     """
     text = json.dumps(description, sort_keys=True, indent=1)
     if cache_dir is None:
@@ -262,18 +263,34 @@ def cached_arrays(
 
 
 def _load_checked(paths: list[str], names: tuple[str, ...], sums_path: str, validate) -> tuple:
-    """The cached arrays, memory-mapped, after their checksums and ``validate``; ValueError if not."""
-    arrays = tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+    """The cached arrays, memory-mapped, if their checksums match; ValueError if not.
+
+    An entry without checksums (written by an older megalite) is checked by ``validate``
+    instead (O(n), ~10x the checksum's cost) and gets its checksums written when it passes.
+    """
+    arrays = []
+    for p in paths:
+        try:
+            arrays.append(np.load(p, mmap_mode="r", allow_pickle=False))
+        except (OSError, ValueError, EOFError, SyntaxError) as err:
+            raise ValueError(f"{os.path.basename(p)}: {str(err).splitlines()[0]}") from None
+    arrays = tuple(arrays)
     try:
         with open(sums_path) as f:
             sums = json.load(f)
     except FileNotFoundError:
-        raise ValueError("no checksums (written by an older megalite)") from None
+        if validate is None:
+            raise ValueError("no checksums (written by an older megalite)") from None
+        try:
+            validate(arrays)
+        except ValueError as err:
+            raise ValueError(f"no checksums, and {err}") from None
+        with contextlib.suppress(OSError):  # a read-only cache stays usable, validated each time
+            _atomic_write_text(sums_path, json.dumps({n: array_checksum(a) for n, a in zip(names, arrays)}))
+        return arrays
     for name, p, a in zip(names, paths, arrays):
         if sums.get(name) != array_checksum(a):
             raise ValueError(f"{os.path.basename(p)}: checksum mismatch (changed since it was written)")
-    if validate is not None:
-        validate(arrays)
     return arrays
 
 

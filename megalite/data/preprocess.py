@@ -40,6 +40,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,11 +151,13 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
     """Items ``("lines", path, offset, data, raw_bytes)`` of whole decompressed lines."""
     raw = open(path, "rb")  # noqa: SIM115 - closed below, after the streaming readers
     counter = _CountingReader(raw)
+    corrupt = (OSError, EOFError, ValueError, zlib.error)  # what a damaged stream raises
     try:
         if fmt == "gz":
             stream = gzip.GzipFile(fileobj=counter, mode="rb")
         else:
             zstd = require("zstandard", f"--input {path}")
+            corrupt += (zstd.ZstdError,)
             stream = zstd.ZstdDecompressor().stream_reader(counter, read_across_frames=True)
         import io
 
@@ -168,7 +171,7 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
             yield ("lines", path, offset, data, counter.pos - reported)
             reported = counter.pos
             offset += len(data)
-    except (OSError, EOFError, ValueError) as err:
+    except corrupt as err:
         if isinstance(err, MegaliteError):
             raise
         raise InputError(f"--input {path}: cannot decompress ({fmt}): {err}") from None
@@ -291,7 +294,7 @@ def _where(path: str, offset: int) -> str:
     unit = "byte" if input_format(path) == "jsonl" else "decompressed byte"
     try:
         return f"line {line_number(path, offset)} ({unit} {offset})"
-    except (OSError, EOFError, ValueError):
+    except Exception:  # only decorates an error message: never replace the real error
         return f"the line at {unit} {offset}"
 
 
