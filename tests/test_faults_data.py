@@ -163,7 +163,9 @@ def _empty_train_split(d, tmp):
 
 
 def _split_too_small(d, tmp):
-    return str(d / "small_text_document"), ["--split", "1,1000,0"], ["--split", "small_text_document"]
+    # one train document of 11-41 tokens: not one sample of 64 + 1
+    extra = ["--split", "1,39,0", "--seq-length", "64"]
+    return str(d / "small_text_document"), extra, ["--seq-length 64", "--split", "small_text_document"]
 
 
 SETUP_FAULTS = {
