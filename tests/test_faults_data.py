@@ -247,7 +247,8 @@ def test_batch_check_covers_tokens_labels_and_negative_ids():
 
 
 def _gpt(ds, cache, split="train"):
-    return GPTDataset(ds, np.arange(len(ds)), 60, 16, seed=1, split=split, cache_dir=str(cache))
+    cache_dir = None if cache is None else str(cache)
+    return GPTDataset(ds, np.arange(len(ds)), 60, 16, seed=1, split=split, cache_dir=cache_dir)
 
 
 def test_damaged_index_caches_are_rebuilt_with_one_note(corpus, tmp_path, caplog):
