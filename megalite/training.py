@@ -23,6 +23,7 @@ from megalite.arguments import model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
+from megalite.data.integrity import checked_batches, tokenizer_flags
 from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
 from megalite.memory import MemoryProbe
 from megalite.metrics import (
@@ -192,11 +193,23 @@ def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple[Dataset
         cache_dir=args.data_cache_path,
         mock=args.mock_data,
         vocab_size=state.tokenizer.vocab_size,
+        vocab_flags=tokenizer_flags(tokenizer_kwargs(args)),
     )
 
 
-def microbatch_iterator(dataset, consumed_samples: int, args: argparse.Namespace, mesh: Mesh):
-    """Iterator of microbatch dicts for this DP rank, or None on ranks that read no data."""
+def microbatch_iterator(
+    dataset,
+    consumed_samples: int,
+    args: argparse.Namespace,
+    mesh: Mesh,
+    vocab_size: int | None = None,
+    split: str = "train",
+):
+    """Iterator of microbatch dicts for this DP rank, or None on ranks that read no data.
+
+    With ``vocab_size``, each CPU batch's tokens and labels are checked against it
+    before they reach the device (``integrity.checked_batches``: ~10 us, no device sync).
+    """
     if dataset is None or not needs_data(mesh):
         return None
     loader = build_pretraining_data_loader(
@@ -207,7 +220,9 @@ def microbatch_iterator(dataset, consumed_samples: int, args: argparse.Namespace
         mesh.dp_size,
         num_workers=args.num_workers,
     )
-    return iter(loader)
+    if vocab_size is None:
+        return iter(loader)
+    return checked_batches(iter(loader), vocab_size, tokenizer_flags(tokenizer_kwargs(args)), split)
 
 
 def next_microbatches(data_iter, n: int, device: torch.device) -> list:
@@ -338,7 +353,7 @@ def evaluate(state: TrainState, dataset) -> float | None:
     args, mesh = state.args, state.mesh
     for chunk in state.model:
         chunk.eval()
-    data_iter = microbatch_iterator(dataset, 0, args, mesh)
+    data_iter = microbatch_iterator(dataset, 0, args, mesh, state.tokenizer.vocab_size, "valid")
     losses = []
     for _ in range(args.eval_iters):
         microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
@@ -379,7 +394,9 @@ def train(
     args, mesh = state.args, state.mesh
     monitor = monitor or TrainingMonitor(args, mesh.rank)  # --profile, --log-params-norm, --manual-gc, ...
     train_ds, valid_ds, _ = state.datasets
-    data_iter = microbatch_iterator(train_ds, state.consumed_train_samples, args, mesh)
+    data_iter = microbatch_iterator(
+        train_ds, state.consumed_train_samples, args, mesh, state.tokenizer.vocab_size
+    )
     tokens_per_step = args.global_batch_size * args.seq_length
     flops_per_step = model_flops_per_token(
         state.config, args.seq_length, state.config.padded_vocab_size(mesh.tp_size)

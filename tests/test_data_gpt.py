@@ -123,14 +123,14 @@ def test_determinism_cache_reuse_and_epochs(tmp_path):
     cache = str(tmp_path / "cache")
     first = GPTDataset(ds, docs, 500, 8, seed=3, cache_dir=cache)
     files = sorted(os.listdir(cache))
-    assert first.built_now and len(files) == 4 and not [f for f in files if f.startswith(".tmp")]
+    assert first.built_now and len(files) == 5 and not [f for f in files if f.startswith(".tmp")]
     second = GPTDataset(ds, docs, 500, 8, seed=3, cache_dir=cache)
     assert not second.built_now and isinstance(second.shuffle_index, np.memmap)
     assert all(np.array_equal(first.get_text(i), second.get_text(i)) for i in range(0, len(first), 37))
     assert np.array_equal(second.sample_index, a.sample_index)
     # a different request is a different cache entry, never a stale hit
     assert GPTDataset(ds, docs, 500, 9, seed=3, cache_dir=cache).built_now
-    assert len(os.listdir(cache)) == 8
+    assert len(os.listdir(cache)) == 10
     # a damaged entry is rebuilt
     victim = next(f for f in files if f.endswith("shuffle_index.npy"))
     with open(os.path.join(cache, victim), "r+b") as f:

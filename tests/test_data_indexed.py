@@ -259,7 +259,7 @@ def test_preprocess_input_errors(tmp_path, sp_setup):
     _, _, _, tok_kwargs = sp_setup
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": broken\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"bad\.jsonl: line at byte 15 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 2 \(byte 15\) is not valid JSON"):
         preprocess(str(bad), str(tmp_path / "o"), tok_kwargs, log=None)
     assert not os.path.exists(str(tmp_path / "o_text_document.bin"))  # nothing half-written left behind
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

@@ -147,7 +147,7 @@ def test_input_errors_name_the_file_and_the_fix(tmp_path, byte_tok, monkeypatch)
         preprocess(str(tmp_path / "folder"), str(tmp_path / "o"), byte_tok, log=None)
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(gzip.compress(b'{"text": "ok"}\n{"text": broken\n'))
-    with pytest.raises(InputError, match="bad.jsonl.gz: line at decompressed byte 15 is not valid JSON"):
+    with pytest.raises(InputError, match=r"bad.jsonl.gz: line 2 \(decompressed byte 15\) is not valid JSON"):
         preprocess(str(bad), str(tmp_path / "o"), byte_tok, log=None)
 
     # a missing optional library: one line naming the extra

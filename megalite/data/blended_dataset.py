@@ -78,6 +78,24 @@ def build_blending_indices(
     return dataset_index, sample_index
 
 
+def validate_blending_indices(arrays, num_datasets: int, size: int) -> None:
+    """Raise ValueError unless the blending indices take each dataset's samples 0, 1, 2, ... in order."""
+    dataset_index, sample_index = arrays
+    if dataset_index.shape != (size,) or sample_index.shape != (size,):
+        raise ValueError(
+            f"blending indices of {dataset_index.shape} / {sample_index.shape}, expected ({size},)"
+        )
+    if size and (dataset_index.min() < 0 or dataset_index.max() >= num_datasets):
+        raise ValueError(f"dataset index leaves [0, {num_datasets})")
+    # stable sort by dataset (a radix sort for int16: O(size)); within each dataset the
+    # sample numbers must then read 0, 1, 2, ...
+    order = np.argsort(dataset_index, kind="stable")
+    counts = np.bincount(dataset_index, minlength=num_datasets).astype(np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    if not np.array_equal(sample_index[order], np.arange(size, dtype=np.int64) - first):
+        raise ValueError("the blending indices do not take each dataset's samples in order 0, 1, 2, ...")
+
+
 def normalize_weights(weights) -> list[float]:
     w = [float(x) for x in weights]
     if not w or any(x < 0 for x in w) or sum(w) <= 0:
@@ -122,6 +140,7 @@ class BlendedDataset:
             description,
             ("dataset_index", "dataset_sample_index"),
             lambda: build_blending_indices(self.weights, self.size, progress=True),
+            validate=lambda arrays: validate_blending_indices(arrays, len(datasets), self.size),
         )
         for k, ds in enumerate(datasets):
             taken = self.dataset_sample_index[self.dataset_index == k]

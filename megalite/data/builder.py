@@ -27,6 +27,7 @@ from megalite.data.gpt_dataset import (
     split_bounds,
 )
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.integrity import check_dataset_vocab
 
 # Megatron's --mid-level-dataset-surplus: each blended dataset builds 0.5% more
 # samples than its share, as the greedy blend can ask for one more than weight*size.
@@ -68,12 +69,16 @@ def build_train_valid_test_datasets(
     vocab_size: int | None = None,
     eod_token: int | None = None,
     eod_mask_loss: bool = False,
+    vocab_flags: str = "",
 ):
     """-> (train, valid, test); each a dataset of sample dicts or None.
 
     ``cache_dir`` (``--data-cache-path``) defaults to ``cache/GPTDataset_indices`` next
     to each dataset. For ``mock``, ``vocab_size`` is required and each split gets its
-    own sample stream (seed, seed + 1, seed + 2).
+    own sample stream (seed, seed + 1, seed + 2). With ``vocab_size``, every ``.bin``
+    is checked to hold only ids below it (``integrity.check_dataset_vocab``; its
+    error names ``vocab_flags``, the tokenizer flags of the run). A train split with
+    no documents while train samples are requested is an error naming ``--split``.
     """
     sizes = [train_samples, valid_samples, test_samples]
     if mock:
@@ -88,6 +93,9 @@ def build_train_valid_test_datasets(
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
     indexed = [IndexedDataset(p) for p in prefixes]
+    if vocab_size is not None:
+        for p, ds in zip(prefixes, indexed):
+            check_dataset_vocab(ds, vocab_size, vocab_flags, cache_dir or default_cache_dir(p))
     if weights is None and len(prefixes) > 1:
         weights = [float(ds.sequence_lengths.sum(dtype=np.int64)) for ds in indexed]
     if weights is not None:
@@ -112,6 +120,12 @@ def build_train_valid_test_datasets(
         n = sizes[s]
         ranges = [np.arange(b[s], b[s + 1], dtype=np.int64) for b in bounds]
         if fractions[s] == 0 or n == 0 or all(r.size == 0 for r in ranges):
+            if name == "train" and n:  # the run asked for training samples: None would fail later
+                raise DatasetError(
+                    f"--split {split} leaves no documents for the train split of --data-path "
+                    f"{' '.join(prefixes)} ({', '.join(str(len(ds)) for ds in indexed)} documents); "
+                    f"give train a larger share in --split (e.g. 969,30,1) or use more data"
+                )
             out.append(None)
             continue
         if len(prefixes) == 1:

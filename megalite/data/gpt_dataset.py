@@ -28,6 +28,7 @@ sentence splitting) writes each non-empty document as exactly one sequence.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.integrity import array_checksum
 from megalite.data.progress import Progress
 from megalite.errors import MegaliteError
 
@@ -157,6 +159,43 @@ def build_indices(
     return document_index, sample_index, shuffle_index
 
 
+def validate_indices(arrays, sizes: np.ndarray, documents: np.ndarray, seq_length: int) -> None:
+    """Raise ValueError unless (document, sample, shuffle) indices fit ``documents`` and ``seq_length``.
+
+    In O(samples + epochs * documents): the document index holds only these documents,
+    whole epochs of them; the shuffle index is a permutation of the samples; sample
+    ``i`` starts at stream token ``i * seq_length``, inside its document.
+    """
+    document_index, sample_index, shuffle_index = arrays
+    n_docs = documents.size
+    if document_index.ndim != 1 or document_index.size == 0 or document_index.size % n_docs:
+        raise ValueError(
+            f"document index of {document_index.shape} is not whole epochs of {n_docs} documents"
+        )
+    if document_index.min() < documents.min() or document_index.max() > documents.max():
+        raise ValueError("document index holds documents outside the split")
+    if sample_index.ndim != 2 or sample_index.shape[1] != 2 or sample_index.shape[0] < 2:
+        raise ValueError(f"sample index has shape {sample_index.shape}, expected [samples + 1, 2]")
+    n = sample_index.shape[0] - 1
+    if shuffle_index.shape != (n,):
+        raise ValueError(f"shuffle index has shape {shuffle_index.shape} for {n} samples")
+    if shuffle_index.min() < 0 or shuffle_index.max() >= n:
+        raise ValueError(f"shuffle index leaves [0, {n})")
+    seen = np.zeros(n, bool)
+    seen[shuffle_index] = True
+    if not seen.all():
+        raise ValueError("shuffle index is not a permutation of the samples")
+    rows, offsets = sample_index[:, 0], sample_index[:, 1]
+    if rows.min() < 0 or rows.max() >= document_index.size or offsets.min() < 0:
+        raise ValueError("sample index points outside the document index")
+    doc_lengths = sizes[document_index].astype(np.int64)
+    if np.any(offsets > doc_lengths[rows]):
+        raise ValueError("sample index has offsets past the end of their document")
+    starts = np.cumsum(doc_lengths)[rows] - doc_lengths[rows] + offsets
+    if not np.array_equal(starts, np.arange(n + 1, dtype=np.int64) * seq_length):
+        raise ValueError(f"sample starts are not every --seq-length {seq_length} tokens")
+
+
 # ---- cache ----------------------------------------------------------------------
 def _atomic_save(path: str, array: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".npy")
@@ -177,31 +216,43 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...], build):
+def cached_arrays(
+    cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...], build, validate=None
+):
     """Load ``names`` arrays for ``description`` from ``cache_dir``, or ``build()`` and save them.
 
     The description (a JSON file, written last) marks a complete entry; arrays load
-    memory-mapped. Returns ``(arrays, built_now)``.
+    memory-mapped. Each array's crc32 is stored in ``-checksums.json`` and checked on
+    load; an entry without it is checked by ``validate(arrays)`` (raising ``ValueError``
+    with the reason). An entry that fails, or cannot be read, is rebuilt with a one-line
+    warning: the same inputs give the same bytes. Returns ``(arrays, built_now)``.
     """
     text = json.dumps(description, sort_keys=True, indent=1)
     if cache_dir is None:
         return build(), True
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     base = os.path.join(cache_dir, f"{digest}-{kind}")
-    desc_path = base + "-description.json"
+    desc_path, sums_path = base + "-description.json", base + "-checksums.json"
     paths = [f"{base}-{name}.npy" for name in names]
     if os.path.isfile(desc_path):
         try:
             with open(desc_path) as f:
                 if f.read() == text:
-                    return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths), False
-        except (OSError, ValueError) as err:  # a damaged entry: rebuild it (same inputs, same result)
-            logger.warning("rebuilding damaged index cache %s: %s", base, err)
+                    return _load_checked(paths, names, sums_path, validate), False
+        except (
+            OSError,
+            ValueError,
+            EOFError,
+            SyntaxError,
+        ) as err:  # damaged: rebuild (same inputs, same bytes)
+            logger.warning("rebuilding the index cache %s-*: %s", base, str(err).splitlines()[0])
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for p, a in zip(paths, arrays):
             _atomic_save(p, a)
+        sums = {n: array_checksum(a) for n, a in zip(names, arrays)}
+        _atomic_write_text(sums_path, json.dumps(sums, sort_keys=True))
         _atomic_write_text(desc_path, text)
     except OSError as err:
         raise DatasetError(
@@ -209,6 +260,38 @@ def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tu
             f"pass --data-cache-path DIR with a writable directory"
         ) from err
     return arrays, True
+
+
+def _load_checked(paths: list[str], names: tuple[str, ...], sums_path: str, validate) -> tuple:
+    """The cached arrays, memory-mapped, if their checksums match; ValueError if not.
+
+    An entry without checksums (written by an older megalite) is checked by ``validate``
+    instead (O(n), ~10x the checksum's cost) and gets its checksums written when it passes.
+    """
+    arrays = []
+    for p in paths:
+        try:
+            arrays.append(np.load(p, mmap_mode="r", allow_pickle=False))
+        except (OSError, ValueError, EOFError, SyntaxError) as err:
+            raise ValueError(f"{os.path.basename(p)}: {str(err).splitlines()[0]}") from None
+    arrays = tuple(arrays)
+    try:
+        with open(sums_path) as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        if validate is None:
+            raise ValueError("no checksums (written by an older megalite)") from None
+        try:
+            validate(arrays)
+        except ValueError as err:
+            raise ValueError(f"no checksums, and {err}") from None
+        with contextlib.suppress(OSError):  # a read-only cache stays usable, validated each time
+            _atomic_write_text(sums_path, json.dumps({n: array_checksum(a) for n, a in zip(names, arrays)}))
+        return arrays
+    for name, p, a in zip(names, paths, arrays):
+        if sums.get(name) != array_checksum(a):
+            raise ValueError(f"{os.path.basename(p)}: checksum mismatch (changed since it was written)")
+    return arrays
 
 
 def default_cache_dir(path_prefix: str) -> str:
@@ -290,6 +373,7 @@ class GPTDataset:
             self.description,
             ("document_index", "sample_index", "shuffle_index"),
             lambda: build_indices(sizes, self.documents, num_samples, self.seq_length, self.seed),
+            validate=lambda arrays: validate_indices(arrays, sizes, self.documents, self.seq_length),
         )
         logger.info(
             "%s %s: %d samples (%s indices in %.2f s)",

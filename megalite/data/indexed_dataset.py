@@ -44,6 +44,10 @@ class IndexedDatasetError(MegaliteError, ValueError):
     """A ``.bin``/``.idx`` pair that cannot be read; the message names the file."""
 
 
+class MissingDataError(MegaliteError, FileNotFoundError):
+    """A ``--data-path`` prefix whose ``.bin`` or ``.idx`` does not exist."""
+
+
 class DType(Enum):
     """Megatron-LM's dtype codes (``megatron/core/datasets/indexed_dataset.py``)."""
 
@@ -100,7 +104,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(
+                raise MissingDataError(
                     f"{path}: no such file. --data-path takes the prefix of a .bin/.idx pair "
                     f"(e.g. data/corpus_text_document for data/corpus_text_document.bin/.idx) "
                     f"made by tools/preprocess_data.py."

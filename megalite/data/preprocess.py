@@ -40,6 +40,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,11 +151,13 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
     """Items ``("lines", path, offset, data, raw_bytes)`` of whole decompressed lines."""
     raw = open(path, "rb")  # noqa: SIM115 - closed below, after the streaming readers
     counter = _CountingReader(raw)
+    corrupt = (OSError, EOFError, ValueError, zlib.error)  # what a damaged stream raises
     try:
         if fmt == "gz":
             stream = gzip.GzipFile(fileobj=counter, mode="rb")
         else:
             zstd = require("zstandard", f"--input {path}")
+            corrupt += (zstd.ZstdError,)
             stream = zstd.ZstdDecompressor().stream_reader(counter, read_across_frames=True)
         import io
 
@@ -168,7 +171,7 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
             yield ("lines", path, offset, data, counter.pos - reported)
             reported = counter.pos
             offset += len(data)
-    except (OSError, EOFError, ValueError) as err:
+    except corrupt as err:
         if isinstance(err, MegaliteError):
             raise
         raise InputError(f"--input {path}: cannot decompress ({fmt}): {err}") from None
@@ -263,6 +266,67 @@ def work_items(paths: list[str], keys, chunk_bytes: int, batch_rows: int = 1024)
             yield from _arrow_chunks(path, keys, batch_rows)
 
 
+def line_number(path: str, offset: int) -> int:
+    """1-based number of the line starting at (decompressed) byte ``offset``; run only for errors."""
+    fmt = input_format(path)
+    if fmt == "gz":
+        f = gzip.open(path, "rb")  # noqa: SIM115 - closed below
+    elif fmt == "zst":
+        zstd = require("zstandard", f"--input {path}")
+        raw = open(path, "rb")  # noqa: SIM115 - closed with the reader (closefd)
+        f = zstd.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    else:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    count, remaining = 0, offset
+    try:
+        while remaining > 0:
+            data = f.read(min(1 << 20, remaining))
+            if not data:
+                break
+            count += data.count(b"\n")
+            remaining -= len(data)
+    finally:
+        f.close()
+    return count + 1
+
+
+def _where(path: str, offset: int) -> str:
+    unit = "byte" if input_format(path) == "jsonl" else "decompressed byte"
+    try:
+        return f"line {line_number(path, offset)} ({unit} {offset})"
+    except Exception:  # only decorates an error message: never replace the real error
+        return f"the line at {unit} {offset}"
+
+
+def check_outputs(paths: list[str], prefixes: list[str], json_keys) -> None:
+    """Refuse outputs that would overwrite an input, or each other, before anything is written."""
+    inputs = {}
+    for p in paths:
+        files = [p] if not os.path.isdir(p) else [os.path.join(p, "state.json"), *arrow_files(p)]
+        inputs.update({os.path.realpath(f): p for f in files})
+    written = {}
+    for i, o in enumerate(prefixes):
+        for k in json_keys:
+            for ext in (".bin", ".idx", ".bin.tmp", ".idx.tmp"):
+                out = output_prefix_for(o, k) + ext
+                real = os.path.realpath(out)
+                hit = inputs.get(real)
+                if hit is None and os.path.exists(out):  # hard links: same file, other name
+                    same = (p for f, p in inputs.items() if os.path.exists(f) and os.path.samefile(f, out))
+                    hit = next(same, None)
+                if hit is not None:
+                    raise InputError(
+                        f"--output-prefix {o} would overwrite --input {hit} (it writes {out}); "
+                        f"choose another --output-prefix"
+                    )
+                if real in written and written[real] != (i, k):
+                    raise InputError(
+                        f"--output-prefix {o} is given twice: both would write {out}; "
+                        f"give each input its own prefix"
+                    )
+                written[real] = (i, k)
+
+
 # ---- workers -----------------------------------------------------------------------
 @dataclass
 class _Encoder:
@@ -275,7 +339,6 @@ class _Encoder:
 
     def parse_lines(self, path: str, offset: int, data: bytes) -> dict[str, list[str]]:
         texts: dict[str, list[str]] = {k: [] for k in self.json_keys}
-        where = "byte" if input_format(path) == "jsonl" else "decompressed byte"
         for line in data.split(b"\n"):
             line_start, offset = offset, offset + len(line) + 1
             if not line.strip():
@@ -284,16 +347,21 @@ class _Encoder:
                 doc = json.loads(line)
             except ValueError as err:
                 raise InputError(
-                    f"--input {path}: line at {where} {line_start} is not valid JSON: {err}"
+                    f"--input {path}: {_where(path, line_start)} is not valid JSON: {err}"
                 ) from None
+            if not isinstance(doc, dict):
+                raise InputError(
+                    f"--input {path}: {_where(path, line_start)} is a JSON {type(doc).__name__}, not an "
+                    f"object with the --json-keys {' '.join(self.json_keys)}"
+                )
             for k in self.json_keys:
                 if k not in doc:
                     raise InputError(
-                        f"--input {path}: line at {where} {line_start} has no key {k!r} "
+                        f"--input {path}: {_where(path, line_start)} has no key {k!r} "
                         f"(its keys: {sorted(doc)[:10]}); set --json-keys to the text field"
                     )
                 if not isinstance(doc[k], str):
-                    raise InputError(f"--input {path}: line at {where} {line_start}: {k!r} is not a string")
+                    raise InputError(f"--input {path}: {_where(path, line_start)}: {k!r} is not a string")
                 texts[k].append(doc[k])
         return texts
 
@@ -384,6 +452,7 @@ def preprocess(
             raise MissingInputError(f"--output-prefix {o}: directory {out_dir} does not exist")
     for p in paths:
         input_format(p)  # a bad folder fails before any work
+    check_outputs(paths, prefixes, json_keys)
     tokenizer = build_tokenizer(**tok_kwargs)  # fail on bad flags before starting workers
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     total_bytes = sum(input_size(p) for p in paths)
