@@ -45,7 +45,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     openai_gelu: bool = False  # tanh-approximated GELU, as HF GPT-2's "gelu_new"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's dims RoPE rotates (--rotary-percent)
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # zero-centred gamma: norm weight stored as gamma - 1
 
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -76,6 +78,13 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates: Megatron's ``int(kv_channels * rotary_percent)``."""
+        if self.rotary_percent < 1.0:
+            return int(self.head_dim * self.rotary_percent)
+        return self.head_dim
 
     @property
     def query_groups(self) -> int:
@@ -145,6 +154,14 @@ class ModelConfig:
         need(
             self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
             f"rope needs an even head dim, got {self.head_dim} (--hidden-size / --num-attention-heads)",
+        )
+        need(
+            0.0 < self.rotary_percent <= 1.0
+            and (
+                self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0)
+            ),
+            f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of {self.head_dim} head dims; "
+            "pick a fraction giving an even number >= 2",
         )
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
