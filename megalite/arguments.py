@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=2, help="Number of transformer layers.")
     g.add_argument("--hidden-size", type=int, default=64, help="Transformer hidden size h.")
     g.add_argument(
-        "--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4h, SwiGLU 8h/3)."
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP hidden size (default 4h; SwiGLU: 8h/3 rounded down to a multiple of 64, as Megatron).",
     )
     g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
     g.add_argument(

@@ -274,6 +274,33 @@ REFUSED: tuple[CompatFlag, ...] = (
     ),
 )
 
+# Honoured flags whose megalite default differs from Megatron-LM's (rendered in docs/flags.md).
+DEFAULTS_DIFFER: dict[str, str] = {
+    "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, --lr": (
+        "Megatron-LM requires them; megalite has small defaults for quick experiments"
+    ),
+    "--transformer-impl": "Megatron-LM: transformer_engine; megalite: local (the only one built)",
+    "--tokenizer-type": "Megatron-LM: none (required); megalite: NullTokenizer",
+    "--num-workers": "Megatron-LM: 2; megalite: 0 (batches load in the training process)",
+    "--ddp-bucket-size": "Megatron-LM: max(40M, 1M x dp) elements; megalite: 40M",
+    "--accumulate-allreduce-grads-in-fp32": (
+        "megalite accumulates and reduces gradients in fp32 in every precision (Megatron-LM: in "
+        "fp16 for --fp16 runs); --grad-reduce-in-bf16 is the opt-out for --bf16"
+    ),
+    "--use-checkpoint-opt_param-scheduler": (
+        "Megatron-LM: the schedule flags must match the checkpoint's unless given; megalite always "
+        "resumes the checkpoint's schedule (--override-opt_param-scheduler keeps the flags')"
+    ),
+    "--step-batch-size-schedule": (
+        "Megatron-LM refuses it together with --global-batch-size; megalite accepts both when "
+        "--global-batch-size equals the schedule's last batch (Megatron's GPT-3 example passes both)"
+    ),
+    "--rampup-batch-size": (
+        "honoured with the formula of Megatron-LM before April 2026; newer Megatron-LM ignores it "
+        "(use --step-batch-size-schedule)"
+    ),
+}
+
 # Unknown flags with these prefixes are refused naming the feature rather than called typos.
 REFUSED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,

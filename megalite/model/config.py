@@ -95,8 +95,8 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.swiglu:
-            # Llama's choice: 2/3 of 4h, rounded up to a multiple of 64.
-            return ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
+            # Megatron-LM's default: 2/3 of 4h, rounded DOWN to a multiple of 64.
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -138,6 +138,11 @@ class ModelConfig:
             g % tp == 0,
             f"--num-query-groups ({g}) is not divisible by --tensor-model-parallel-size ({tp}); "
             f"use at least {tp} query groups or a smaller TP size",
+        )
+        need(
+            self.ffn_size >= 1,
+            f"--ffn-hidden-size is {self.ffn_size} (SwiGLU's default, Megatron's int(8h/3 / 64) * 64, is 0 "
+            "below --hidden-size 96); pass --ffn-hidden-size",
         )
         need(
             self.ffn_size % tp == 0,
