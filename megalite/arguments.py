@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--step-batch-size-schedule",
+        nargs="+",  # one quoted string, or the words an unquoted ${ARGS[@]} splits it into
         default=None,
         help="Global batch size by consumed tokens, 'THRESHOLD:BS ...' (K/M/B/T suffixes; first "
         "threshold 0).",
@@ -584,6 +585,8 @@ def validate_batch_and_schedule(args: argparse.Namespace, dp: int, pp: int) -> N
     mbs = args.micro_batch_size
     unit = mbs * dp
     step = args.step_batch_size_schedule
+    if isinstance(step, list):
+        step = " ".join(step)
     need(
         step is None or args.rampup_batch_size is None,
         "--rampup-batch-size and --step-batch-size-schedule exclude each other; pick one",

@@ -149,6 +149,16 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--ckpt-assume-constant-structure", 0, _CKPT),
     CompatFlag("--auto-detect-ckpt-format", 0, _CKPT),
     CompatFlag("--use-dist-ckpt", 0, _CKPT),
+    CompatFlag("--dist-ckpt-optim-fully-reshardable", 0, _CKPT + "; optimizer state always reshards"),
+    CompatFlag(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        0,
+        "megalite never reads the tokenizer from a checkpoint",
+    ),
+    CompatFlag(
+        "--use-tp-pp-dp-mapping", 0, "a rank-order choice; every order computes the same (megalite: tp-dp-pp)"
+    ),
+    CompatFlag("--straggler-minmax-count", 1, "megalite has no straggler detector"),
     CompatFlag(
         "--tiktoken-pattern",
         1,
@@ -292,8 +302,10 @@ DEFAULTS_DIFFER: dict[str, str] = {
         "resumes the checkpoint's schedule (--override-opt_param-scheduler keeps the flags')"
     ),
     "--step-batch-size-schedule": (
-        "Megatron-LM refuses it together with --global-batch-size; megalite accepts both when "
-        "--global-batch-size equals the schedule's last batch (Megatron's GPT-3 example passes both)"
+        "Megatron-LM refuses it together with --global-batch-size, and takes one word; megalite "
+        "accepts both flags when --global-batch-size equals the schedule's last batch, and the "
+        "schedule as one string or several words (Megatron's GPT-3 example passes both flags, "
+        "and its unquoted ${TRAINING_ARGS[@]} splits the schedule into words)"
     ),
     "--rampup-batch-size": (
         "honoured with the formula of Megatron-LM before April 2026; newer Megatron-LM ignores it "

@@ -54,7 +54,8 @@ def gpt3_175b(d: Path) -> list[str]:
         "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto",
         # TRAINING_ARGS (batch 1536 -> 4; schedule thresholds in tokens shrunk to 2 samples x 32)
         "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--step-batch-size-schedule", "0:2 64:4",
+        # "0:16 2.4B:320 ..." in a bash array expanded unquoted: pretrain_gpt.py gets the words
+        "--step-batch-size-schedule", "0:2", "64:4",
         "--train-iters", "2",  # 500000
         "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
@@ -363,7 +364,7 @@ def _per_token_and_overlap(flags_list, masks):
         ]  # fmt: skip
         step = train_step(state, iter(mbs))
         flat = torch.cat([p.detach().reshape(-1) for p in state.model[0].module.parameters()])
-        out.append((step["loss"], flat))
+        out.append((step["loss"], flat.numpy()))  # numpy: pickled by value across processes
     return out
 
 
@@ -382,7 +383,7 @@ def test_per_token_loss_and_overlap_grad_reduce_match_one_process():
         masks,
         timeout=120,
     )
-    (loss_pt, w_pt), (loss_mean, w_mean) = one
+    (loss_pt, w_pt), (loss_mean, w_mean) = [(loss, torch.from_numpy(w)) for loss, w in one]
     # The per-token loss is the token-weighted mean (independent formula)...
     from megalite.training import setup
 
@@ -393,7 +394,7 @@ def test_per_token_loss_and_overlap_grad_reduce_match_one_process():
     assert abs(loss_pt - loss_mean) > 1e-2
     # ... and dp=2 (with or without overlapping the reduction) matches one process.
     for rank in two:
-        (l_pt, w2_pt), (l_ov, w2_ov), (l_mean, w2_mean) = rank
+        (l_pt, w2_pt), (l_ov, w2_ov), (l_mean, w2_mean) = [(loss, torch.from_numpy(w)) for loss, w in rank]
         torch.testing.assert_close(w2_pt, w_pt, rtol=1e-5, atol=1e-5)  # Adam: ~lr / 1000
         torch.testing.assert_close(w2_mean, w_mean, rtol=1e-5, atol=1e-5)
         assert torch.equal(w2_ov, w2_pt) and l_ov == l_pt  # overlap changes timing, not bits
