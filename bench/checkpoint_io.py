@@ -99,6 +99,8 @@ def main() -> None:
         "16",
         "--micro-batch-size",
         "2",
+        "--train-iters",
+        "1",
     ]
     layouts = {
         "1 rank": (1, []),

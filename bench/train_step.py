@@ -38,6 +38,8 @@ def model_flags(a) -> list[str]:
         "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
         "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq_length),
         "--lr", "1e-3", "--weight-decay", "0.01", "--clip-grad", "1.0",
+        # The plain loop has no dropout; megalite overlaps the DP reduction with backward.
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--overlap-grad-reduce",
     ]  # fmt: skip
 
 

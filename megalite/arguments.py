@@ -9,10 +9,14 @@ The flag reference in docs/flags.md is generated from ``build_parser()``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 
 import yaml
 
+from megalite import megatron_compat as compat
+from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
 from megalite.errors import MegaliteError
 from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
@@ -23,8 +27,18 @@ class ArgumentError(MegaliteError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises one-line ArgumentErrors instead of printing usage and exiting.
+
+    ``--help`` still prints the full usage (that is not an error).
+    """
+
+    def error(self, message: str):
+        raise ArgumentError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt.py",
         description="Pretrain a GPT model with DP x TP x PP parallelism (Megatron-LM flag names).",
         allow_abbrev=False,
@@ -35,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=2, help="Number of transformer layers.")
     g.add_argument("--hidden-size", type=int, default=64, help="Transformer hidden size h.")
     g.add_argument(
-        "--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4h, SwiGLU 8h/3)."
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP hidden size (default 4h; SwiGLU: 8h/3 rounded down to a multiple of 64, as Megatron).",
     )
     g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
     g.add_argument(
@@ -57,9 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base frequency.")
     g.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="Fraction of each head's dimensions that RoPE rotates (the rest pass through).",
+    )
+    g.add_argument(
         "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="Norm layer type."
     )
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
+    g.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="Zero-centred gamma: norm weights are stored as gamma - 1 (init 0) and applied as 1 + w.",
+    )
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (Llama) instead of GELU.")
     g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GELU (HF GPT-2's gelu_new).")
     g.add_argument(
@@ -68,8 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Separate output layer instead of reusing the input embedding.",
     )
     g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers (Llama).")
-    g.add_argument("--hidden-dropout", type=float, default=0.0, help="Dropout on residual branches.")
-    g.add_argument("--attention-dropout", type=float, default=0.0, help="Dropout on attention probabilities.")
+    g.add_argument(
+        "--hidden-dropout", type=float, default=0.1, help="Dropout on residual branches (Megatron's 0.1)."
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.1,
+        help="Dropout on attention probabilities (Megatron's 0.1).",
+    )
+    g.add_argument(
+        "--attention-softmax-in-fp32",
+        action="store_true",
+        help="Accepted; already the case: SDPA computes the softmax in fp32 for bf16/fp16 inputs.",
+    )
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
     g.add_argument(
         "--make-vocab-size-divisible-by",
@@ -77,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="Pad the vocab to a multiple of this times TP size (Megatron's rule).",
     )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Loss = sum over the global batch's unmasked tokens / their number (not a mean of "
+        "microbatch means).",
+    )
+
     add_sequence_parallel_and_recompute_args(p)
 
     g = p.add_argument_group("parallelism")
@@ -115,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--ddp-bucket-size", type=int, default=40_000_000, help="Elements per gradient all-reduce bucket."
     )
     g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Start each bucket's DP reduction during backward; without it every bucket is reduced "
+        "after backward (Megatron's default). Same result either way.",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="Keep the gradient buffer and its DP reduction in bf16 (default fp32).",
+    )
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="Accumulate and reduce gradients in fp32: already megalite's default.",
+    )
+    g.add_argument(
         "--distributed-backend",
         choices=["nccl", "gloo"],
         default=None,
@@ -136,7 +199,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Samples per step over all DP ranks (default micro batch x DP).",
     )
-    g.add_argument("--train-iters", type=int, default=10, help="Optimizer steps to train.")
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="Optimizer steps to train (this or --train-samples is required).",
+    )
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Samples to train; the step count follows from the batch size (and its ramp-up).",
+    )
+    g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Grow the global batch from START by INCREMENT over SAMPLES samples up to "
+        "--global-batch-size (Megatron's formula).",
+    )
+    g.add_argument(
+        "--step-batch-size-schedule",
+        nargs="+",  # one quoted string, or the words an unquoted ${ARGS[@]} splits it into
+        default=None,
+        help="Global batch size by consumed tokens, 'THRESHOLD:BS ...' (K/M/B/T suffixes; first "
+        "threshold 0).",
+    )
     g.add_argument("--seed", type=int, default=1234, help="Random seed (model init, data order, dropout).")
     g.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 main params.")
     g.add_argument("--fp16", action="store_true", help="fp16 params and compute with loss scaling.")
@@ -152,10 +242,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=3e-4, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
     g.add_argument(
-        "--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine", help="Decay shape."
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="linear",
+        help="Decay shape (Megatron's default: linear).",
     )
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps.")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps (default --train-iters).")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Linear warm-up samples.")
+    g.add_argument(
+        "--lr-decay-samples", type=int, default=None, help="Decay samples (default --train-samples)."
+    )
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warm-up length as a fraction of the decay length (instead of --lr-warmup-iters/-samples).",
+    )
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="Peak learning rate of the input embedding and output layer (their own param group).",
+    )
+    g.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="Final learning rate of the input embedding and output layer (default --min-lr).",
+    )
     g.add_argument(
         "--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/norms)."
     )
@@ -186,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Dataset prefix(es), optionally weighted: 'PREFIX' or '0.3 A 0.7 B'.",
     )
-    g.add_argument("--split", default="969,30,1", help="Train/valid/test split weights.")
+    g.add_argument(
+        "--split",
+        default="969,30,1",
+        help="Train/valid/test split weights, Megatron's syntax ('99,1,0', '98/2/0'; quotes allowed).",
+    )
     g.add_argument(
         "--data-cache-path", default=None, help="Where index caches go (default next to the data)."
     )
@@ -198,11 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[
             "NullTokenizer",
             "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
             "GPT2BPETokenizer",
             "TikTokenizer",
             "HuggingFaceTokenizer",
         ],
         default="NullTokenizer",
+        help="GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
     )
     g.add_argument(
         "--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer split pattern."
@@ -220,14 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes (Megatron: 2; here 0, the main process).",
+    )
 
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=1, help="Steps between log lines.")
+    g.add_argument("--log-interval", type=int, default=100, help="Steps between log lines.")
     g.add_argument(
         "--eval-interval", type=int, default=None, help="Steps between evaluations (default: none)."
     )
-    g.add_argument("--eval-iters", type=int, default=2, help="Batches per evaluation.")
+    g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation (0: no evaluation).")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--metrics-file", default=None, help="Append one JSON object per log/eval line here.")
     g.add_argument(
@@ -255,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="On SIGTERM finish the current step, save and exit 0 (SLURM preemption).",
     )
     add_logging_args(p)  # TensorBoard / wandb / profiling / GC flags: megalite/metrics.py
+    add_compat_flags(p)
     return p
 
 
@@ -391,46 +520,275 @@ def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_yaml(path: str):
+def add_compat_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM flags megalite accepts without building them (megalite/megatron_compat.py)."""
+    for title, flags in (
+        ("Megatron-LM flags accepted and ignored (one warning line lists them)", compat.IGNORED),
+        ("Megatron-LM flags refused (the run stops naming the feature)", compat.REFUSED),
+    ):
+        g = p.add_argument_group(title)
+        for f in flags:
+            kw: dict = {"dest": f.dest, "default": None, "help": f.note}
+            if f.nargs == 0:
+                kw.update(action="store_const", const=True)
+            else:
+                kw.update(nargs=None if f.nargs == 1 else f.nargs, metavar="VALUE")
+                if f.choices:
+                    kw["choices"] = f.choices
+            g.add_argument(f.flag, **kw)
+
+
+class UnknownFlagError(ArgumentError):
+    """Flags no parser knows; the message lists them with the nearest known spelling."""
+
+
+class RefusedFlagError(ArgumentError):
+    """Megatron-LM flags whose feature megalite does not build; the message names the feature."""
+
+
+def _long_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+
+
+def _nearest(flag: str, known) -> str | None:
+    close = difflib.get_close_matches(flag, list(known), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _yaml_tokens(flag: str, action: argparse.Action, value) -> list[str]:
+    """One YAML ``key: value`` as the command-line tokens that mean the same."""
+    if value is None:
+        return []
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ArgumentError(f"expected true or false, got {value!r}")
+        return [flag] if value else []
+    if isinstance(value, (list, tuple)):
+        return [flag, *map(str, value)]
+    if isinstance(value, str) and action.nargs in ("*", "+"):
+        return [flag, *value.split()]
+    return [flag, str(value)]
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _yaml_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """``--config FILE`` as argv tokens placed before the command line (which therefore wins).
+
+    Each key is parsed by the same parser as the command line, so types and choices are
+    checked identically; every bad key is reported at once, in one line.
+    """
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: file not found")
     try:
         with open(path) as f:
-            return yaml.safe_load(f)
+            data = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         raise ArgumentError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ArgumentError(f"--config {path}: cannot be read ({e})") from None
-
-
-def _apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """Turn ``--config FILE`` into defaults; flags on the command line still win."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if not known.config:
-        return argv
-    if not os.path.isfile(known.config):
-        raise ArgumentError(f"--config {known.config}: file not found")
-    data = _load_yaml(known.config) or {}
     if not isinstance(data, dict):
-        raise ArgumentError(f"--config {known.config}: expected a mapping of flag names to values")
-    dests = {a.dest: a for a in parser._actions}
-    defaults = {}
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    options = {
+        s.lstrip("-").replace("_", "-"): (s, a)
+        for s, a in _long_options(parser).items()
+        if a.dest not in ("config", "help")
+    }
+    tokens, problems = [], []
     for key, value in data.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in dests or dest == "config":
-            raise ArgumentError(f"--config {known.config}: unknown key {key!r} (keys are flag names)")
-        defaults[dest] = value
-    parser.set_defaults(**defaults)
-    return argv
+        found = options.get(str(key).lstrip("-").replace("_", "-"))
+        if found is None:
+            near = _nearest(str(key).lstrip("-").replace("_", "-"), options)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {near!r}?)" if near else ""))
+            continue
+        flag, action = found
+        try:
+            these = _yaml_tokens(flag, action, value)
+            parser.parse_args(these)  # types and choices exactly as on the command line
+        except ArgumentError as e:
+            problems.append(f"{key}: {e}")
+            continue
+        tokens += these
+    if problems:
+        raise ArgumentError(f"--config {path}: " + "; ".join(problems))
+    return tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    argv = list(argv) if argv is not None else None
-    import sys
+    """Parse ``argv`` (default ``sys.argv[1:]``) after the ``--config`` YAML's values.
 
-    argv = _apply_yaml(parser, argv if argv is not None else sys.argv[1:])
-    return parser.parse_args(argv)
+    Unknown flags stop with one line naming them and the nearest known spelling; Megatron-LM
+    flags of a feature megalite does not build stop naming the feature
+    (:mod:`megalite.megatron_compat`); ignored ones are listed in ``args.megatron_ignored``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    path = _config_path(argv)
+    yaml_argv = _yaml_argv(parser, path) if path else []
+    args, extras = parser.parse_known_args(yaml_argv + argv)
+    unknown = [t.split("=", 1)[0] for t in extras if t.startswith("-")]
+    if extras and not unknown:
+        raise ArgumentError(f"unexpected value(s) {' '.join(extras)}: every value follows its --flag")
+    refused: dict[str, list[str]] = {}
+    typos = []
+    for flag in unknown:
+        feature = compat.refused_feature_for_prefix(flag)
+        if feature is not None:
+            refused.setdefault(feature, []).append(flag)
+        else:
+            typos.append(flag)
+    if typos:
+        known = _long_options(parser)
+        listed = []
+        for flag in typos:
+            near = _nearest(flag, known)
+            listed.append(flag + (f" (did you mean {near}?)" if near else ""))
+        raise UnknownFlagError(
+            f"unknown flag{'s' if len(typos) > 1 else ''}: {', '.join(listed)}; "
+            "pretrain_gpt.py --help or docs/flags.md lists every flag"
+        )
+    check_megatron_compat(args, refused)
+    return args
+
+
+def _shown(f: compat.CompatFlag, value) -> str:
+    if f.nargs == 0:
+        return f.flag
+    return f"{f.flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def check_megatron_compat(args: argparse.Namespace, refused: dict[str, list[str]] | None = None) -> None:
+    """Stop on refused Megatron-LM flags (one line naming each feature); list the ignored ones."""
+    refused = dict(refused or {})
+    for f in compat.REFUSED:
+        value = getattr(args, f.dest, None)
+        if value is None:
+            continue
+        if f.nargs != 0 and " ".join(map(str, value if isinstance(value, list) else [value])) in f.allowed:
+            continue  # the feature's "off" value
+        if f.flag == "--no-position-embedding" and args.position_embedding_type == "rope":
+            continue  # RoPE models have no learned position embedding anyway
+        refused.setdefault(f.note, []).append(_shown(f, value))
+    if refused:
+        parts = [f"{feature} [{', '.join(flags)}]" for feature, flags in refused.items()]
+        raise RefusedFlagError(
+            "megalite does not build " + "; nor ".join(parts) + ": it stops rather than train a different "
+            "model (docs/flags.md lists what is refused)"
+        )
+    args.megatron_ignored = [
+        f"{_shown(f, getattr(args, f.dest))} ({f.note})"
+        for f in compat.IGNORED
+        if getattr(args, f.dest, None) is not None
+    ]
+
+
+def ignored_flags_warning(args: argparse.Namespace) -> str | None:
+    """The one start-up warning line listing the accepted-and-ignored Megatron-LM flags given."""
+    ignored = getattr(args, "megatron_ignored", [])
+    if not ignored:
+        return None
+    return "megalite: warning: ignoring Megatron-LM flags that change nothing here: " + "; ".join(ignored)
+
+
+def validate_batch_and_schedule(args: argparse.Namespace, dp: int, pp: int) -> None:
+    """Batch sizes, step count and LR-schedule lengths, with Megatron-LM's rules.
+
+    Sets ``args.batch_schedule`` (:class:`~megalite.batch_schedule.BatchSizeSchedule`),
+    ``args.num_microbatches`` (of the full global batch), ``args.train_iters`` (derived from
+    ``--train-samples`` when that is given) and, in SAMPLES as Megatron counts them,
+    ``args.lr_warmup_steps``, ``args.lr_decay_steps`` and ``args.wd_incr_steps``.
+    """
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ArgumentError(msg)
+
+    by_samples = args.train_samples is not None
+    # validate_args may run twice on one Namespace: a train_iters we derived is not the user's.
+    derived = getattr(args, "train_iters_from_samples", False)
+    by_iters = args.train_iters is not None and not derived
+    need(
+        by_iters or by_samples,
+        "--train-iters or --train-samples is required (as in Megatron-LM), e.g. --train-iters 1000",
+    )
+    need(not (by_iters and by_samples), "--train-iters and --train-samples exclude each other; pick one")
+    mbs = args.micro_batch_size
+    unit = mbs * dp
+    step = args.step_batch_size_schedule
+    if isinstance(step, list):
+        step = " ".join(step)
+    need(
+        step is None or args.rampup_batch_size is None,
+        "--rampup-batch-size and --step-batch-size-schedule exclude each other; pick one",
+    )
+    try:
+        parsed = parse_step_schedule(step, args.seq_length) if step is not None else None
+        if args.global_batch_size is None:
+            args.global_batch_size = parsed[-1][1] if parsed else unit
+        schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size, parsed)
+    except BatchScheduleError as e:
+        raise ArgumentError(str(e)) from None
+    for gbs in schedule.batch_sizes():
+        what = "--global-batch-size" if gbs == args.global_batch_size else "a batch size of the schedule"
+        need(
+            gbs % unit == 0,
+            f"{what} ({gbs}) is not divisible by --micro-batch-size ({mbs}) x data-parallel size ({dp}) "
+            f"= {unit}; use a multiple of {unit}",
+        )
+    args.batch_schedule = schedule
+    args.num_microbatches = args.global_batch_size // unit
+    gbs = args.global_batch_size
+    frac = args.lr_warmup_fraction
+    if by_iters:
+        need(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
+        need(args.lr_decay_samples is None, "--lr-decay-samples needs --train-samples (not --train-iters)")
+        need(args.lr_warmup_samples == 0, "--lr-warmup-samples needs --train-samples (not --train-iters)")
+        need(
+            args.rampup_batch_size is None,
+            "--rampup-batch-size needs --train-samples (Megatron-LM ramps up sample-based runs only)",
+        )
+        need(
+            frac is None or args.lr_warmup_iters == 0,
+            "--lr-warmup-fraction and --lr-warmup-iters exclude each other; pick one",
+        )
+        need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        args.lr_decay_steps = args.lr_decay_iters * gbs
+        args.wd_incr_steps = args.train_iters * gbs
+        args.lr_warmup_steps = frac * args.lr_decay_steps if frac is not None else args.lr_warmup_iters * gbs
+        args.train_samples_total = schedule.samples_after(args.train_iters)
+    else:
+        need(args.train_samples >= 0, f"--train-samples must be >= 0, got {args.train_samples}")
+        need(args.lr_decay_iters is None, "--lr-decay-iters needs --train-iters (use --lr-decay-samples)")
+        need(args.lr_warmup_iters == 0, "--lr-warmup-iters needs --train-iters (use --lr-warmup-samples)")
+        need(
+            frac is None or args.lr_warmup_samples == 0,
+            "--lr-warmup-fraction and --lr-warmup-samples exclude each other; pick one",
+        )
+        need(args.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {args.lr_warmup_samples}")
+        args.train_iters = schedule.train_iters_for(args.train_samples)
+        args.train_iters_from_samples = True
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        args.lr_decay_steps = decay
+        args.wd_incr_steps = args.train_samples
+        args.lr_warmup_steps = frac * decay if frac is not None else args.lr_warmup_samples
+        args.train_samples_total = max(args.train_samples, schedule.samples_after(args.train_iters))
+    need(frac is None or 0.0 <= frac < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {frac}")
+    args.lr_decay_steps = max(args.lr_decay_steps, 1)
+    args.wd_incr_steps = max(args.wd_incr_steps, 1)
+    need(
+        args.lr_warmup_steps < args.lr_decay_steps,
+        f"the warm-up ({args.lr_warmup_steps} samples) must be shorter than the decay "
+        f"({args.lr_decay_steps} samples): lower the warm-up or raise --lr-decay-iters/-samples",
+    )
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -446,17 +804,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     except ParallelConfigError as e:
         raise ArgumentError(str(e)) from None
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    need(
-        args.global_batch_size % (args.micro_batch_size * dp) == 0,
-        f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
-        f"({args.micro_batch_size}) x data-parallel size ({dp}) = {args.micro_batch_size * dp}; "
-        f"use a multiple of {args.micro_batch_size * dp}",
-    )
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    need(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
     need(args.seq_length >= 1, f"--seq-length must be >= 1, got {args.seq_length}")
+    validate_batch_and_schedule(args, dp, pp)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     need(
@@ -467,9 +816,25 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     need(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
     need(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
     need(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    need(
+        0 <= args.lr_warmup_init <= args.lr,
+        f"--lr-warmup-init ({args.lr_warmup_init}) must be between 0 and --lr ({args.lr})",
+    )
+    if args.decoupled_lr is None:
+        need(args.decoupled_min_lr is None, "--decoupled-min-lr needs --decoupled-lr")
+    else:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        need(
+            0 <= low <= args.decoupled_lr and args.lr_warmup_init <= args.decoupled_lr,
+            f"--decoupled-lr ({args.decoupled_lr}) must be >= --decoupled-min-lr (or --min-lr) ({low}) "
+            f"and >= --lr-warmup-init ({args.lr_warmup_init})",
+        )
+    need(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    need(
+        not (args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32),
+        "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other; pick one",
+    )
+    need(not args.grad_reduce_in_bf16 or args.bf16, "--grad-reduce-in-bf16 needs --bf16")
     need(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
     need(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
     # Megatron's rule: a constant weight decay is --weight-decay; a schedule names both ends.
@@ -495,7 +860,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     if args.eval_interval is not None:
         need(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
-        need(args.eval_iters >= 1, f"--eval-iters must be >= 1, got {args.eval_iters}")
+        need(args.eval_iters >= 0, f"--eval-iters must be >= 0 (0: no evaluation), got {args.eval_iters}")
 
     vpl = args.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = 1
@@ -508,12 +873,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"--num-layers-per-virtual-pipeline-stage ({vpl})",
         )
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * vpl)
-        need(
-            args.num_microbatches % pp == 0,
-            f"the interleaved schedule needs the number of microbatches ({args.num_microbatches} = "
-            f"--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
-            f"--pipeline-model-parallel-size ({pp})",
-        )
+        for gbs in args.batch_schedule.batch_sizes():
+            m = gbs // (args.micro_batch_size * dp)
+            need(
+                m % pp == 0,
+                f"the interleaved schedule needs the number of microbatches ({m} = global batch {gbs} / "
+                f"(--micro-batch-size x dp)) to be a multiple of --pipeline-model-parallel-size ({pp})",
+            )
 
     need(
         args.mock_data or args.data_path,
@@ -551,7 +917,9 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         add_bias_linear=not args.disable_bias_linear,
         openai_gelu=args.openai_gelu,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         norm_epsilon=args.norm_epsilon,
+        apply_layernorm_1p=args.apply_layernorm_1p,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,

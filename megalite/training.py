@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from megalite.arguments import model_config, parse_args, validate_args
+from megalite.arguments import ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
@@ -132,6 +132,8 @@ def setup(args: argparse.Namespace) -> TrainState:
             mesh,
             bucket_size=args.ddp_bucket_size,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+            overlap_grad_reduce=args.overlap_grad_reduce,
         )
         for c in chunks
     ]
@@ -151,18 +153,23 @@ def setup(args: argparse.Namespace) -> TrainState:
         min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
+    # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
+    # batch-size ramp-up advances it by the samples actually consumed.
     scheduler = OptimizerParamScheduler(
         optimizer,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(args.lr_decay_iters, 1),
+        init_lr=args.lr_warmup_init,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=max(args.train_iters, 1),  # Megatron: over the whole run
+        wd_incr_steps=args.wd_incr_steps,  # Megatron: over the whole run
         wd_incr_style=args.weight_decay_incr_style,
         # Megatron's resume rule: neither flag = a changed schedule flag stops the run.
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
@@ -187,7 +194,7 @@ def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple[Dataset
         split=args.split,
         seq_length=args.seq_length,
         seed=args.seed,
-        train_samples=args.train_iters * gbs,
+        train_samples=args.train_samples_total,  # the batch schedule's samples over --train-iters
         valid_samples=eval_samples,
         test_samples=args.eval_iters * gbs,
         cache_dir=args.data_cache_path,
@@ -249,6 +256,8 @@ def forward_step(chunk, microbatch, input_tensor):
     if not gpt.post_process:
         return out
     mask = microbatch["loss_mask"].to(out.dtype)
+    if "loss_normalizer" in microbatch:  # --calculate-per-token-loss (see attach_loss_normalizer)
+        return (out * mask).sum() * microbatch["loss_normalizer"]
     return (out * mask).sum() / mask.sum().clamp(min=1.0)
 
 
@@ -256,6 +265,24 @@ def stage_tensor_shape(args: argparse.Namespace) -> tuple[int, int, int]:
     """The [b, s, h] every pipeline stage sends on: [b, s/t, h] under --sequence-parallel."""
     s = args.seq_length // args.tensor_model_parallel_size if args.sequence_parallel else args.seq_length
     return (args.micro_batch_size, s, args.hidden_size)
+
+
+def attach_loss_normalizer(microbatches: list, args: argparse.Namespace, mesh: Mesh) -> None:
+    """``--calculate-per-token-loss``: normalise by the global batch's unmasked tokens N.
+
+    Each microbatch's loss becomes its token SUM x m x dp / N: after the schedule's 1/m and
+    the DP average's 1/dp, the gradient is that of (sum over every token of the global batch)
+    / N, Megatron's per-token loss, and the logged mean is the token-weighted loss. Only the
+    last stage computes a loss; its DP group holds last-stage ranks only.
+    """
+    if not args.calculate_per_token_loss or not mesh.is_last_stage or not microbatches:
+        return
+    tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().float()
+    if mesh.dp_group is not None and mesh.dp_size > 1:
+        dist.all_reduce(tokens, group=mesh.dp_group)
+    factor = len(microbatches) * mesh.dp_size / tokens.clamp(min=1.0)
+    for mb in microbatches:
+        mb["loss_normalizer"] = factor
 
 
 def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> list:
@@ -294,8 +321,12 @@ def average_loss(losses: list, mesh: Mesh, device: torch.device) -> float | None
 def train_step(state: TrainState, data_iter) -> dict:
     """One optimizer step over the global batch; returns the step's metrics."""
     args, mesh = state.args, state.mesh
+    # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
+    # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
+    gbs = args.batch_schedule.global_batch_size_at(state.consumed_train_samples)
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
-    microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
+    microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
+    attach_loss_normalizer(microbatches, args, mesh)
     losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
     try:
@@ -307,19 +338,20 @@ def train_step(state: TrainState, data_iter) -> dict:
             f"checkpoint (--no-check-for-nan-in-loss-and-grad lets such steps through)"
         ) from None
     if ok:
-        state.scheduler.step(1)
+        state.scheduler.step(gbs)  # the schedule counts samples, as Megatron's
         state.consecutive_skipped = 0
     else:
         state.skipped_iters += 1
         state.consecutive_skipped += 1
         check_skipped_steps(state)
     state.iteration += 1
-    state.consumed_train_samples += args.global_batch_size
+    state.consumed_train_samples += gbs
     return {
         "loss": average_loss(losses, mesh, mesh.device),
         "grad_norm": grad_norm,
         "skipped": not ok,
         "num_zeros": num_zeros,
+        "global_batch_size": gbs,
     }
 
 
@@ -357,6 +389,7 @@ def evaluate(state: TrainState, dataset) -> float | None:
     losses = []
     for _ in range(args.eval_iters):
         microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
+        attach_loss_normalizer(microbatches, args, mesh)
         losses.extend(run_schedule(state, microbatches, forward_only=True))
     for chunk in state.model:
         chunk.train()
@@ -397,13 +430,11 @@ def train(
     data_iter = microbatch_iterator(
         train_ds, state.consumed_train_samples, args, mesh, state.tokenizer.vocab_size
     )
-    tokens_per_step = args.global_batch_size * args.seq_length
-    flops_per_step = model_flops_per_token(
+    flops_per_token = model_flops_per_token(
         state.config, args.seq_length, state.config.padded_vocab_size(mesh.tp_size)
     )
-    flops_per_step *= tokens_per_step
     peak = args.peak_tflops or detect_peak_tflops(mesh.device)
-    window_start, window_iters, window_loss = time.perf_counter(), 0, []
+    window_start, window_iters, window_loss, window_tokens = time.perf_counter(), 0, [], 0
     last = {}
     memory = MemoryProbe(state)  # the first iteration's predicted-vs-measured memory report
     while state.iteration < args.train_iters:
@@ -413,6 +444,7 @@ def train(
         memory.report(sinks)
         monitor.after_step(state, step)  # Megatron's TensorBoard / wandb tags, profiler window, GC
         window_iters += 1
+        window_tokens += step["global_batch_size"] * args.seq_length
         if step["loss"] is not None:
             window_loss.append(step["loss"])
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
@@ -420,7 +452,8 @@ def train(
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start
             iter_time = elapsed / window_iters
-            tflops = flops_per_step / iter_time / mesh.world_size / 1e12
+            tokens_per_step = window_tokens / window_iters
+            tflops = flops_per_token * tokens_per_step / iter_time / mesh.world_size / 1e12
             values = {
                 "loss": sum(window_loss) / len(window_loss) if window_loss else None,
                 "lr": state.scheduler.get_lr(),
@@ -438,9 +471,10 @@ def train(
             last = values
             sinks.record("train", state.iteration, values)
             sinks.console(format_train_line(state.iteration, args.train_iters, values))
-            window_start, window_iters, window_loss = time.perf_counter(), 0, []
+            window_start, window_iters, window_loss, window_tokens = time.perf_counter(), 0, [], 0
         paused = time.perf_counter()  # evaluation and saving are not training time
-        if args.eval_interval and state.iteration % args.eval_interval == 0 and valid_ds is not None:
+        eval_now = args.eval_interval and args.eval_iters > 0 and state.iteration % args.eval_interval == 0
+        if eval_now and valid_ds is not None:
             eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
             if eval_loss is not None:
                 ppl = math.exp(min(eval_loss, 20.0))
@@ -503,6 +537,9 @@ def pretrain(argv: list[str] | None = None) -> dict:
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)
+    warning = ignored_flags_warning(args)
+    if warning and mesh.rank == 0:
+        print(warning, flush=True)
     try:
         return train(state, sinks, hooks, monitor)
     finally:

@@ -149,6 +149,9 @@ megalite_pretrain_args() {
         --lr-warmup-iters "${WARMUP_ITERS:-$DEFAULT_WARMUP}"
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0
         --init-method-std 0.02 --bf16
+        # Megatron's dropout default is 0.1; these presets train without dropout, as Llama does.
+        --hidden-dropout 0.0 --attention-dropout 0.0
+        --overlap-grad-reduce
         "${DATA_ARGS[@]}"
         --log-interval "${LOG_INTERVAL:-10}"
         --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"

@@ -169,6 +169,7 @@ TRAIN=(
     --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
     --train-iters "$ITERS" --lr "$LR" --min-lr "$(python -c "print(f'{$LR / 10:g}')")"
     --lr-warmup-iters $((ITERS / 15)) --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
+    --hidden-dropout 0.0 --attention-dropout 0.0 --overlap-grad-reduce
     --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 4
     --metrics-file "$METRICS" --save "$SAVE"
 )

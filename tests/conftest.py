@@ -90,7 +90,9 @@ COMMON = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
-    "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7",
+    "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7", "--lr-decay-style", "cosine",
+    # Megatron's default dropout is 0.1; runs in different layouts compare only without it.
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
 # GPT-2 with dropout: the RNG streams must be restored for a bitwise resume.
 GPT2_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]

@@ -5,7 +5,7 @@ import pytest
 from megalite.arguments import ArgumentError, model_config, parse_args, validate_args
 from megalite.model.config import ModelConfigError
 
-BASE = ["--mock-data", "--vocab-size", "100"]
+BASE = ["--mock-data", "--vocab-size", "100", "--train-iters", "10"]
 
 
 def parsed(*flags, world=1):
@@ -114,9 +114,9 @@ def test_model_shape_errors_name_the_flag():
 
 def test_no_data_is_an_error():
     with pytest.raises(ArgumentError, match="--data-path"):
-        validate_args(parse_args(["--vocab-size", "100"]), 1)
+        validate_args(parse_args(["--vocab-size", "100", "--train-iters", "1"]), 1)
     with pytest.raises(ArgumentError, match="NullTokenizer needs --vocab-size"):
-        validate_args(parse_args(["--mock-data"]), 1)
+        validate_args(parse_args(["--mock-data", "--train-iters", "1"]), 1)
 
 
 def test_flag_reference_is_up_to_date():
@@ -172,7 +172,8 @@ def test_weight_decay_schedule_flags_reach_the_optimizer():
     state = setup(parse_args([*BASE, "--train-iters", "10", *flags]))
     decay, no_decay = state.optimizer.param_groups
     assert decay["weight_decay"] == 0.0 and no_decay["weight_decay"] == 0.0
-    state.scheduler.step(4)
+    gbs = state.args.global_batch_size  # the schedule counts samples, as Megatron's
+    state.scheduler.step(4 * gbs)
     assert decay["weight_decay"] == pytest.approx(0.04) and no_decay["weight_decay"] == 0.0
-    state.scheduler.step(6)
+    state.scheduler.step(6 * gbs)
     assert decay["weight_decay"] == pytest.approx(0.1)

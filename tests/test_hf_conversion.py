@@ -326,6 +326,7 @@ PRETRAIN = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--num-layers", "2",
     "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
     "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--seed", "5", "--log-interval", "3",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--lr-decay-style", "cosine",
 ]  # fmt: skip
 TRAINED = {
     # GPT-2 with its tied embedding split over two pipeline stages; Llama (GQA) split over TP.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite import megatron_compat as compat  # noqa: E402
 from megalite.arguments import build_parser  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
 
@@ -25,14 +26,30 @@ def render() -> str:
     out = [
         "# pretrain_gpt.py flags",
         "",
-        "Generated from `megalite/arguments.py` by `python tools/gen_flags_doc.py`; do not edit by hand.",
-        "Names follow Megatron-LM, so existing launch scripts carry over. Every flag can also be set",
-        "in a YAML file passed with `--config FILE` (keys are flag names, `-` or `_`); the command",
-        "line wins over the file.",
+        "Generated from `megalite/arguments.py` and `megalite/megatron_compat.py` by",
+        "`python tools/gen_flags_doc.py`; do not edit by hand.",
+        "",
+        "Every Megatron-LM flag falls in one of three classes:",
+        "",
+        "1. **Honoured** (the tables by topic below): Megatron-LM's names, defaults and meanings;",
+        '   the few differences are listed in "Where megalite differs from Megatron-LM".',
+        "2. **Accepted and ignored**: performance and format switches with no meaning for",
+        "   megalite; start-up prints one warning line listing those given.",
+        "3. **Refused**: features megalite does not build (MoE, fp8, context parallelism, ...);",
+        "   the run stops in one line naming the feature instead of training a different model.",
+        "",
+        "Any other flag stops the run in one line that names it and the nearest known spelling;",
+        "`pretrain_gpt.py --help` prints the full usage. A Megatron-LM launch script runs when its",
+        'flags are in the first two classes (docs/training.md, "Coming from Megatron-LM").',
+        "",
+        "Every flag can also be set in a YAML file passed with `--config FILE` (keys are flag",
+        "names, `-` or `_`; switches take true/false); each value is checked by the same parser as",
+        "the command line, every bad key is reported at once, and the command line wins over the file.",
         "",
     ]
+    compat_dests = {f.dest for f in compat.ALL}
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.dest != "help"]
+        actions = [a for a in group._group_actions if a.dest != "help" and a.dest not in compat_dests]
         if not actions:
             continue
         title = "general" if group.title in ("options", "optional arguments") else group.title
@@ -50,7 +67,49 @@ def render() -> str:
             default = "" if blank else f"`{a.default}`"
             out.append(f"| {flag} | {default} | {(a.help or '').replace('|', '/')} |")
         out.append("")
+    out += [
+        "## Where megalite differs from Megatron-LM",
+        "",
+        "| flag | difference |",
+        "|---|---|",
+    ]
+    out += [f"| `{flag}` | {why} |" for flag, why in compat.DEFAULTS_DIFFER.items()]
+    out += [
+        "",
+        "## Megatron-LM flags accepted and ignored",
+        "",
+        "Parsed with Megatron-LM's arity (and choices), then ignored; one start-up warning line",
+        "lists the ones given.",
+        "",
+        "| flag | why it changes nothing here |",
+        "|---|---|",
+    ]
+    out += [f"| `{f.flag}`{_value(f)} | {f.note} |" for f in compat.IGNORED]
+    out += [
+        "",
+        "## Megatron-LM flags refused",
+        "",
+        "Given, the run stops in one line naming the feature (a value in the last column is the",
+        'feature\'s "off" setting and is accepted). Unlisted flags starting with '
+        + ", ".join(f"`{p}`" for p in compat.REFUSED_PREFIXES)
+        + " are refused the same way.",
+        "",
+        "| flag | the feature megalite does not build | accepted |",
+        "|---|---|---|",
+    ]
+    for f in compat.REFUSED:
+        ok = ", ".join(f"`{v}`" for v in f.allowed)
+        out.append(f"| `{f.flag}`{_value(f)} | {f.note} | {ok} |")
+    out.append("")
     return "\n".join(out)
+
+
+def _value(f: compat.CompatFlag) -> str:
+    if f.nargs == 0:
+        return ""
+    if f.choices:
+        return " {" + ",".join(f.choices) + "}"
+    return " VALUE" if f.nargs == 1 else " VALUE…"
 
 
 def _main(argv: list[str] | None) -> int:

@@ -57,13 +57,17 @@ class DatasetError(MegaliteError, ValueError):
 
 # ---- splits ------------------------------------------------------------------------
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalized [train, valid, test] fractions (Megatron's ``--split``)."""
-    parts = [p for p in re.split(r"[,/]", str(split).strip()) if p.strip()]
+    """``"969,30,1"`` -> normalized [train, valid, test] fractions (Megatron's ``--split``).
+
+    Megatron's parsing: every run of digits and dots is a number, anything else separates
+    (``99,1,0``, ``98/2/0``, and ``'99,1,0'`` with the quotes a bash array leaves in).
+    """
+    parts = re.findall(r"[.0-9]+", str(split))
     try:
         weights = [float(p) for p in parts]
     except ValueError:
         raise DatasetError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or sum(weights) <= 0:
         raise DatasetError(
             f"--split {split!r}: expected 1-3 non-negative numbers with a positive sum, e.g. 969,30,1"
         )

@@ -18,7 +18,7 @@ NullTokenizer            ``--vocab-size N``           eod = N, vocab_size = N + 
 =======================  ===========================  ==============================================
 
 ``SentencePieceTokenizer`` follows Megatron's ``GPTSentencePieceTokenizer`` (accepted as
-an alias): the model's own pieces and its ``</s>`` as eod. Megatron's BERT/T5-oriented
+an alias, as is ``Llama2Tokenizer``: same pieces, same ids, ``</s>`` as eod): the model's own pieces and its ``</s>`` as eod. Megatron's BERT/T5-oriented
 ``SentencePieceTokenizer`` instead appends ``<CLS>/<SEP>/<EOD>/<MASK>`` pieces; we do
 not, so data made with Megatron's ``GPTSentencePieceTokenizer`` has the same ids.
 """
@@ -39,7 +39,11 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "NullTokenizer",
 )
-_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
+# Megatron-LM's names for the same SentencePiece model (Llama2Tokenizer: Mixtral's script).
+_ALIASES = {
+    "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
+    "Llama2Tokenizer": "SentencePieceTokenizer",
+}
 
 
 class TokenizerError(MegaliteError, ValueError):

@@ -45,7 +45,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     openai_gelu: bool = False  # tanh-approximated GELU, as HF GPT-2's "gelu_new"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's dims RoPE rotates (--rotary-percent)
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # zero-centred gamma: norm weight stored as gamma - 1
 
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -78,6 +80,13 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates: Megatron's ``int(kv_channels * rotary_percent)``."""
+        if self.rotary_percent < 1.0:
+            return int(self.head_dim * self.rotary_percent)
+        return self.head_dim
+
+    @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
@@ -86,8 +95,8 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.swiglu:
-            # Llama's choice: 2/3 of 4h, rounded up to a multiple of 64.
-            return ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
+            # Megatron-LM's default: 2/3 of 4h, rounded DOWN to a multiple of 64.
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -131,6 +140,11 @@ class ModelConfig:
             f"use at least {tp} query groups or a smaller TP size",
         )
         need(
+            self.ffn_size >= 1,
+            f"--ffn-hidden-size is {self.ffn_size} (SwiGLU's default, Megatron's int(8h/3 / 64) * 64, is 0 "
+            "below --hidden-size 96); pass --ffn-hidden-size",
+        )
+        need(
             self.ffn_size % tp == 0,
             f"--ffn-hidden-size ({self.ffn_size}) is not divisible by --tensor-model-parallel-size ({tp})",
         )
@@ -145,6 +159,14 @@ class ModelConfig:
         need(
             self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
             f"rope needs an even head dim, got {self.head_dim} (--hidden-size / --num-attention-heads)",
+        )
+        need(
+            0.0 < self.rotary_percent <= 1.0
+            and (
+                self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0)
+            ),
+            f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of {self.head_dim} head dims; "
+            "pick a fraction giving an even number >= 2",
         )
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)

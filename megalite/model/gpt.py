@@ -80,17 +80,34 @@ _NO_INIT = dict(init_method=None)
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: x / rms(x) * weight, computed in fp32 (as HF Llama) for bf16 stability."""
+    """Llama's RMSNorm: x / rms(x) * weight, computed in fp32 (as HF Llama) for bf16 stability.
 
-    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32, device=None):
+    ``zero_centered_gamma`` (``--apply-layernorm-1p``): the weight holds gamma - 1 and the
+    scale is ``1 + weight``, applied in fp32 (as Transformer Engine does).
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype=torch.float32, device=None, zero_centered_gamma=False
+    ):
         super().__init__()
         self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered_gamma:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm with a zero-centred gamma (``--apply-layernorm-1p``): scale ``1 + weight``, in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = 1.0 + self.weight.float(), self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
 def build_norm(config: ModelConfig, dtype, device, sequence_parallel: bool = False) -> nn.Module:
@@ -99,10 +116,12 @@ def build_norm(config: ModelConfig, dtype, device, sequence_parallel: bool = Fal
     Under sequence parallelism the norm sees only this rank's tokens, so its grads are
     partial: tagged to be summed over TP.
     """
+    zc = config.apply_layernorm_1p
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
+        norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device, zero_centered_gamma=zc)
     else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+        cls = LayerNorm1P if zc else nn.LayerNorm
+        norm = cls(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
     for p in norm.parameters():
         mark_replicated(p)
         if sequence_parallel:
@@ -150,7 +169,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [b, heads, s, d] by the position angles (cos/sin [b, 1, s, d])."""
+    """Rotate ``x`` [b, heads, s, d] by the position angles (cos/sin [b, 1, s, r]).
+
+    With r < d (``--rotary-percent`` < 1) the first r dims rotate and the rest pass through.
+    """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -484,6 +509,13 @@ class GPTModel(nn.Module):
                 dtype=dtype,
                 device=device,
             )
+        # Megatron's attribute: --decoupled-lr gives these their own learning rate.
+        for w in (
+            self.embedding.word_embeddings.weight if pre_process else None,
+            self.output_layer.weight if self.output_layer is not None else None,
+        ):
+            if w is not None:
+                w.is_embedding_or_output_parameter = True
         if self.tied and pre_process != post_process:
             # The two copies of one tied matrix live on different pipeline stages.
             mark_shared_embedding(self.shared_embedding_or_output_weight())
@@ -514,7 +546,8 @@ class GPTModel(nn.Module):
             return name, vocab_init
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name:  # input_layernorm, pre_mlp_layernorm, final_norm
-            return name, (lambda t, g: t.fill_(1.0)) if leaf == "weight" else (lambda t, g: t.zero_())
+            gamma = 0.0 if cfg.apply_layernorm_1p else 1.0  # 1p stores gamma - 1
+            return name, (lambda t, g: t.fill_(gamma)) if leaf == "weight" else (lambda t, g: t.zero_())
         if leaf == "bias":
             return name, lambda t, g: t.zero_()
         if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
@@ -568,7 +601,7 @@ class GPTModel(nn.Module):
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor
         rope = None
         if self.config.position_embedding_type == "rope":  # cos, sin [b, 1, s, d]
-            rope = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base, hidden.dtype)
+            rope = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rotary_base, hidden.dtype)
         hidden = self.decoder(hidden, rope)  # [b, s, h] ([b, s/t, h])
         if not self.post_process:
             return hidden

@@ -109,6 +109,8 @@ class MixedPrecisionOptimizer(ABC):
         eps: float,
         clip_grad: float,
         grad_scaler,
+        decoupled_lr: float | None = None,
+        decoupled_min_lr: float | None = None,
     ):
         self.model_chunks = model_chunks
         self.mesh = mesh
@@ -117,12 +119,25 @@ class MixedPrecisionOptimizer(ABC):
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
         # Megatron's rule: no weight decay on biases and norm weights, i.e. any 1-D param.
-        decay = [m.main for m in main_params if m.model.dim() > 1]
+        # --decoupled-lr: the input embedding and output layer (2-D, decayed) get their own
+        # group, whose max_lr / min_lr the LR scheduler reads instead of --lr / --min-lr.
+        decoupled = decoupled_lr is not None
+
+        def own_lr(m: MainParam) -> bool:
+            return decoupled and getattr(m.model, "is_embedding_or_output_parameter", False)
+
+        decay = [m.main for m in main_params if m.model.dim() > 1 and not own_lr(m)]
         no_decay = [m.main for m in main_params if m.model.dim() <= 1]
         groups = [
             {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay},
             {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0},
         ]
+        if decoupled:
+            group = {"params": [m.main for m in main_params if own_lr(m)], "wd_mult": 1.0, "lr_mult": 1.0}
+            group.update(weight_decay=weight_decay, max_lr=decoupled_lr)
+            if decoupled_min_lr is not None:
+                group["min_lr"] = decoupled_min_lr
+            groups.append(group)
         self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     # What the training loop uses ------------------------------------------------------

@@ -1,7 +1,14 @@
 """Learning-rate and weight-decay schedule (Megatron's OptimizerParamScheduler).
 
-lr: linear warm-up from 0 to ``max_lr`` over ``lr_warmup_steps``, then decay to
-``min_lr`` at ``lr_decay_steps`` (constant / linear / cosine), ``min_lr`` after.
+lr: linear warm-up from ``init_lr`` (``--lr-warmup-init``, default 0) to ``max_lr`` over
+``lr_warmup_steps``, then decay to ``min_lr`` at ``lr_decay_steps`` (constant / linear /
+cosine), ``min_lr`` after. A param group may carry its own ``max_lr`` / ``min_lr``
+(``--decoupled-lr`` / ``--decoupled-min-lr`` for the embedding and output layer).
+
+Steps are whatever unit the caller counts in. The training loop counts SAMPLES, as
+Megatron-LM does: each optimizer step advances by its global batch size, and
+iteration-based flags are converted (``--lr-decay-iters N`` = ``N x global batch`` samples),
+so a batch-size ramp-up moves the schedule by the samples actually consumed.
 Weight decay: ``start_wd`` -> ``end_wd`` over ``wd_incr_steps`` (constant /
 linear / cosine). Each param group's weight decay is the schedule's value times
 its ``wd_mult`` (0 for biases and norm weights), its lr times ``lr_mult``.
@@ -40,7 +47,8 @@ class OptimizerParamScheduler:
 
     Args:
         optimizer: anything with ``param_groups`` (the megalite optimizer or a torch one).
-        max_lr / min_lr: ``--lr`` / ``--min-lr``.
+        max_lr / min_lr: ``--lr`` / ``--min-lr`` (a param group's own ``max_lr`` / ``min_lr`` win).
+        init_lr: ``--lr-warmup-init``, where warm-up starts.
         lr_warmup_steps / lr_decay_steps: ``--lr-warmup-iters`` / ``--lr-decay-iters``.
         lr_decay_style: ``--lr-decay-style``, one of constant, linear, cosine.
         start_wd / end_wd: ``--start-weight-decay`` / ``--end-weight-decay``; both ``None``
@@ -65,6 +73,7 @@ class OptimizerParamScheduler:
         end_wd: float | None = None,
         wd_incr_steps: int | None = None,
         wd_incr_style: str = "constant",
+        init_lr: float = 0.0,
         use_checkpoint_opt_param_scheduler: bool = True,
         override_opt_param_scheduler: bool = False,
     ):
@@ -76,6 +85,8 @@ class OptimizerParamScheduler:
             )
         if not 0.0 <= min_lr <= max_lr:
             raise SchedulerError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
+        if not 0.0 <= init_lr <= max_lr:
+            raise SchedulerError(f"need 0 <= --lr-warmup-init ({init_lr}) <= --lr ({max_lr})")
         if lr_decay_steps <= 0:
             raise SchedulerError(f"--lr-decay-iters must be > 0, got {lr_decay_steps}")
         if not 0 <= lr_warmup_steps < lr_decay_steps:
@@ -100,6 +111,7 @@ class OptimizerParamScheduler:
                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"
             )
         self.optimizer = optimizer
+        self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
         self.lr_warmup_steps = lr_warmup_steps
@@ -114,21 +126,25 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)  # set the step-0 values (lr 0 when warming up)
 
-    def get_lr(self) -> float:
-        """The scheduled learning rate at ``num_steps`` (before ``lr_mult``)."""
+    def get_lr(self, param_group: dict | None = None) -> float:
+        """The scheduled learning rate at ``num_steps`` of ``param_group`` (default: the main
+        schedule), before ``lr_mult``. Megatron-Core's formula, line for line."""
+        group = param_group or {}
+        max_lr = group.get("max_lr", self.max_lr)
+        min_lr = group.get("min_lr", self.min_lr)
         n = self.num_steps
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
-            return self.max_lr * n / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * float(n) / float(self.lr_warmup_steps)
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.lr_decay_steps:
-            return self.min_lr
-        decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+            return min_lr
+        decay_ratio = float(n - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def get_wd(self) -> float:
         """The scheduled weight decay at ``num_steps`` (before ``wd_mult``)."""
@@ -145,9 +161,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int = 1) -> None:
         """Advance ``increment`` steps and write lr / weight decay into every param group."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict:

@@ -60,12 +60,15 @@ def build_optimizer(
     min_loss_scale: float = 1.0,
     loss_scale_window: int = 1000,
     hysteresis: int = 2,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
 ) -> MixedPrecisionOptimizer:
     """AdamW over DDP-wrapped ``model_chunks`` (one per virtual pipeline stage, or a single one).
 
     Megatron flags: ``--lr --weight-decay --adam-beta1 --adam-beta2 --adam-eps
     --clip-grad --fp16/--bf16 --use-distributed-optimizer --loss-scale
-    --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis``.
+    --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis --decoupled-lr
+    --decoupled-min-lr``.
     ``clip_grad <= 0`` disables clipping (and the grad-norm report). A constant
     ``loss_scale`` applies in any precision; without it, fp16 gets a dynamic scaler
     and bf16 / fp32 none.
@@ -103,4 +106,6 @@ def build_optimizer(
         eps=adam_eps,
         clip_grad=clip_grad,
         grad_scaler=grad_scaler,
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
     )

@@ -147,7 +147,11 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: reduce-scatter instead of all-reduce; each bucket is
             padded to a multiple of dp so every rank owns an equal contiguous shard.
         grad_reduce_dtype: dtype of the grad buffer and of the collectives
-            (fp32 = Megatron's ``--accumulate-allreduce-grads-in-fp32``).
+            (fp32 = Megatron's ``--accumulate-allreduce-grads-in-fp32``; bf16 =
+            ``--grad-reduce-in-bf16``).
+        overlap_grad_reduce: start each bucket's collective as soon as its grads are ready
+            (Megatron's ``--overlap-grad-reduce``); False launches every bucket in
+            :meth:`finish_grad_sync`, after backward. Same result either way.
 
     Wrap the module after moving it to its device and dtype: ``main_grad`` views
     and the grad hooks are bound to the parameter objects present at construction.
@@ -161,6 +165,7 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int = 40_000_000,
         use_distributed_optimizer: bool = False,
         grad_reduce_dtype: torch.dtype = torch.float32,
+        overlap_grad_reduce: bool = True,
     ):
         super().__init__()
         if bucket_size < 1:
@@ -172,6 +177,7 @@ class DistributedDataParallel(nn.Module):
         self.dp_group = mesh.dp_group
         self.use_distributed_optimizer = use_distributed_optimizer
         self.grad_reduce_dtype = grad_reduce_dtype
+        self.overlap_grad_reduce = overlap_grad_reduce
 
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -225,8 +231,8 @@ class DistributedDataParallel(nn.Module):
         if param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None  # main_grad holds it now; free the model-dtype copy
-        if not self._sync_enabled:
-            return
+        if not self._sync_enabled or not self.overlap_grad_reduce:
+            return  # no overlap: finish_grad_sync launches every bucket after backward
         bucket = self._bucket_of[param]
         if param in bucket.ready or bucket.launched:
             raise RuntimeError(

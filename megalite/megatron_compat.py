@@ -1,0 +1,321 @@
+"""Megatron-LM flags that megalite does not build: accepted-and-ignored, or refused.
+
+Every Megatron-LM flag a launch script may pass falls in one of three classes:
+
+1. **Honoured**: the flags of :func:`megalite.arguments.build_parser`, with Megatron's
+   names, defaults and meanings.
+2. **Accepted and ignored** (:data:`IGNORED`): switches with no meaning for megalite's
+   kernels or formats (fusions, attention backends, timers, checkpoint formats). They
+   parse with Megatron's arity, and start-up prints ONE warning line listing those given.
+3. **Refused** (:data:`REFUSED`): flags whose meaning megalite does not build (MoE, fp8,
+   context parallelism, ...). Given, the run stops in one line naming the feature: a
+   script never trains a different model silently. Values listed in ``allowed`` are the
+   flag's "off" setting (``--context-parallel-size 1``) and are accepted.
+
+This module is the one table; ``tools/gen_flags_doc.py`` renders it into docs/flags.md.
+The arity of each flag is Megatron-LM's (``megatron/training/arguments.py``), so the
+values of an ignored flag are never mistaken for flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One Megatron-LM flag megalite accepts without building it.
+
+    ``nargs``: 0 for a switch, else argparse's nargs (1 = one value).
+    ``note``: ignored flags: why it changes nothing here; refused flags: the feature.
+    ``allowed``: refused flags only: values that mean "feature off" and are accepted.
+    ``choices``: Megatron's choices, checked as Megatron does.
+    """
+
+    flag: str
+    nargs: int | str
+    note: str
+    allowed: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return "megatron_" + self.flag.lstrip("-").replace("-", "_")
+
+
+_FUSION = "a kernel-fusion switch; megalite runs plain PyTorch ops (and SDPA for attention)"
+_TE = "Transformer Engine / GPU-kernel tuning; megalite's local path has no such kernel"
+_CKPT = "megalite writes its own DCP-based, layout-free checkpoint format (docs/checkpoints.md)"
+_PERF = "a performance switch; the math is the same without it"
+
+IGNORED: tuple[CompatFlag, ...] = (
+    CompatFlag("--use-mcore-models", 0, "megalite has one model implementation (Megatron-Core's layout)"),
+    CompatFlag(
+        "--attention-backend",
+        1,
+        "attention is torch's scaled_dot_product_attention, which picks flash / memory-efficient "
+        "kernels by itself",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+    ),
+    CompatFlag("--use-flash-attn", 0, "SDPA already uses flash attention where the GPU supports it"),
+    CompatFlag("--no-gradient-accumulation-fusion", 0, _FUSION),
+    CompatFlag("--cross-entropy-loss-fusion", 0, _FUSION),
+    CompatFlag("--cross-entropy-fusion-impl", 1, _FUSION, choices=("native", "te")),
+    CompatFlag("--no-masked-softmax-fusion", 0, _FUSION),
+    CompatFlag("--no-bias-gelu-fusion", 0, _FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", 0, _FUSION),
+    CompatFlag("--no-bias-dropout-fusion", 0, _FUSION),
+    CompatFlag("--no-rope-fusion", 0, _FUSION),
+    CompatFlag("--no-persist-layer-norm", 0, _FUSION),
+    CompatFlag(
+        "--apply-query-key-layer-scaling",
+        0,
+        "only rescales fp16 attention scores before an fp32 softmax; SDPA's softmax is already "
+        "computed in fp32, so the result is the same",
+    ),
+    CompatFlag(
+        "--empty-unused-memory-level",
+        1,
+        "megalite does not call torch.cuda.empty_cache() between steps",
+        choices=("0", "1", "2"),
+    ),
+    CompatFlag(
+        "--timing-log-level",
+        1,
+        "megalite logs the iteration time only (plus profiler ranges with --profile)",
+        choices=("0", "1", "2"),
+    ),
+    CompatFlag("--timing-log-option", 1, "megalite has no per-op timers", choices=("max", "minmax", "all")),
+    CompatFlag("--logging-level", 1, "megalite prints plain lines, not through Python logging"),
+    CompatFlag(
+        "--no-create-attention-mask-in-dataloader",
+        0,
+        "megalite never builds an attention mask (SDPA is_causal); batches carry none",
+    ),
+    CompatFlag("--no-mmap-bin-files", 0, "megalite always memory-maps .bin files"),
+    CompatFlag("--num-dataset-builder-threads", 1, "index building is single-threaded"),
+    CompatFlag("--use-nccl-ub", 0, _TE),
+    CompatFlag("--tp-comm-overlap", 0, _TE),
+    CompatFlag("--tp-comm-overlap-cfg", 1, _TE),
+    CompatFlag("--te-rng-tracker", 0, _TE),
+    CompatFlag(
+        "--cuda-graph-impl",
+        1,
+        "megalite does not capture CUDA graphs",
+        choices=("none", "local", "transformer_engine", "full_iteration"),
+    ),
+    CompatFlag("--enable-cuda-graph", 0, "megalite does not capture CUDA graphs"),
+    CompatFlag("--defer-embedding-wgrad-compute", 0, _PERF),
+    CompatFlag("--overlap-p2p-communication-warmup-flush", 0, _PERF),
+    CompatFlag("--no-overlap-p2p-communication", 0, _PERF),
+    CompatFlag("--microbatch-group-size-per-virtual-pipeline-stage", 1, _PERF),
+    CompatFlag("--ddp-average-in-collective", 0, "gradients are averaged over DP either way"),
+    CompatFlag("--disable-gloo-process-groups", 0, _PERF),
+    CompatFlag("--use-cpu-initialization", 0, "weights are drawn on the CPU generator in every case"),
+    CompatFlag("--deterministic-mode", 0, "the CPU path is deterministic; on GPUs set it with torch"),
+    CompatFlag(
+        "--rerun-mode",
+        1,
+        "megalite has no rerun state machine; non-finite losses stop the run",
+        choices=("disabled", "validate_results", "report_stats"),
+    ),
+    CompatFlag("--check-weight-hash-across-dp-replicas-interval", 1, "a diagnostic megalite does not run"),
+    CompatFlag(
+        "--ckpt-format",
+        1,
+        _CKPT + "; it neither reads nor writes torch_dist / torch / fsdp_dtensor",
+        choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
+    ),
+    CompatFlag(
+        "--dist-ckpt-strictness",
+        1,
+        _CKPT + "; loads always check every tensor",
+        choices=(
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ),
+    ),
+    CompatFlag("--async-save", 0, _CKPT + "; saves are synchronous"),
+    CompatFlag("--use-persistent-ckpt-worker", 0, _CKPT),
+    CompatFlag("--ckpt-fully-parallel-save", 0, _CKPT + "; every rank writes its own shards"),
+    CompatFlag("--no-ckpt-fully-parallel-save", 0, _CKPT),
+    CompatFlag("--ckpt-fully-parallel-load", 0, _CKPT),
+    CompatFlag("--ckpt-assume-constant-structure", 0, _CKPT),
+    CompatFlag("--auto-detect-ckpt-format", 0, _CKPT),
+    CompatFlag("--use-dist-ckpt", 0, _CKPT),
+    CompatFlag("--dist-ckpt-optim-fully-reshardable", 0, _CKPT + "; optimizer state always reshards"),
+    CompatFlag(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        0,
+        "megalite never reads the tokenizer from a checkpoint",
+    ),
+    CompatFlag(
+        "--use-tp-pp-dp-mapping", 0, "a rank-order choice; every order computes the same (megalite: tp-dp-pp)"
+    ),
+    CompatFlag("--straggler-minmax-count", 1, "megalite has no straggler detector"),
+)
+
+_MOE = "MoE (mixture of experts; megalite trains dense models only)"
+_FP8 = "fp8 / fp4 training (Transformer Engine on a GPU)"
+_GPT_OSS = "gpt-oss's attention and MLP variants (sinks, sliding windows, clamped GeGLU)"
+_ZERO = "ZeRO-2/3 / FSDP sharding (not built yet; --use-distributed-optimizer is ZeRO-1)"
+
+
+def _moe(flag: str, nargs: int | str = 1, **kw) -> CompatFlag:
+    return CompatFlag(flag, nargs, _MOE, **kw)
+
+
+def _fp8(flag: str, nargs: int | str = 1) -> CompatFlag:
+    return CompatFlag(flag, nargs, _FP8)
+
+
+REFUSED: tuple[CompatFlag, ...] = (
+    # MoE: Megatron's most used --moe-* flags (any other --moe-* is refused by its prefix).
+    _moe("--num-experts", allowed=("0",)),
+    _moe("--expert-model-parallel-size", allowed=("1",)),
+    _moe("--expert-tensor-parallel-size", allowed=("1",)),
+    _moe("--moe-router-topk"),
+    _moe("--moe-router-load-balancing-type", "+"),
+    _moe("--moe-aux-loss-coeff", "+"),
+    _moe("--moe-z-loss-coeff"),
+    _moe("--moe-grouped-gemm", 0),
+    _moe("--moe-token-dispatcher-type"),
+    _moe("--moe-ffn-hidden-size"),
+    _moe("--moe-shared-expert-intermediate-size"),
+    _moe("--moe-shared-expert-overlap", 0),
+    _moe("--moe-router-dtype"),
+    _moe("--moe-router-score-function"),
+    _moe("--moe-router-pre-softmax", 0),
+    _moe("--moe-router-topk-scaling-factor"),
+    _moe("--moe-router-enable-expert-bias", 0),
+    _moe("--moe-router-bias-update-rate"),
+    _moe("--moe-permute-fusion", 0),
+    _moe("--moe-layer-freq"),
+    _moe("--moe-expert-capacity-factor"),
+    _moe("--moe-pad-expert-input-to-capacity", 0),
+    _moe("--moe-token-drop-policy"),
+    _moe("--moe-input-jitter-eps"),
+    _moe("--moe-per-layer-logging", 0),
+    _moe("--moe-use-legacy-grouped-gemm", 0),
+    _moe("--moe-shared-expert-gate", 0),
+    _fp8("--fp8-format"),
+    _fp8("--fp8-recipe"),
+    _fp8("--fp8-amax-history-len"),
+    _fp8("--fp8-amax-compute-algo"),
+    _fp8("--fp8-param-gather", 0),
+    _fp8("--fp8-margin"),
+    _fp8("--fp8-interval"),
+    _fp8("--fp4-format"),
+    _fp8("--fp4-param-gather", 0),
+    _fp8("--first-last-layers-bf16", 0),
+    CompatFlag(
+        "--context-parallel-size", 1, "context parallelism (--context-parallel-size > 1)", allowed=("1",)
+    ),
+    CompatFlag(
+        "--hierarchical-context-parallel-sizes", "+", "context parallelism (--context-parallel-size > 1)"
+    ),
+    CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
+    CompatFlag("--use-megatron-fsdp", 0, _ZERO),
+    CompatFlag("--use-torch-fsdp2", 0, _ZERO),
+    CompatFlag("--data-parallel-sharding-strategy", 1, _ZERO, allowed=("no_shard",)),
+    CompatFlag(
+        "--overlap-param-gather",
+        0,
+        "overlapping ZeRO-1's parameter all-gather with the next forward (not built yet)",
+    ),
+    CompatFlag(
+        "--overlap-param-gather-with-optimizer-step",
+        0,
+        "overlapping ZeRO-1's parameter all-gather with the optimizer step (not built yet)",
+    ),
+    CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
+    CompatFlag("--enable-gpt-oss", 0, _GPT_OSS),
+    CompatFlag("--quick-geglu", 0, _GPT_OSS),
+    CompatFlag("--glu-linear-offset", 1, _GPT_OSS, allowed=("0", "0.0")),
+    CompatFlag("--softmax-type", 1, _GPT_OSS, allowed=("vanilla",)),
+    CompatFlag("--window-size", 1, _GPT_OSS + " / sliding-window attention"),
+    CompatFlag("--window-attn-skip-freq", 1, _GPT_OSS),
+    CompatFlag("--activation-func-clamp-value", 1, _GPT_OSS),
+    CompatFlag("--export-force-local-attention", 0, _GPT_OSS),
+    CompatFlag("--rope-type", 1, "YaRN rotary scaling", allowed=("rope",)),
+    CompatFlag("--use-rope-scaling", 0, "Llama-3.1 RoPE frequency scaling"),
+    CompatFlag("--rotary-scaling-factor", 1, "RoPE frequency scaling", allowed=("1", "1.0")),
+    CompatFlag("--rotary-seq-len-interpolation-factor", 1, "RoPE position interpolation"),
+    CompatFlag("--rotary-interleaved", 0, "interleaved (GPT-J style) rotary embeddings"),
+    CompatFlag("--qk-layernorm", 0, "query/key layer norms"),
+    CompatFlag("--squared-relu", 0, "the squared-ReLU MLP activation"),
+    CompatFlag("--multi-latent-attention", 0, "multi-latent attention (DeepSeek MLA)"),
+    CompatFlag("--attention-output-gate", 0, "gated attention output"),
+    CompatFlag("--mtp-num-layers", 1, "multi-token prediction"),
+    CompatFlag("--use-checkpoint-args", 0, "reading model flags from a checkpoint (pass them explicitly)"),
+    CompatFlag(
+        "--optimizer",
+        1,
+        "optimizers other than Adam(W)",
+        allowed=("adam",),
+        choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+    ),
+    CompatFlag(
+        "--dataloader-type",
+        1,
+        "the cyclic / external data loaders",
+        allowed=("single",),
+        choices=("single", "cyclic", "external"),
+    ),  # fmt: skip
+    CompatFlag(
+        "--no-position-embedding",
+        0,
+        "a GPT without position embeddings (with --position-embedding-type rope it is a no-op and accepted)",
+    ),
+)
+
+# Honoured flags whose megalite default differs from Megatron-LM's (rendered in docs/flags.md).
+DEFAULTS_DIFFER: dict[str, str] = {
+    "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, --lr": (
+        "Megatron-LM requires them; megalite has small defaults for quick experiments"
+    ),
+    "--transformer-impl": "Megatron-LM: transformer_engine; megalite: local (the only one built)",
+    "--tokenizer-type": "Megatron-LM: none (required); megalite: NullTokenizer",
+    "--num-workers": "Megatron-LM: 2; megalite: 0 (batches load in the training process)",
+    "--ddp-bucket-size": "Megatron-LM: max(40M, 1M x dp) elements; megalite: 40M",
+    "--accumulate-allreduce-grads-in-fp32": (
+        "megalite accumulates and reduces gradients in fp32 in every precision (Megatron-LM: in "
+        "fp16 for --fp16 runs); --grad-reduce-in-bf16 is the opt-out for --bf16"
+    ),
+    "--step-batch-size-schedule": (
+        "Megatron-LM refuses it together with --global-batch-size, and takes one word; megalite "
+        "accepts both flags when --global-batch-size equals the schedule's last batch, and the "
+        "schedule as one string or several words (Megatron's GPT-3 example passes both flags, "
+        "and its unquoted ${TRAINING_ARGS[@]} splits the schedule into words)"
+    ),
+    "--rampup-batch-size": (
+        "honoured with the formula of Megatron-LM before April 2026; newer Megatron-LM ignores it "
+        "(use --step-batch-size-schedule)"
+    ),
+}
+
+# Unknown flags with these prefixes are refused naming the feature rather than called typos.
+REFUSED_PREFIXES: dict[str, str] = {
+    "--moe-": _MOE,
+    "--fp8-": _FP8,
+    "--fp4-": _FP8,
+    "--expert-": _MOE,
+}
+
+ALL: tuple[CompatFlag, ...] = IGNORED + REFUSED
+BY_FLAG: dict[str, CompatFlag] = {f.flag: f for f in ALL}
+assert len(BY_FLAG) == len(ALL), "a flag is listed twice in megatron_compat"
+
+
+def refused_feature_for_prefix(flag: str) -> str | None:
+    """The feature an unlisted flag such as ``--moe-foo`` belongs to, or None."""
+    for prefix, feature in REFUSED_PREFIXES.items():
+        if flag.startswith(prefix):
+            return feature
+    return None
