@@ -183,6 +183,9 @@ def test_unsupported_and_mismatched_inputs_fail_clearly(tmp_path):
         )
     with pytest.raises(hf.HFConversionError, match="no transformers equivalent"):
         hf.config_to_hf(ModelConfig.llama(add_bias_linear=True))
+    for changed in (dict(apply_layernorm_1p=True), dict(rotary_percent=0.5)):  # would convert wrongly
+        with pytest.raises(hf.HFConversionError, match="--apply-layernorm-1p .* --rotary-percent"):
+            hf.config_to_hf(ModelConfig.llama(**changed))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         hf.read_hf_checkpoint(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -100,6 +100,14 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
 def hf_flavour(config: ModelConfig) -> str:
     """The transformers architecture ("gpt2" or "llama") that computes exactly what ``config`` does."""
     c = config
+    # transformers' GPT-2 / Llama norms scale by gamma itself and rotate whole heads: a
+    # zero-centred gamma or a partial rotary would convert into a different model.
+    if c.apply_layernorm_1p or c.rotary_percent != 1.0:
+        raise HFConversionError(
+            "this model has no transformers equivalent: --apply-layernorm-1p "
+            f"({c.apply_layernorm_1p}) and --rotary-percent ({c.rotary_percent}) have no GPT2LMHeadModel / "
+            "LlamaForCausalLM counterpart; train without them to convert"
+        )
     if (
         c.position_embedding_type == "learned_absolute"
         and c.normalization == "LayerNorm"
