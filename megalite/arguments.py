@@ -17,6 +17,7 @@ import yaml
 
 from megalite import megatron_compat as compat
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
+from megalite.data.tokenizers import add_tokenizer_args
 from megalite.errors import MegaliteError
 from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
@@ -314,41 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--mock-data", action="store_true", help="Train on a deterministic synthetic token stream."
     )
     g.add_argument(
-        "--tokenizer-type",
-        choices=[
-            "NullTokenizer",
-            "SentencePieceTokenizer",
-            "GPTSentencePieceTokenizer",
-            "Llama2Tokenizer",
-            "GPT2BPETokenizer",
-            "TikTokenizer",
-            "HuggingFaceTokenizer",
-        ],
-        default="NullTokenizer",
-        help="GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
-    )
-    g.add_argument(
-        "--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer split pattern."
-    )
-    g.add_argument(
-        "--tiktoken-num-special-tokens",
-        type=int,
-        default=1000,
-        help="TikTokenizer: ids before the file's tokens.",
-    )
-    g.add_argument(
-        "--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: with <unk> <s> </s>."
-    )
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece model or HF tokenizer directory.")
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
-    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
-    g.add_argument(
         "--num-workers",
         type=int,
         default=0,
         help="DataLoader worker processes (Megatron: 2; here 0, the main process).",
     )
+
+    add_tokenizer_args(p, default_type="NullTokenizer", required=False)
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100, help="Steps between log lines.")

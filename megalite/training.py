@@ -519,7 +519,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     ckpt = CheckpointConfig.from_args(args)
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
-    if done is not None and done >= args.train_iters:
+    # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
+    if done is not None and args.train_iters is not None and done >= args.train_iters:
         if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f" --load {ckpt.load} is at iteration {done} and --train-iters is {args.train_iters}: "

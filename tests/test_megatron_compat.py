@@ -184,7 +184,7 @@ def test_megatron_example_scripts(tmp_path, capsys):
     args = parse_args(llama)
     warning = ignored_flags_warning(args)
     assert warning.count("\n") == 0 and "--ckpt-format torch_dist" in warning and "DCP" in warning
-    assert "--use-mcore-models" in warning and "--tiktoken-pattern v2" in warning
+    assert "--use-mcore-models" in warning and "--tiktoken-pattern" not in warning  # honoured (TikTokenizer)
     run_distributed(_train_scripts, 2, [gpt3], timeout=240)
     # In this process: the script's --num-workers 1 needs a process that may have children
     # (the test spawner's ranks are daemons; torchrun's are not).
@@ -462,4 +462,4 @@ def test_eval_iters_0_runs_no_evaluation(tmp_path):
         TINY + ["--train-iters", "2", "--eval-interval", "1", "--eval-iters", "0", "--metrics-file", str(m)]
     )
     kinds = [json.loads(x)["kind"] for x in m.read_text().splitlines()]
-    assert kinds == ["train", "train"]
+    assert kinds == ["memory", "train", "train"]  # the first step's memory report, then no "eval"

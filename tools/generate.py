@@ -24,9 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.cli import run_main  # noqa: E402
+from megalite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
 from megalite.errors import MegaliteError  # noqa: E402
-
-TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,16 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Keep generating after the tokenizer's end-of-document token.",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
-    g = p.add_argument_group("tokenizer (default: the checkpoint's training flags)")
-    g.add_argument(
-        "--tokenizer-type",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
-        default=None,
-    )
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece model or HF tokenizer directory.")
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
-    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    add_tokenizer_args(p, required=False, title="tokenizer (default: the checkpoint's training flags)")
     return p
 
 
@@ -72,14 +62,14 @@ def log(msg: str) -> None:
 
 def tokenizer_flags(args: argparse.Namespace, saved_args: dict, vocab_size: int) -> dict:
     """Tokenizer flags: the command line's, else the checkpoint's training flags."""
-    flags = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
-    if flags["tokenizer_type"] is None:
+    if args.tokenizer_type is None:
         if "tokenizer_type" not in saved_args:
             raise MegaliteError(
                 "--tokenizer-type is needed: this checkpoint does not record the flags it was trained with "
                 "(a converted or weights-only checkpoint)"
             )
-        flags = {k: saved_args.get(k) for k in TOKENIZER_FLAGS}
+        args = argparse.Namespace(**saved_args)
+    flags = tokenizer_kwargs(args)
     if flags["tokenizer_type"] == "NullTokenizer" and flags["vocab_size"] is None:
         flags["vocab_size"] = vocab_size - 1  # Megatron's --vocab-size N means ids 0..N-1 plus eod N
     return flags
@@ -97,7 +87,7 @@ def run(args: argparse.Namespace) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     flags = tokenizer_flags(args, saved_args, config.vocab_size)
-    tokenizer = build_tokenizer(flags.pop("tokenizer_type"), **flags)  # bad files: one-line TokenizerError
+    tokenizer = build_tokenizer(**flags)  # bad files: one-line TokenizerError
     if tokenizer.vocab_size > config.vocab_size:
         raise MegaliteError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}: "

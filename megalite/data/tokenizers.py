@@ -365,10 +365,22 @@ def build_tokenizer(
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's tokenizer flags."""
-    g = parser.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=[*TOKENIZER_TYPES, *_ALIASES])
+def add_tokenizer_args(
+    parser: argparse.ArgumentParser,
+    default_type: str | None = None,
+    required: bool = True,
+    title: str = "tokenizer",
+) -> argparse.ArgumentParser:
+    """Megatron-LM's tokenizer flags: the one definition pretrain_gpt.py, preprocessing and
+    the tools share. ``default_type``/``required``: whether ``--tokenizer-type`` must be given."""
+    g = parser.add_argument_group(title)
+    g.add_argument(
+        "--tokenizer-type",
+        required=required,
+        default=default_type,
+        choices=[*TOKENIZER_TYPES, *_ALIASES],
+        help="GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
+    )
     g.add_argument(
         "--tokenizer-model", default=None, help="sentencepiece .model, or a local HF tokenizer directory"
     )
