@@ -85,6 +85,11 @@ def configs() -> list[dict]:
     # a document subset (a split that does not start at 0) with empty sequences
     s50 = doc_sizes(50, 3, zero_every=7)
     out.append(_config("subset_with_empty", s50, list(range(10, 42)), 4, 150, 31))
+    # num_samples * seq_length == tokens of one epoch: the last sample's extra label token
+    # needs a second epoch
+    s12 = doc_sizes(12, 4)
+    s12[-1] += (-sum(s12)) % 8
+    out.append(_config("exact_epoch", s12, list(range(12)), 8, sum(s12) // 8, 3))
     return out
 
 
