@@ -15,6 +15,8 @@ with a time limit. Results:
     survived   every named test passed with the bug in place: a gap in the tests
     stale      the snippet is not in the source (any more) exactly once, or a named
                test file is gone: update the mutant, it checked nothing
+    invalid    the replacement does not compile: fix the mutant
+    error      pytest was killed by a signal from outside the run: run it again
 
 Score = killed / (killed + survived); stale mutants are listed, not scored.
 A baseline run of the union of the named tests on the unmutated copy comes
@@ -128,8 +130,13 @@ def run_mutant(m, copy: str, timeout: int) -> Result:
     target = os.path.join(copy, m.file)
     with open(os.path.join(ROOT, m.file)) as f:
         source = f.read()
+    mutated = source.replace(m.original, m.replacement, 1)
+    try:
+        compile(mutated, m.file, "exec")
+    except SyntaxError as e:
+        return Result(m.id, "invalid", 0.0, f"the mutated file does not compile: {e.msg} (line {e.lineno})")
     with open(target, "w") as f:
-        f.write(source.replace(m.original, m.replacement, 1))
+        f.write(mutated)
     start = time.perf_counter()
     try:
         rc, out = run_tests(copy, list(m.tests), getattr(m, "timeout", None) or timeout)
@@ -143,6 +150,8 @@ def run_mutant(m, copy: str, timeout: int) -> Result:
         return Result(m.id, "survived", seconds, "")
     if rc in (4, 5):  # usage error / nothing collected: a node id that no longer exists
         return Result(m.id, "stale", seconds, "pytest could not collect the named tests")
+    if rc < 0:  # pytest itself was killed by a signal from outside: no verdict
+        return Result(m.id, "error", seconds, f"pytest killed by signal {-rc}: run this mutant again")
     failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     return Result(m.id, "killed", seconds, failed[0][:90] if failed else f"pytest exit {rc}")
 
@@ -161,16 +170,21 @@ def table(results: list[Result], mutants: dict) -> str:
     killed = sum(r.status == "killed" for r in results)
     survived = sum(r.status == "survived" for r in results)
     stale = sum(r.status == "stale" for r in results)
+    other = len(results) - killed - survived - stale
     scored = killed + survived
     score = 100.0 * killed / scored if scored else 0.0
     lines.append("-" * 110)
     lines.append(
-        f"{len(results)} mutants: {killed} killed, {survived} survived, {stale} stale; "
+        f"{len(results)} mutants: {killed} killed, {survived} survived, {stale} stale"
+        + (f", {other} invalid/error" if other else "")
+        + "; "
         f"score {killed}/{scored} = {score:.1f}%"
     )
     for r in results:
         if r.status == "survived":
             lines.append(f"SURVIVED {r.id}: {mutants[r.id].why}")
+        elif r.status in ("invalid", "error"):
+            lines.append(f"{r.status.upper()} {r.id}: {r.detail}")
     return "\n".join(lines)
 
 

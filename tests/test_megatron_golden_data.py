@@ -18,6 +18,7 @@ import struct
 import numpy as np
 import pytest
 
+from megalite.data.blended_dataset import build_blending_indices
 from megalite.data.gpt_dataset import GPTDataset, build_indices
 from megalite.data.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, write_index
 from megalite.data.samplers import MegatronPretrainingSampler
@@ -101,6 +102,15 @@ def test_separate_final_epoch_has_its_own_shuffles():
     before = ((epochs - 1) * tokens - 1) // cfg["seq_length"]
     assert sorted(shuffle_index[:before].tolist()) == list(range(before))
     assert sorted(shuffle_index[before:].tolist()) == list(range(before, len(shuffle_index)))
+
+
+# ---- weighted blending -------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(META["blends"]))
+def test_blending_indices_equal_megatron_core(name):
+    blend = META["blends"][name]
+    dataset_index, dataset_sample_index = build_blending_indices(blend["weights"], blend["size"])
+    assert np.array_equal(dataset_index, golden(name, "dataset_index"))
+    assert np.array_equal(dataset_sample_index, golden(name, "dataset_sample_index"))
 
 
 # ---- samples: tokens, labels, loss mask around eod, positions ------------------------

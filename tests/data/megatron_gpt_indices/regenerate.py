@@ -11,6 +11,8 @@ separate-final-epoch threshold, ``_build_document_index``, ``helpers.build_sampl
     <name>-document_index.npy, <name>-sample_index.npy, <name>-shuffle_index.npy
     <name>-samples.npy   [K, 4, seq_length] int64: tokens, labels, loss_mask, position_ids
                          of the first K samples (``--eod-mask-loss`` on), as Megatron returns them
+    blend_*-dataset_index.npy, blend_*-dataset_sample_index.npy
+                         helpers.build_blending_indices for the weights in BLENDS
     configs.json         the configs, the document sizes and contents rule, and the versions
 
 ``tests/test_megatron_golden_data.py`` rebuilds the same data with megalite and must
@@ -140,6 +142,25 @@ def build(cfg: dict, workdir: str):
     return ds.document_index, ds.sample_index, ds.shuffle_index, np.stack(samples)
 
 
+# Weighted blends (--data-path W1 A W2 B ...): Megatron-core's helpers.build_blending_indices.
+BLENDS = {
+    "blend_3": ([0.5, 0.3, 0.2], 200),
+    "blend_2_uneven": ([0.7, 0.3], 101),
+    "blend_4_thirds": ([1 / 3, 1 / 3, 1 / 6, 1 / 6], 97),
+}
+
+
+def build_blend(weights, size):
+    from megatron.core.datasets import helpers
+
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(
+        dataset_index, dataset_sample_index, np.asarray(weights, np.float64), len(weights), size, False
+    )
+    return dataset_index, dataset_sample_index
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     import megatron.core
@@ -157,6 +178,12 @@ def main() -> None:
             ):
                 np.save(os.path.join(HERE, f"{cfg['name']}-{name}.npy"), np.asarray(arr), allow_pickle=False)
             print(cfg["name"], "docs", len(doc), "samples", len(sample) - 1, file=sys.stderr)
+    for name, (weights, size) in BLENDS.items():
+        dataset_index, dataset_sample_index = build_blend(weights, size)
+        np.save(os.path.join(HERE, f"{name}-dataset_index.npy"), dataset_index, allow_pickle=False)
+        np.save(
+            os.path.join(HERE, f"{name}-dataset_sample_index.npy"), dataset_sample_index, allow_pickle=False
+        )
     meta = {
         "generator": "tests/data/megatron_gpt_indices/regenerate.py",
         "megatron_core": version,
@@ -165,6 +192,7 @@ def main() -> None:
         "eod": EOD,
         "tokens_rule": "doc_tokens() in regenerate.py",
         "configs": cfgs,
+        "blends": {name: {"weights": w, "size": n} for name, (w, n) in BLENDS.items()},
     }
     with open(os.path.join(HERE, "configs.json"), "w") as f:
         json.dump(meta, f, indent=1)
