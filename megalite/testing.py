@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -29,6 +30,23 @@ def _context():
         # torch._dynamo is imported by the first torch.optim call: ~5 s of CPU per rank if not preloaded.
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megalite"])
     return _CTX
+
+
+def _pack(obj: Any) -> bytes:
+    """A rank's result as bytes. Put on the queue as they are, tensors would travel as shared-memory
+    file descriptors that the parent fetches from the rank when it unpickles them; a rank that has
+    exited by then leaves the parent with FileNotFoundError (seen on a loaded machine)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)  # our own ranks' results
 
 
 def _worker(fn, rank, world_size, init_file, timeout_s, env, args, kwargs, results):
@@ -55,7 +73,7 @@ def _worker(fn, rank, world_size, init_file, timeout_s, env, args, kwargs, resul
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _pack(out)))
     except BaseException:  # report every failure, including assertion errors
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -120,7 +138,7 @@ def run_distributed(
                             ) from None
                     continue
                 if status == "ok":
-                    outputs[rank] = payload
+                    outputs[rank] = _unpack(payload)
                 else:
                     errors[rank] = payload
                     # One failure usually strands the others in a collective.
