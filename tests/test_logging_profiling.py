@@ -34,6 +34,8 @@ COMMON = [
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", str(ITERS), "--lr", "3e-3", "--log-interval", "1", "--seed", "7",
     "--eval-interval", "2", "--eval-iters", "1",
+    # Megatron's default dropout is 0.1; layouts compare only without it.
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
 LOGGING = [
     "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--log-throughput",

@@ -220,6 +220,8 @@ _MODEL = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
     "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
     "--train-iters", "1", "--lr", "1e-3", "--log-interval", "1",
+    # Megatron's default dropout is 0.1; layouts below turn it on where they mean to.
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
 _LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
 _LLAMA += ["--untie-embeddings-and-output-weights", "--disable-bias-linear"]

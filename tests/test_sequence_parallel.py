@@ -252,7 +252,7 @@ def test_recompute_units():
     assert recompute_units(2, "block", 5) == [(0, 1, True), (1, 2, True)]
 
 
-BASE = ["--mock-data", "--vocab-size", "100", "--seq-length", "10"]
+BASE = ["--mock-data", "--vocab-size", "100", "--seq-length", "10", "--train-iters", "2"]
 
 
 def parsed(*flags, world=1):
