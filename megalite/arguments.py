@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--mock-data", action="store_true", help="Train on a deterministic synthetic token stream."
     )
     g.add_argument(
+        "--eod-mask-loss",
+        action="store_true",
+        help="No loss on predicting the token after an end-of-document token (Megatron's meaning).",
+    )
+    g.add_argument(
         "--num-workers",
         type=int,
         default=0,

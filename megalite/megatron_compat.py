@@ -235,6 +235,8 @@ REFUSED: tuple[CompatFlag, ...] = (
         "overlapping ZeRO-1's parameter all-gather with the optimizer step (not built yet)",
     ),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
+    CompatFlag("--reset-position-ids", 0, "position ids restarting at each document (eod) in a sample"),
+    CompatFlag("--reset-attention-mask", 0, "attention masked across documents (eod) inside a sample"),
     CompatFlag("--enable-gpt-oss", 0, _GPT_OSS),
     CompatFlag("--quick-geglu", 0, _GPT_OSS),
     CompatFlag("--glu-linear-offset", 1, _GPT_OSS, allowed=("0", "0.0")),

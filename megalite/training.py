@@ -200,6 +200,8 @@ def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple[Dataset
         cache_dir=args.data_cache_path,
         mock=args.mock_data,
         vocab_size=state.tokenizer.vocab_size,
+        eod_token=getattr(state.tokenizer, "eod", None),
+        eod_mask_loss=args.eod_mask_loss,
         vocab_flags=tokenizer_flags(tokenizer_kwargs(args)),
     )
 

@@ -1,6 +1,7 @@
 """Flags: Megatron names, YAML config, derived sizes, and clear errors on bad values."""
 
 import pytest
+import torch
 
 from megalite.arguments import ArgumentError, model_config, parse_args, validate_args
 from megalite.model.config import ModelConfigError
@@ -177,3 +178,19 @@ def test_weight_decay_schedule_flags_reach_the_optimizer():
     assert decay["weight_decay"] == pytest.approx(0.04) and no_decay["weight_decay"] == 0.0
     state.scheduler.step(6 * gbs)
     assert decay["weight_decay"] == pytest.approx(0.1)
+
+
+def test_eod_mask_loss_reaches_the_samples():
+    """--eod-mask-loss (Megatron's): no loss on the token after an end-of-document token."""
+    from megalite.training import setup
+
+    flags = [*BASE, "--train-iters", "4", "--seq-length", "64", "--global-batch-size", "4"]
+    for masked in (False, True):
+        state = setup(parse_args(flags + (["--eod-mask-loss"] if masked else [])))
+        eod = state.tokenizer.eod
+        samples = [state.datasets[0][i] for i in range(8)]
+        tokens = torch.stack([s["tokens"] for s in samples])
+        mask = torch.stack([s["loss_mask"] for s in samples])
+        assert (tokens == eod).any(), "the mock stream has documents, so eod tokens"
+        expected = (tokens != eod).float() if masked else torch.ones_like(mask)
+        assert torch.equal(mask, expected)

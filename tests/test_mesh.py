@@ -49,8 +49,15 @@ def test_rank_layout_matches_independent_enumeration(world):
         # TP groups are consecutive ranks (inside one node)
         for g in lay.tp_groups:
             assert g == list(range(g[0], g[0] + tp))
-        for g in lay.embedding_groups:
-            assert g == sorted({g[0], g[-1]})
+        # The embedding group of (d, t): that replica's first and last pipeline stage.
+        first_last = {
+            tuple(
+                sorted({q for q in range(world) if coords[q][:2] == (t, d) and coords[q][2] in (0, pp - 1)})
+            )
+            for t in range(tp)
+            for d in range(world // (tp * pp))
+        }
+        assert {tuple(g) for g in lay.embedding_groups} == first_last
 
 
 def test_bad_sizes_name_the_flag():
