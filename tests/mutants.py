@@ -90,8 +90,8 @@ MUTANTS = [
     Mutant(
         "clip-zero-not-summed-over-dp",
         "megalite/optim/clip_grads.py",
-        "groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)",
-        "groups = (mesh.mp_group,)",
+        "return (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)",
+        "return (mesh.mp_group,)",
         (OPT + "::test_grad_norm_counts_every_logical_element_once",),
         "ZeRO-1 shards the grads over DP: the norm must sum the DP shards too",
     ),

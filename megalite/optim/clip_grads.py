@@ -38,6 +38,12 @@ def all_reduce_over(tensor: torch.Tensor, op, *groups) -> torch.Tensor:
     return tensor
 
 
+def _summing_groups(mesh: Mesh, dp_sharded: bool) -> tuple:
+    """The groups this rank's share of a whole-model sum is all-reduced over: TP x PP (the
+    model-parallel group), and DP too when the tensors are ZeRO shards."""
+    return (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+
+
 def get_grad_norm(
     params: Iterable[torch.Tensor],
     mesh: Mesh,
@@ -82,7 +88,7 @@ def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool 
     total = torch.zeros((), dtype=torch.float64, device=device)  # float64: exact up to 2**53 elements
     for g in grads:
         total += g.numel() - torch.count_nonzero(g)
-    groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+    groups = _summing_groups(mesh, dp_sharded)
     return int(all_reduce_over(total, dist.ReduceOp.SUM, *groups).item())
 
 
@@ -97,7 +103,7 @@ def _global_norm(
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
     device = tensors[0].device if tensors else mesh.device
-    groups = (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+    groups = _summing_groups(mesh, dp_sharded)
     if norm_type == math.inf:
         local = torch.zeros((), dtype=torch.float32, device=device)
         for t in tensors:
