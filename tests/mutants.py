@@ -131,15 +131,15 @@ MUTANTS = [
     Mutant(
         "lr-decay-ignores-warmup",
         "megalite/optim/lr_scheduler.py",
-        "decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)",
-        "decay_ratio = n / self.lr_decay_steps",
+        "decay_ratio = float(n - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)",
+        "decay_ratio = float(n) / float(self.lr_decay_steps)",
         (OPT + "::test_lr_schedule_values",),
         "decay measured from step 0 instead of from the end of warm-up (Megatron subtracts it)",
     ),
     Mutant(
         "lr-no-floor-after-decay",
         "megalite/optim/lr_scheduler.py",
-        "        if n > self.lr_decay_steps:\n            return self.min_lr\n",
+        "        if n > self.lr_decay_steps:\n            return min_lr\n",
         "",
         (OPT + "::test_lr_schedule_values",),
         "past --lr-decay-iters linear decay keeps going below --min-lr",
@@ -147,8 +147,8 @@ MUTANTS = [
     Mutant(
         "lr-warmup-from-one",
         "megalite/optim/lr_scheduler.py",
-        "return self.max_lr * n / self.lr_warmup_steps",
-        "return self.max_lr * (n + 1) / self.lr_warmup_steps",
+        "return self.init_lr + (max_lr - self.init_lr) * float(n) / float(self.lr_warmup_steps)",
+        "return self.init_lr + (max_lr - self.init_lr) * float(n + 1) / float(self.lr_warmup_steps)",
         (OPT + "::test_lr_schedule_values",),
         "warm-up shifted by one step (another framework's convention, not Megatron's)",
     ),
@@ -180,9 +180,9 @@ MUTANTS = [
     Mutant(
         "adamw-decays-1d-params",
         "megalite/optim/base.py",
-        "decay = [m.main for m in main_params if m.model.dim() > 1]\n"
+        "decay = [m.main for m in main_params if m.model.dim() > 1 and not own_lr(m)]\n"
         "        no_decay = [m.main for m in main_params if m.model.dim() <= 1]",
-        "decay = [m.main for m in main_params]\n        no_decay = []",
+        "decay = [m.main for m in main_params if not own_lr(m)]\n        no_decay = []",
         (OPT + "::test_fp32_main_params_are_the_model_params_and_groups_follow_megatron",),
         "Megatron exempts biases and norm weights (1-D params) from weight decay",
     ),
@@ -262,8 +262,8 @@ MUTANTS = [
     Mutant(
         "ddp-buckets-forward-order",
         "megalite/parallel/data_parallel.py",
-        "groups = _split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)",
-        "groups = _split_into_buckets(list(params), bucket_size, use_distributed_optimizer)",
+        "groups = split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)",
+        "groups = split_into_buckets(list(params), bucket_size, use_distributed_optimizer)",
         (DP + "::test_dp_matches_single_process",),
         "buckets in registration order complete only at the end of backward: no overlap",
     ),
@@ -343,8 +343,8 @@ MUTANTS = [
     Mutant(
         "row-parallel-bias-before-reduce",
         "megalite/parallel/layers.py",
-        "y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)",
-        "y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight, self.bias), self.tp_group)",
+        "y = F.linear(x, self.weight)  # partial sum over this rank's input features",
+        "y = F.linear(x, self.weight, self.bias)  # the bias added before the reduce",
         (TPL,),
         "the row-parallel bias added on every rank before the all-reduce counts tp times",
     ),
@@ -658,8 +658,16 @@ MUTANTS = [
         "megalite/data/blended_dataset.py",
         "td = float(t) if t > 1 else 1.0",
         "td = float(t + 1)",
+        ("tests/test_data_blending.py::test_compiled_and_python_loops_give_the_same_bytes",),
+        "Megatron's greedy blending uses max(t, 1) (the Python fallback loop)",
+    ),
+    Mutant(
+        "blend-deficit-off-by-one-compiled",
+        "megalite/data/native.py",
+        "double td = t > 1 ? (double)t : 1.0;",
+        "double td = (double)(t + 1);",
         (GOLDEN_DATA,),
-        "Megatron's greedy blending uses max(t, 1)",
+        "the same slip in the compiled loop that training uses when a C compiler is present",
     ),
     # ---- model/, metrics.py, training.py ---------------------------------------------------------
     Mutant(
