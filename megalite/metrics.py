@@ -198,7 +198,7 @@ class MetricSinks:
             self.jsonl = open(metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
     @classmethod
-    def open(cls, args, enabled: bool, device: torch.device) -> MetricSinks:
+    def open(cls, args, enabled: bool, mesh) -> MetricSinks:
         """The sinks ``args`` ask for on the logging rank; if they cannot open, every rank stops.
 
         One flag is all-reduced over the world once, so a failure on the logging
@@ -218,7 +218,7 @@ class MetricSinks:
         except MegaliteError as e:
             error = e
         if dist.is_initialized() and dist.get_world_size() > 1:
-            failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+            failed = mesh.tensor([0.0 if error is None else 1.0])
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if error is None and failed.item() > 0:
                 sinks.close()

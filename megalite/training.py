@@ -101,7 +101,7 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
             mine += p.numel()
             if counted_once(p, mesh.tp_rank, mesh.is_first_stage):
                 unique += p.numel()
-    total = torch.tensor([unique], dtype=torch.long, device=mesh.device)  # NCCL refuses CPU tensors
+    total = mesh.tensor([unique], dtype=torch.long)
     if mesh.mp_group is not None:
         dist.all_reduce(total, group=mesh.mp_group)
     return mine, int(total.item())
@@ -279,7 +279,7 @@ def attach_loss_normalizer(microbatches: list, args: argparse.Namespace, mesh: M
     """
     if not args.calculate_per_token_loss or not mesh.is_last_stage or not microbatches:
         return
-    tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().float()
+    tokens = mesh.on_device(torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().float())
     if mesh.dp_group is not None and mesh.dp_size > 1:
         dist.all_reduce(tokens, group=mesh.dp_group)
     factor = len(microbatches) * mesh.dp_size / tokens.clamp(min=1.0)
@@ -309,11 +309,11 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
     )
 
 
-def average_loss(losses: list, mesh: Mesh, device: torch.device) -> float | None:
+def average_loss(losses: list, mesh: Mesh) -> float | None:
     """Global-batch mean loss on last-stage ranks (mean over microbatches, then over DP)."""
     if not mesh.is_last_stage:
         return None
-    loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
+    loss = mesh.on_device(torch.stack([x.detach().float() for x in losses]).mean())
     if mesh.dp_group is not None and mesh.dp_size > 1:
         loss = loss / mesh.dp_size
         dist.all_reduce(loss, group=mesh.dp_group)
@@ -349,7 +349,7 @@ def train_step(state: TrainState, data_iter) -> dict:
     state.iteration += 1
     state.consumed_train_samples += gbs
     return {
-        "loss": average_loss(losses, mesh, mesh.device),
+        "loss": average_loss(losses, mesh),
         "grad_norm": grad_norm,
         "skipped": not ok,
         "num_zeros": num_zeros,
@@ -395,7 +395,7 @@ def evaluate(state: TrainState, dataset) -> float | None:
         losses.extend(run_schedule(state, microbatches, forward_only=True))
     for chunk in state.model:
         chunk.train()
-    return average_loss(losses, mesh, mesh.device)
+    return average_loss(losses, mesh)
 
 
 # ---------------------------------------------------------------------------- loop
@@ -536,7 +536,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
     hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
-    sinks = MetricSinks.open(args, log_here, mesh.device)
+    sinks = MetricSinks.open(args, log_here, mesh)
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)

@@ -72,11 +72,11 @@ def _log(mesh: Mesh, msg: str) -> None:
         print(msg, flush=True)
 
 
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+def any_rank(flags: list[bool], mesh: Mesh) -> list[bool]:
     """Each flag OR-ed over every rank (one all-reduce MAX), so that all ranks take the same decision."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(flags)
-    t = torch.tensor([float(f) for f in flags], device=device)
+    t = mesh.tensor([float(f) for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]
 
@@ -209,7 +209,7 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
             )
         except Exception as e:  # every rank must learn of it, or they would carry on without a save
             error = e
-    if any_rank([error is not None], mesh.device)[0]:
+    if any_rank([error is not None], mesh)[0]:
         if error is not None:
             raise error
         raise files.CheckpointError(f"saving {final} failed on rank 0 (see its error)")

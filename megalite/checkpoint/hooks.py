@@ -68,7 +68,7 @@ class CheckpointHooks:
             return False, False
         got_signal = self.signal is not None and self.signal.received
         late = limit is not None and (time.monotonic() - self.start) / 60.0 > limit
-        return tuple(any_rank([got_signal, late], state.mesh.device))
+        return tuple(any_rank([got_signal, late], state.mesh))
 
     def _save(self, state) -> None:
         if self.config.save and self.last_saved != state.iteration:

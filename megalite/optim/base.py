@@ -279,13 +279,12 @@ class MixedPrecisionOptimizer(ABC):
 
     def _found_non_finite(self, grads: list[torch.Tensor], loss_not_finite: torch.Tensor | None) -> bool:
         """True if any of ``grads`` or the loss flag on ANY rank is inf/NaN (one MAX all-reduce)."""
-        device = grads[0].device if grads else self.mesh.device
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        mesh = self.mesh
+        found_inf = mesh.zeros()
         if loss_not_finite is not None:
-            found_inf = torch.maximum(found_inf, loss_not_finite.to(device).float())
-        if grads:
-            for g in grads:
-                found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
+            found_inf = torch.maximum(found_inf, mesh.on_device(loss_not_finite).float())
+        for g in grads:
+            found_inf = torch.maximum(found_inf, mesh.on_device((~torch.isfinite(g)).any()).float())
         # Every rank must take the same decision, or the next collective deadlocks:
         # TP/PP ranks hold different params, and ZeRO DP ranks different shards.
         all_reduce_over(found_inf, dist.ReduceOp.MAX, self.mesh.mp_group, self.mesh.dp_group)

@@ -84,10 +84,9 @@ def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool 
         for p in params
         if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
     ]
-    device = grads[0].device if grads else mesh.device
-    total = torch.zeros((), dtype=torch.float64, device=device)  # float64: exact up to 2**53 elements
+    total = mesh.zeros(dtype=torch.float64)  # float64: exact up to 2**53 elements
     for g in grads:
-        total += g.numel() - torch.count_nonzero(g)
+        total += mesh.on_device(g.numel() - torch.count_nonzero(g))
     groups = _summing_groups(mesh, dp_sharded)
     return int(all_reduce_over(total, dist.ReduceOp.SUM, *groups).item())
 
@@ -102,21 +101,20 @@ def _global_norm(
     """Norm over this rank's ``tensors`` (already filtered to count once) and the ranks that share them."""
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    device = tensors[0].device if tensors else mesh.device
     groups = _summing_groups(mesh, dp_sharded)
     if norm_type == math.inf:
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        local = mesh.zeros()
         for t in tensors:
-            local = torch.maximum(local, t.detach().abs().max().float())
+            local = torch.maximum(local, mesh.on_device(t.detach().abs().max().float()))
         local = _poisoned(local, poison, math.inf)  # MAX keeps inf on every backend; NaN it may drop
         return float(all_reduce_over(local, dist.ReduceOp.MAX, *groups))
     if tensors:
         norms = torch._foreach_norm(
             [t.detach().float() if t.dtype != torch.float32 else t.detach() for t in tensors]
         )
-        total = torch.stack(norms).pow(2).sum()
+        total = mesh.on_device(torch.stack(norms).pow(2).sum())
     else:  # a rank may own no tensors (e.g. its ZeRO shard is all padding); it still joins the all-reduce
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = mesh.zeros()
     total = _poisoned(total, poison, math.nan)
     return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups)) ** 0.5
 

@@ -34,19 +34,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
     """All-gather equal 1-D shards into the flat ``output`` [n * numel] (in place when ``shard`` is its own slice)."""
-    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+    gather = (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    )  # torch 2.13's name, else the old
+    return gather(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
     """Sum the flat ``full`` [n * numel] over ``group``; this rank keeps its slice in ``output`` [numel]."""
-    return _reduce_scatter_flat(output, full, group=group, async_op=async_op)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, full, group=group, async_op=async_op)
 
 
 def _world(group) -> int:

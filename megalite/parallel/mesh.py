@@ -141,6 +141,23 @@ class Mesh:
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
 
+    # Bookkeeping tensors ----------------------------------------------------
+    # Every small tensor that crosses ranks (flags, counts, norms, losses) is made here, on
+    # the mesh's device: NCCL refuses CPU tensors, so one made with a plain torch.tensor(...)
+    # works on gloo and stops a GPU run. tests/test_device_discipline.py enforces the rule.
+    def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``torch.tensor(data)`` on the mesh's device."""
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``torch.zeros(shape)`` on the mesh's device (``mesh.zeros()``: a scalar)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the mesh's device (no copy when it is there): for values computed from
+        tensors that may live elsewhere (offloaded main params) before they enter a collective."""
+        return t.to(self.device)
+
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
