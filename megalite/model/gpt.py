@@ -184,6 +184,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------------------------
 
 
+def _sdpa_has_enable_gqa() -> bool:
+    """SDPA's ``enable_gqa`` (torch >= 2.5): k, v with fewer heads than q, without copies."""
+    try:
+        z = torch.zeros(1, 2, 1, 1)
+        F.scaled_dot_product_attention(z, z[:, :1], z[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query attention; each TP rank holds whole query groups.
 
@@ -201,6 +214,9 @@ class SelfAttention(nn.Module):
         self.local_groups = config.query_groups // tp
         self.local_heads = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
+        # Off until megalite/memory.py models enable_gqa's saved tensors (bf16 CPU saves 2 KiB more
+        # per layer at tp2 in test_memory's SP case); bench/gqa.py and tests/test_gqa.py turn it on.
+        self.enable_gqa = False
         self.rng = rng
         self.selective_recompute = selective
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
@@ -254,14 +270,18 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v: q [b, heads/tp, s, d], k, v [b, groups/tp, s, d]."""
-        if self.q_per_group > 1:
-            # Query heads of group g sit next to each other, so repeat each k/v head in place.
+        # Query heads of group g sit next to each other: SDPA's enable_gqa pairs them with k/v head
+        # g without copies; older torch repeats each k/v head in place.
+        gqa = {}
+        if self.q_per_group > 1 and self.enable_gqa:
+            gqa = {"enable_gqa": True}
+        elif self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
         dropout_p = self.attention_dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
 
 
 class MLP(nn.Module):
