@@ -123,7 +123,7 @@ class Problem:
     seq_length: int
     global_batch_size: int
     params_dtype: torch.dtype = torch.bfloat16
-    allow_cross_node_tp: bool = False
+    device_type: str = "cuda"  # the kernels whose saved tensors the memory model counts
 
 
 def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
@@ -142,7 +142,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         recompute_granularity=None if c.recompute == "none" else c.recompute,
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
-        device_type="cuda",
+        device_type=p.device_type,
         **SHARDING[c.sharding],
     )
 
