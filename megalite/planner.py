@@ -408,14 +408,14 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
         loses(f"pp={alt.pp} adds a {100 * _share(alt, 'bubble'):.0f}% bubble", alt)
     alt = first(lambda c: c.pp < best.pp)
     if alt is not None:
-        loses(f"pp={alt.pp} (tp={alt.tp}, mbs={alt.micro_batch_size}, recompute {alt.recompute}) to fit", alt)
+        loses(f"pp={alt.pp} (more DP traffic or smaller microbatches)", alt)
     alt = first(lambda c: c.tp > best.tp)
     if alt is not None:
         crosses = " crosses nodes and" if alt.tp > p.cluster.gpus_per_node else ""
         loses(f"tp={alt.tp}{crosses} spends {100 * _share(alt, 'tp'):.0f}% on TP communication", alt)
     alt = first(lambda c: c.tp < best.tp)
     if alt is not None:
-        loses(f"tp={alt.tp} needs pp={alt.pp}, recompute {alt.recompute} to fit", alt)
+        loses(f"tp={alt.tp} (with pp={alt.pp})", alt)
     alt = first(lambda c: c.recompute != best.recompute)
     if alt is not None:
         loses(f"recompute {alt.recompute}", alt)
