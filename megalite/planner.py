@@ -1,0 +1,428 @@
+"""The parallelism planner: enumerate layouts, predict memory and step time, rank the ones that fit.
+
+Memory is :func:`megalite.memory.predict_rank` (the model the first iteration's report checks),
+on the first and the last pipeline stage: with an even split every middle stage holds no more
+than stage 0 (same layers, no embedding, fewer microbatches in flight under 1F1B and the
+interleaved schedule), so the max over those two is the max over all stages. On top of it,
+``overhead_gb``: ``CONTEXT_GB`` (CUDA context, NCCL communicators) + ``FRAGMENTATION`` x the
+prediction (allocator) + the model's own extras (p2p buffers, a recomputed unit's transient).
+
+Step time (one global batch, per GPU, all stages alike):
+
+* compute: model FLOPs x (1 + recompute extra) / (peak x ``gemm_efficiency``); the efficiency
+  saturates with the GEMM size: ``EFF_MAX * d / (d + EFF_HALF)``, d = min(tokens per
+  microbatch, hidden / tp);
+* TP: 4 ring all-reduces (or all-gather + reduce-scatter under SP: same bytes) of ``b*s*h``
+  per layer and microbatch (+2 when full recompute reruns the forward), of which
+  ``TP_EXPOSED`` is on the critical path; NVLink inside a node, the network when tp crosses one;
+* PP: one ``b*s*h`` activation forward and one grad backward per microbatch and chunk boundary
+  (divided by tp with SP, as Megatron's scatter / gather), not overlapped;
+* the bubble: (p - 1) / (v*m + p - 1) of the step (1F1B and interleaved);
+* DP: a ring all-reduce of the fp32 grad buffer (the distributed optimizer's reduce-scatter +
+  all-gather move the same bytes), hidden behind the last microbatch's backward except the last
+  bucket (``--overlap-grad-reduce``).
+
+The optimizer step and the data loader are not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megalite.errors import MegaliteError
+from megalite.memory import MemoryLayout, RankMemory, predict_rank
+from megalite.metrics import model_flops_per_token
+from megalite.model.config import ModelConfig
+
+GIB = 2**30
+
+
+class PlanError(MegaliteError, ValueError):
+    """A cluster / model combination the planner cannot plan, naming the flag."""
+
+
+# ---- the cluster ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPUSpec:
+    """Dense bf16 peak TFLOP/s, HBM (GiB), and per-GPU bandwidths (GB/s) a ring achieves:
+    NVLink / NVSwitch inside a node, the GPU's network rail (one NIC per GPU) between nodes."""
+
+    name: str
+    peak_tflops: float
+    memory_gb: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GPUSpec("H100-SXM", 989.0, 80.0, 360.0, 45.0),  # NVLink4 900 GB/s bidir.; NDR 400 Gb/s
+        GPUSpec("H200", 989.0, 141.0, 360.0, 45.0),
+        GPUSpec("A100-80GB", 312.0, 80.0, 240.0, 22.0),  # NVLink3 600 GB/s bidir.; HDR 200 Gb/s
+        GPUSpec("A100-40GB", 312.0, 40.0, 240.0, 22.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    num_gpus: int
+    gpus_per_node: int
+    gpu: GPUSpec
+
+
+# ---- the constants of the model, stated -------------------------------------------------------
+CONTEXT_GB = 2.0  # CUDA context + NCCL communicators' buffers per rank
+FRAGMENTATION = 0.08  # caching allocator slack, a fraction of the predicted bytes
+EFF_MAX = 0.65  # best end-to-end GEMM + kernel efficiency (fraction of peak) at large sizes
+EFF_HALF = 256  # GEMM dimension at which efficiency is half of EFF_MAX
+TP_EXPOSED = 0.7  # fraction of TP communication on the critical path
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+# ZeRO strategies the planner enumerates: name -> MemoryLayout fields. Add "optim_grads" /
+# "optim_grads_params" here (and their DP communication in `dp_time`) when data_parallel has them.
+SHARDING = {"no_shard": {"use_distributed_optimizer": False}, "optim": {"use_distributed_optimizer": True}}
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch_size: int
+    sequence_parallel: bool
+    recompute: str
+    sharding: str
+    memory_per_rank_gb: float = 0.0
+    overhead_gb: float = 0.0
+    step_time_s: float = 0.0
+    mfu: float = 0.0
+    tokens_per_sec: float = 0.0
+    tflops_per_gpu: float = 0.0  # hardware FLOPs (recompute counted), as Narayanan et al. report
+    parts: tuple = ()  # (name, seconds) of the step time
+    flags: str = ""
+
+    def as_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("parts")
+        d["step_time_parts"] = dict(self.parts)
+        return d
+
+
+@dataclass(frozen=True)
+class Problem:
+    config: ModelConfig
+    cluster: Cluster
+    seq_length: int
+    global_batch_size: int
+    params_dtype: torch.dtype = torch.bfloat16
+    device_type: str = "cuda"  # the kernels whose saved tensors the memory model counts
+
+
+def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
+    full = c.recompute == "full"
+    return MemoryLayout(
+        tp=c.tp,
+        pp=c.pp,
+        dp=c.dp,
+        vp=c.vp,
+        micro_batch_size=c.micro_batch_size,
+        seq_length=p.seq_length,
+        num_microbatches=p.global_batch_size // (c.micro_batch_size * c.dp),
+        params_dtype=p.params_dtype,
+        schedule="interleaved" if c.vp > 1 else "1f1b",
+        sequence_parallel=c.sequence_parallel,
+        recompute_granularity=None if c.recompute == "none" else c.recompute,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        device_type=p.device_type,
+        **SHARDING[c.sharding],
+    )
+
+
+def peak_rank_memory(p: Problem, c: Candidate) -> RankMemory:
+    """predict_rank on the first and last stage (the peak stages, see the module doc)."""
+    layout = memory_layout(p, c)
+    ranks = [predict_rank(p.config, layout, r) for r in sorted({0, c.pp - 1})]
+    return max(ranks, key=lambda m: sum(m.categories().values()))
+
+
+def with_memory(p: Problem, c: Candidate) -> Candidate:
+    m = peak_rank_memory(p, c)
+    predicted = sum(m.categories().values())
+    overhead = CONTEXT_GB * GIB + FRAGMENTATION * predicted + sum(m.extra.values())
+    return dataclasses.replace(c, memory_per_rank_gb=predicted / GIB, overhead_gb=overhead / GIB)
+
+
+def fits(p: Problem, c: Candidate) -> bool:
+    return c.memory_per_rank_gb + c.overhead_gb <= p.cluster.gpu.memory_gb
+
+
+# ---- time -------------------------------------------------------------------------------------
+def gemm_efficiency(tokens: int, width: int) -> float:
+    d = min(tokens, width)
+    return EFF_MAX * d / (d + EFF_HALF)
+
+
+def ring_allreduce_s(nbytes: float, n: int, gbps: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9)
+
+
+def bubble_fraction(pp: int, vp: int, m: int) -> float:
+    return (pp - 1) / (vp * m + pp - 1)
+
+
+def recompute_extra(config: ModelConfig, seq: int, recompute: str) -> float:
+    """Extra FLOPs recompute runs, as a fraction of model FLOPs (fwd + bwd = 3 forwards)."""
+    if recompute == "full":
+        return 1 / 3
+    if recompute == "selective":  # the attention core's forward: 4 s h_q per layer and token
+        hq = config.num_attention_heads * config.head_dim
+        per_token = model_flops_per_token(config, seq, config.padded_vocab_size(1)) / 3
+        return config.num_layers * 4 * seq * hq / per_token / 3
+    return 0.0
+
+
+def with_time(p: Problem, c: Candidate) -> Candidate:
+    cfg, cl, s = p.config, p.cluster, p.seq_length
+    gpu = cl.gpu
+    B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
+    m = p.global_batch_size // (c.micro_batch_size * c.dp)
+    tokens_mb = c.micro_batch_size * s
+    flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
+    model_flops_gpu = flops_tok * p.global_batch_size * s / cl.num_gpus
+    extra = recompute_extra(cfg, s, c.recompute)
+    eff = gemm_efficiency(tokens_mb, cfg.hidden_size // c.tp)
+    compute = model_flops_gpu * (1 + extra) / (gpu.peak_tflops * 1e12 * eff)
+
+    layers_per_rank = cfg.num_layers / c.pp
+    act = B * tokens_mb * cfg.hidden_size
+    tp_bw = gpu.intra_node_gbps if c.tp <= cl.gpus_per_node else gpu.inter_node_gbps
+    n_collectives = 4 + (2 if c.recompute == "full" else 0)
+    tp = TP_EXPOSED * m * layers_per_rank * n_collectives * ring_allreduce_s(act, c.tp, tp_bw)
+
+    pp_bw = gpu.inter_node_gbps if c.tp * c.dp * c.pp > cl.gpus_per_node else gpu.intra_node_gbps
+    p2p_bytes = act / c.tp if c.sequence_parallel else act
+    pp = 0.0 if c.pp == 1 else 2 * m * c.vp * p2p_bytes / (pp_bw * 1e9)
+
+    busy = compute + tp + pp
+    bubble = busy * bubble_fraction(c.pp, c.vp, m) / (1 - bubble_fraction(c.pp, c.vp, m))
+
+    dp = 0.0
+    if c.dp > 1:
+        params_rank = sum(predict_rank_params(p, c))
+        dp_bw = gpu.intra_node_gbps if c.tp * c.dp <= cl.gpus_per_node else gpu.inter_node_gbps
+        full_dp = ring_allreduce_s(4 * params_rank, c.dp, dp_bw)
+        n_buckets = max(1, math.ceil(params_rank / 40_000_000))
+        last_backward = compute / m * 2 / 3
+        dp = max(full_dp - last_backward, full_dp / n_buckets)
+    step = busy + bubble + dp
+    tokens_per_sec = p.global_batch_size * s / step
+    mfu = model_flops_gpu / step / (gpu.peak_tflops * 1e12)
+    parts = (("compute", compute), ("tp", tp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
+    return dataclasses.replace(
+        c,
+        step_time_s=step,
+        mfu=mfu,
+        tokens_per_sec=tokens_per_sec,
+        tflops_per_gpu=model_flops_gpu * (1 + extra) / step / 1e12,
+        parts=parts,
+    )
+
+
+def predict_rank_params(p: Problem, c: Candidate) -> list[int]:
+    """Elements of the grad buffer on the peak stage (the DP reduction's size): bytes / 4."""
+    return [peak_rank_memory(p, c).grads // 4]
+
+
+# ---- enumeration ------------------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False) -> Iterator[Candidate]:
+    """Every valid layout on ``num_gpus`` (default: the cluster's), before any prediction."""
+    cfg, n = p.config, num_gpus or p.cluster.num_gpus
+    gbs = p.global_batch_size
+    for tp in divisors(n):
+        if cfg.num_attention_heads % tp or cfg.query_groups % tp or cfg.ffn_size % tp:
+            continue
+        if tp > p.cluster.gpus_per_node and not cross_node_tp:
+            continue
+        for pp in divisors(n // tp):
+            if cfg.num_layers % pp:
+                continue
+            dp = n // (tp * pp)
+            for mbs in MICRO_BATCH_SIZES:
+                if gbs % (mbs * dp):
+                    continue
+                m = gbs // (mbs * dp)
+                vps = [1]
+                if pp > 1 and m % pp == 0:
+                    vps += [v for v in divisors(cfg.num_layers // pp) if 1 < v <= 8]
+                for vp in vps:
+                    for sp in (False, True) if tp > 1 and p.seq_length % tp == 0 else (False,):
+                        for rc in RECOMPUTE_CHOICES:
+                            for sharding in SHARDING:
+                                if sharding != "no_shard" and dp == 1:
+                                    continue
+                                yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding)
+
+
+def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
+    q = (
+        p
+        if num_gpus is None
+        else dataclasses.replace(p, cluster=dataclasses.replace(p.cluster, num_gpus=num_gpus))
+    )
+    for c in layouts(q, num_gpus, cross_node_tp):
+        c = with_memory(q, c)
+        if fits(q, c):
+            yield c
+
+
+def plan(p: Problem) -> list[Candidate]:
+    """The layouts that fit, fastest first. TP crosses nodes only when nothing else fits."""
+    found = list(_fitting(p, None, False))
+    if not found and p.cluster.num_gpus > p.cluster.gpus_per_node:
+        found = list(_fitting(p, None, True))
+    if not found:
+        raise PlanError(no_fit_message(p))
+    ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
+    return [dataclasses.replace(c, flags=launch_flags(c, p.config.num_layers)) for c in ranked]
+
+
+def smallest_gpu_count(p: Problem, limit: int = 1 << 16) -> int | None:
+    """The fewest GPUs (powers of two up to a node, then whole nodes) on which a layout fits."""
+    gpn = p.cluster.gpus_per_node
+    counts = [2**k for k in range(gpn.bit_length()) if 2**k < gpn]
+    counts += list(range(gpn, limit + 1, gpn))
+    for n in counts:
+        if n <= p.cluster.num_gpus:
+            continue
+        if next(_fitting(p, n, n > gpn), None) is not None:
+            return n
+    return None
+
+
+def no_fit_message(p: Problem) -> str:
+    gpu = p.cluster.gpu
+    n = smallest_gpu_count(p)
+    where = (
+        f"the smallest that fits is --num-gpus {n}"
+        if n is not None
+        else "no GPU count up to 65536 fits; lower --seq-length or the model size"
+    )
+    return (
+        f"the model fits on no layout of --num-gpus {p.cluster.num_gpus} with {gpu.memory_gb:g} GB per GPU "
+        f"(--global-batch-size {p.global_batch_size}); {where}"
+    )
+
+
+# ---- output -----------------------------------------------------------------------------------
+def launch_flags(c: Candidate, num_layers: int) -> str:
+    f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
+    f.append(f"--micro-batch-size {c.micro_batch_size}")
+    if c.vp > 1:
+        f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
+    if c.sequence_parallel:
+        f.append("--sequence-parallel")
+    if c.recompute == "selective":
+        f.append("--recompute-activations")
+    elif c.recompute == "full":
+        f.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if c.sharding == "optim":
+        f.append("--use-distributed-optimizer")
+    if c.dp > 1:
+        f.append("--overlap-grad-reduce")
+    return " ".join(f)
+
+
+COLUMNS = (
+    "tp",
+    "pp",
+    "vp",
+    "dp",
+    "mbs",
+    "SP",
+    "recompute",
+    "ZeRO",
+    "mem GB",
+    "+ovh GB",
+    "step s",
+    "MFU",
+    "tokens/s",
+)
+
+
+def _row(c: Candidate) -> list[str]:
+    return [
+        str(c.tp), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
+        c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
+        f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
+    ]  # fmt: skip
+
+
+def format_table(cands: list[Candidate], top: int = 10) -> str:
+    rows = [list(COLUMNS)] + [_row(c) for c in cands[:top]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
+
+
+def _share(c: Candidate, part: str) -> float:
+    return dict(c.parts)[part] / c.step_time_s
+
+
+def explain(p: Problem, cands: list[Candidate]) -> list[str]:
+    """Why the best wins, and why the nearest alternative of each kind loses."""
+    best = cands[0]
+    parts = ", ".join(
+        f"{name} {100 * _share(best, name):.0f}%" for name, _ in best.parts if dict(best.parts)[name]
+    )
+    lines = [
+        f"best: tp={best.tp} pp={best.pp} vp={best.vp} dp={best.dp} mbs={best.micro_batch_size}: "
+        f"{best.step_time_s:.3f} s/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
+        f"{p.cluster.gpu.memory_gb:g} GB, {best.tflops_per_gpu:.0f} TFLOP/s per GPU (recompute counted)"
+    ]
+
+    def loses(why: str, alt: Candidate | None) -> None:
+        if alt is not None:
+            slower = 100 * (alt.step_time_s / best.step_time_s - 1)
+            lines.append(
+                f"{why}: {slower:+.0f}% step time (tp={alt.tp} pp={alt.pp} vp={alt.vp} dp={alt.dp}, "
+                f"mbs={alt.micro_batch_size}, recompute {alt.recompute})"
+            )
+
+    def first(pred) -> Candidate | None:
+        return next((c for c in cands if pred(c)), None)
+
+    alt = first(lambda c: c.pp > best.pp)
+    if alt is not None:
+        loses(f"pp={alt.pp} adds a {100 * _share(alt, 'bubble'):.0f}% bubble", alt)
+    alt = first(lambda c: c.pp < best.pp)
+    if alt is not None:
+        loses(f"pp={alt.pp} (more DP traffic or smaller microbatches)", alt)
+    alt = first(lambda c: c.tp > best.tp)
+    if alt is not None:
+        crosses = " crosses nodes and" if alt.tp > p.cluster.gpus_per_node else ""
+        loses(f"tp={alt.tp}{crosses} spends {100 * _share(alt, 'tp'):.0f}% on TP communication", alt)
+    alt = first(lambda c: c.tp < best.tp)
+    if alt is not None:
+        loses(f"tp={alt.tp} (with pp={alt.pp})", alt)
+    alt = first(lambda c: c.recompute != best.recompute)
+    if alt is not None:
+        loses(f"recompute {alt.recompute}", alt)
+    if (
+        best.tp * best.pp > 1
+        and p.cluster.gpus_per_node < p.cluster.num_gpus
+        and not any(c.tp > p.cluster.gpus_per_node for c in cands)
+    ):
+        lines.append(f"tp > {p.cluster.gpus_per_node} (across nodes) was not tried: a smaller tp fits")
+    return lines

@@ -1,0 +1,175 @@
+"""The planner (megalite/planner.py, tools/plan.py): its memory is predict_rank's, its layouts are
+valid, its ranking is sane, its output has the documented schema, and bad input is one line.
+
+Measured memory: the planner's MemoryLayout for each of tests/test_memory.py's LAYOUTS that the
+planner can choose (1F1B / interleaved, even split, recompute none / selective / full-uniform-1)
+equals the one the first iteration's report builds from the same flags (MemoryLayout.from_args),
+and its peak is predict_rank's max over ranks; test_memory checks that against the measured
+report within 5%, so no second spawn here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_memory import _MODEL, LAYOUTS, _flag
+
+from megalite import planner
+from megalite.arguments import model_config, parse_args, validate_args
+from megalite.memory import MemoryLayout, predict_rank
+from megalite.model.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+PLANNABLE = [
+    (name, flags)
+    for name, flags in LAYOUTS
+    if not any(f in flags for f in ("gpipe", "--decoder-first-pipeline-num-layers", "block"))
+    and "uniform" not in flags
+]
+
+
+def _args(flags):
+    pp = _flag(flags, "--pipeline-model-parallel-size")
+    dp = 4 // _flag(flags, "--tensor-model-parallel-size") // pp
+    m = 4 if pp > 1 else 2
+    return validate_args(parse_args(_MODEL + flags + ["--global-batch-size", str(2 * dp * m)]), 4)
+
+
+def _candidate(args) -> planner.Candidate:
+    rc = args.recompute_granularity or "none"
+    return planner.Candidate(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        args.data_parallel_size,
+        args.micro_batch_size,
+        args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        rc,
+        "optim" if args.use_distributed_optimizer else "no_shard",
+    )
+
+
+def _problem(args, gpus=4, gpn=4, gpu="H100-SXM") -> planner.Problem:
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return planner.Problem(
+        config=model_config(args, vocab_size=args.vocab_size + 1),
+        cluster=planner.Cluster(gpus, gpn, planner.GPUS[gpu]),
+        seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size,
+        params_dtype=dtype,
+        device_type="cpu",
+    )
+
+
+def test_enough_measured_layouts_are_plannable():
+    assert len(PLANNABLE) >= 7
+
+
+@pytest.mark.parametrize("name,flags", PLANNABLE, ids=[n for n, _ in PLANNABLE])
+def test_planner_memory_is_the_reports_prediction(name, flags):
+    args = _args(flags)
+    p, c = _problem(args), _candidate(args)
+    assert planner.memory_layout(p, c) == MemoryLayout.from_args(args, "cpu")
+    layout = MemoryLayout.from_args(args, "cpu")
+    worst = max(
+        (predict_rank(p.config, layout, r) for r in range(c.pp)),
+        key=lambda m: sum(m.categories().values()),
+    )
+    got = planner.with_memory(p, c)
+    assert got.memory_per_rank_gb * planner.GIB == sum(worst.categories().values())
+    assert got.overhead_gb > planner.CONTEXT_GB
+
+
+SMALL = ModelConfig.gpt2(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1000)
+
+
+def _small(gpus=16, gpn=8, memory=80.0, gbs=64, **kw):
+    gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=memory)
+    return planner.Problem(SMALL, planner.Cluster(gpus, gpn, gpu), 128, gbs, **kw)
+
+
+def test_layouts_are_valid_and_memory_is_max_over_stages():
+    p = _small()
+    seen = set()
+    for c in planner.layouts(p):
+        assert c.tp * c.pp * c.dp == 16 and c.tp <= 8
+        assert SMALL.num_attention_heads % c.tp == 0 and SMALL.num_layers % (c.pp * c.vp) == 0
+        assert p.global_batch_size % (c.micro_batch_size * c.dp) == 0
+        assert not (c.sequence_parallel and c.tp == 1) and not (c.sharding == "optim" and c.dp == 1)
+        seen.add((c.tp > 1, c.pp > 1, c.vp > 1, c.sequence_parallel, c.recompute, c.sharding))
+    assert len(seen) > 20
+    # Every stage checked: the first and last stage hold the peak (module doc's claim).
+    for c in list(planner.layouts(p))[::37]:
+        layout = planner.memory_layout(p, c)
+        every = max(sum(predict_rank(SMALL, layout, r).categories().values()) for r in range(c.pp))
+        assert planner.with_memory(p, c).memory_per_rank_gb * planner.GIB == every
+
+
+def test_ranking_keeps_tp_inside_a_node_unless_nothing_else_fits():
+    ranked = planner.plan(_small())
+    assert all(c.tp <= 8 for c in ranked)
+    assert [c.step_time_s for c in ranked] == sorted(c.step_time_s for c in ranked)
+    assert all(c.memory_per_rank_gb + c.overhead_gb <= 80 for c in ranked)
+    # The bubble is (p-1)/(vm+p-1): interleaving shrinks it.
+    assert planner.bubble_fraction(4, 2, 8) < planner.bubble_fraction(4, 1, 8)
+
+
+def test_too_big_names_the_smallest_gpu_count():
+    with pytest.raises(planner.PlanError, match=r"--num-gpus 1 .*the smallest that fits is --num-gpus \d+"):
+        planner.plan(_small(gpus=1, memory=2.05, gbs=8))
+
+
+def _tool(*argv):
+    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+SMALL_FLAGS = [
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "128",
+]
+SMALL_FLAGS += ["--vocab-size", "1000", "--bf16", "--num-gpus", "16", "--gpus-per-node", "8"]
+
+
+def test_json_schema_best_first():
+    out = _tool(*SMALL_FLAGS, "--global-batch-size", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    cands = json.loads(out.stdout)["candidates"]
+    keys = {"tp", "pp", "vp", "dp", "micro_batch_size", "sequence_parallel", "recompute", "sharding"}
+    keys |= {"memory_per_rank_gb", "overhead_gb", "step_time_s", "mfu", "tokens_per_sec", "flags"}
+    assert cands and all(keys <= set(c) for c in cands)
+    assert cands[0]["step_time_s"] == min(c["step_time_s"] for c in cands)
+    assert f"--tensor-model-parallel-size {cands[0]['tp']}" in cands[0]["flags"]
+
+
+def test_table_explains_and_prints_flags():
+    out = _tool(*SMALL_FLAGS, "--global-batch-size", "64", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    assert "best: tp=" in out.stdout and "pretrain_gpt.py ... --global-batch-size 64" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--global-batch-size", "64", "--gpus-per-node", "6"], "--gpus-per-node"),
+        (["--gpu-memory-gb", "0", "--global-batch-size", "64"], "--gpu-memory-gb"),
+        ([], "--global-batch-size"),
+        (["--global-batch-size", "64", "--gpu", "X"], "--gpu"),
+    ],
+)
+def test_bad_flags_are_one_line(extra, flag):
+    out = _tool(*SMALL_FLAGS, *extra)
+    assert out.returncode == 2
+    assert flag in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr

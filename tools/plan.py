@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Pick TP / PP / DP, micro-batch, SP, recompute and ZeRO for a model and a cluster, before launching.
+
+    python tools/plan.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
+        --seq-length 2048 --vocab-size 51200 --bf16 --num-gpus 1536 --gpus-per-node 8 \\
+        --gpu A100-80GB --global-batch-size 1536
+
+Model flags are pretrain_gpt.py's (same parser): a launch script's flags paste in; its layout
+flags (tp, pp, micro-batch, ...) are ignored, the planner chooses them. The logic and its
+constants are in megalite/planner.py; docs/parallelism.md "Picking sizes" explains the output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megalite import planner  # noqa: E402
+from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
+from megalite.arguments import model_config  # noqa: E402
+from megalite.cli import run_main  # noqa: E402
+
+DEFAULT_VOCAB = 50257  # GPT-2 BPE, when --vocab-size is not given
+
+
+def build_parser():
+    p = pretrain_parser()
+    p.prog = "plan.py"
+    p.description = "Rank parallel layouts of a model on a cluster by predicted memory and step time."
+    g = p.add_argument_group("planner: the cluster")
+    g.add_argument("--num-gpus", type=int, required=True, help="GPUs in the job.")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain).")
+    g.add_argument("--gpu", choices=sorted(planner.GPUS), default="H100-SXM", help="GPU model (one table).")
+    g.add_argument("--gpu-memory-gb", type=float, default=None, help="Override the GPU's memory (GiB).")
+    g.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s per GPU inside a node.")
+    g.add_argument("--inter-node-bandwidth", type=float, default=None, help="GB/s per GPU between nodes.")
+    g = p.add_argument_group("planner: output")
+    g.add_argument("--json", action="store_true", help='Print {"candidates": [...]} best first.')
+    g.add_argument("--top", type=int, default=10, help="Rows of the table.")
+    return p
+
+
+def problem(args) -> planner.Problem:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise planner.PlanError(msg)
+
+    need(args.num_gpus >= 1, f"--num-gpus must be >= 1, got {args.num_gpus}")
+    need(args.gpus_per_node >= 1, f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    need(
+        args.num_gpus <= args.gpus_per_node or args.num_gpus % args.gpus_per_node == 0,
+        f"--num-gpus ({args.num_gpus}) is not a multiple of --gpus-per-node ({args.gpus_per_node})",
+    )
+    need(args.global_batch_size is not None, "--global-batch-size is required (sequences per step)")
+    need(args.global_batch_size >= 1, f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    need(args.seq_length >= 1, f"--seq-length must be >= 1, got {args.seq_length}")
+    need(args.top >= 1, f"--top must be >= 1, got {args.top}")
+    for flag in ("gpu_memory_gb", "peak_tflops", "intra_node_bandwidth", "inter_node_bandwidth"):
+        value = getattr(args, flag)
+        need(value is None or value > 0, f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.group_query_attention:
+        need(args.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    base = planner.GPUS[args.gpu]
+    gpu = planner.GPUSpec(
+        base.name,
+        args.peak_tflops or base.peak_tflops,
+        args.gpu_memory_gb or base.memory_gb,
+        args.intra_node_bandwidth or base.intra_node_gbps,
+        args.inter_node_bandwidth or base.inter_node_gbps,
+    )
+    config = model_config(args, vocab_size=args.vocab_size or DEFAULT_VOCAB)
+    try:
+        config.validate(1)
+    except ValueError as e:
+        raise planner.PlanError(str(e)) from None
+    return planner.Problem(
+        config=config,
+        cluster=planner.Cluster(args.num_gpus, args.gpus_per_node, gpu),
+        seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size,
+        params_dtype=torch.float16 if args.fp16 else torch.bfloat16,
+    )
+
+
+def plan(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    p = problem(args)
+    cands = planner.plan(p)
+    if args.json:
+        print(json.dumps({"candidates": [c.as_json() for c in cands]}, indent=1))
+        return 0
+    cl = p.cluster
+    print(
+        f"{len(cands)} layouts fit on {cl.num_gpus} x {cl.gpu.name} ({cl.gpu.memory_gb:g} GB, "
+        f"{cl.gpus_per_node} per node), global batch {p.global_batch_size} x {p.seq_length} tokens:"
+    )
+    print(planner.format_table(cands, args.top))
+    print()
+    for line in planner.explain(p, cands):
+        print(line)
+    print()
+    print("launch with:")
+    print(f"  pretrain_gpt.py ... --global-batch-size {p.global_batch_size} --bf16 {cands[0].flags}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main("plan.py", plan, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
