@@ -23,6 +23,8 @@ from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 class ArgumentError(MegaliteError, ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
@@ -157,7 +159,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
-        help="Shard fp32 main params and optimizer state over data-parallel ranks (ZeRO-1).",
+        help="Shard fp32 main params and optimizer state over data-parallel ranks (ZeRO-1): the "
+        "short form of --data-parallel-sharding-strategy optim.",
+    )
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=SHARDING_STRATEGIES,
+        default=None,
+        help="What is sharded over data-parallel ranks: no_shard (default), optim (ZeRO-1: optimizer "
+        "state), optim_grads (ZeRO-2: also the gradients), optim_grads_params (ZeRO-3 / FSDP: also the "
+        "parameters; not built yet). Wins over the short forms when they agree.",
+    )
+    g.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params.",
+    )
+    g.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params.",
+    )
+    g.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="Keep fp32 main params and Adam moments in (pinned) CPU memory and run AdamW there "
+        "(foreach); grads go device -> host, updated params host -> device.",
+    )
+    g.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="Fraction of the optimizer state offloaded with --optimizer-cpu-offload (only 1.0 is built).",
     )
     g.add_argument(
         "--ddp-bucket-size", type=int, default=40_000_000, help="Elements per gradient all-reduce bucket."
@@ -873,8 +906,58 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         "use --transformer-impl local (the default; attention already uses PyTorch's fused SDPA kernels)",
     )
     validate_sequence_parallel_and_recompute(args)
+    resolve_sharding_strategy(args)
     model_config(args, vocab_size=args.vocab_size or 1).validate(tp)
     return args
+
+
+def resolve_sharding_strategy(args: argparse.Namespace) -> str:
+    """Set ``args.data_parallel_sharding_strategy`` from it and its short forms; one-line errors.
+
+    ``--use-distributed-optimizer`` means at least ``optim``; ``--use-torch-fsdp2`` /
+    ``--use-megatron-fsdp`` mean ``optim_grads_params``. An explicit strategy wins when they agree
+    (Megatron's FSDP scripts pass all three). Afterwards ``args.use_distributed_optimizer`` is True
+    for every sharded strategy (the optimizer state is sharded from ``optim`` up).
+    """
+    fsdp = [
+        f
+        for f, on in (
+            ("--use-torch-fsdp2", args.use_torch_fsdp2),
+            ("--use-megatron-fsdp", args.use_megatron_fsdp),
+        )
+        if on
+    ]
+    explicit = args.data_parallel_sharding_strategy
+    if explicit is None:
+        strategy = "optim_grads_params" if fsdp else "optim" if args.use_distributed_optimizer else "no_shard"
+    else:
+        strategy = explicit
+        if fsdp and explicit != "optim_grads_params":
+            raise ArgumentError(
+                f"{fsdp[0]} means --data-parallel-sharding-strategy optim_grads_params, which contradicts "
+                f"--data-parallel-sharding-strategy {explicit}; drop one"
+            )
+        if args.use_distributed_optimizer and explicit == "no_shard":
+            raise ArgumentError(
+                "--use-distributed-optimizer shards the optimizer, which contradicts "
+                "--data-parallel-sharding-strategy no_shard; drop one"
+            )
+    if strategy == "optim_grads_params":
+        named = (
+            fsdp[0] if fsdp and explicit is None else "--data-parallel-sharding-strategy optim_grads_params"
+        )
+        raise ArgumentError(
+            f"{named}: ZeRO-3 / FSDP parameter sharding is not built yet; use "
+            "--data-parallel-sharding-strategy optim_grads (ZeRO-2) or optim (ZeRO-1)"
+        )
+    if args.optimizer_cpu_offload and args.optimizer_offload_fraction != 1.0:
+        raise ArgumentError(
+            f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: only 1.0 (the whole "
+            "optimizer state) is built for --optimizer-cpu-offload"
+        )
+    args.data_parallel_sharding_strategy = strategy
+    args.use_distributed_optimizer = strategy != "no_shard"
+    return strategy
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:

@@ -164,7 +164,6 @@ IGNORED: tuple[CompatFlag, ...] = (
 _MOE = "MoE (mixture of experts; megalite trains dense models only)"
 _FP8 = "fp8 / fp4 training (Transformer Engine on a GPU)"
 _GPT_OSS = "gpt-oss's attention and MLP variants (sinks, sliding windows, clamped GeGLU)"
-_ZERO = "ZeRO-2/3 / FSDP sharding (not built yet; --use-distributed-optimizer is ZeRO-1)"
 
 
 def _moe(flag: str, nargs: int | str = 1, **kw) -> CompatFlag:
@@ -221,9 +220,6 @@ REFUSED: tuple[CompatFlag, ...] = (
         "--hierarchical-context-parallel-sizes", "+", "context parallelism (--context-parallel-size > 1)"
     ),
     CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
-    CompatFlag("--use-megatron-fsdp", 0, _ZERO),
-    CompatFlag("--use-torch-fsdp2", 0, _ZERO),
-    CompatFlag("--data-parallel-sharding-strategy", 1, _ZERO, allowed=("no_shard",)),
     CompatFlag(
         "--overlap-param-gather",
         0,

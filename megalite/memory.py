@@ -81,6 +81,8 @@ class MemoryLayout:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = False
+    shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads)
+    optimizer_cpu_offload: bool = False  # optimizer state in host memory: 0 bytes on the device
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     ddp_bucket_size: int = 40_000_000
@@ -113,6 +115,8 @@ class MemoryLayout:
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            shard_grads=args.data_parallel_sharding_strategy == "optim_grads",
+            optimizer_cpu_offload=args.optimizer_cpu_offload,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
             ddp_bucket_size=args.ddp_bucket_size,
@@ -248,9 +252,12 @@ def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
 
 
 def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
-    """DDP's flat fp32 buffer per chunk, padded per bucket to lcm(dp, 128) under ZeRO-1."""
+    """DDP's flat fp32 buffer per chunk, padded per bucket to lcm(dp, 128) under ZeRO-1/2; under
+    ZeRO-2 only this rank's 1/dp shard of each padded bucket persists (the full-size bucket is a
+    transient staging buffer from its first grad to its reduce-scatter, not counted here)."""
     chunks = stage_chunks(config, layout)[pp_rank]
-    return sum(4 * b.numel_padded for c in chunks for b in _buckets(config, layout, c))
+    held = (lambda b: b.shard_size) if layout.shard_grads else (lambda b: b.numel_padded)
+    return sum(4 * held(b) for c in chunks for b in _buckets(config, layout, c))
 
 
 def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
@@ -258,8 +265,11 @@ def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_
 
     Main params are whole model params (replicated optimizer) or this DP rank's pieces of each
     bucket (distributed optimizer: its shard of the padded bucket, padding holds no param).
-    fp32 models use the params themselves as main params: no copy.
+    fp32 models use the params themselves as main params: no copy. Offloaded
+    (``--optimizer-cpu-offload``): 0 on the device (the state, with fp32 copies, is in host memory).
     """
+    if layout.optimizer_cpu_offload:
+        return 0
     from megalite.optim.distributed_optimizer import shard_main_params  # optim imports parallel only
 
     copy = 4 if layout.params_dtype != torch.float32 else 0

@@ -134,6 +134,7 @@ def setup(args: argparse.Namespace) -> TrainState:
             use_distributed_optimizer=args.use_distributed_optimizer,
             grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
             overlap_grad_reduce=args.overlap_grad_reduce,
+            shard_grads=args.data_parallel_sharding_strategy == "optim_grads",
         )
         for c in chunks
     ]
@@ -155,6 +156,7 @@ def setup(args: argparse.Namespace) -> TrainState:
         hysteresis=args.hysteresis,
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a

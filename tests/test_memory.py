@@ -227,6 +227,8 @@ _LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--
 _LLAMA += ["--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 _GQA = ["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4"]
 _SP = ["--sequence-parallel"]
+_ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
+_OFFLOAD = ["--optimizer-cpu-offload"]
 _SELECTIVE = ["--recompute-activations"]  # Megatron's meaning: --recompute-granularity selective
 
 
@@ -281,6 +283,9 @@ LAYOUTS = [
     ),
     ("dp4 distopt bf16 llama", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", "--bf16"]
      + ["--use-distributed-optimizer", *_LLAMA]),
+    ("dp4 zero2 fp32", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", *_ZERO2]),
+    ("tp2 pp2 zero2 offload bf16", _tp_pp(2, 2) + ["--num-attention-heads", "4", "--bf16", *_ZERO2, *_OFFLOAD]),
+    ("dp4 offload fp32", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", *_OFFLOAD]),
 ]  # fmt: skip
 
 # SP vs no SP, transformer layers only: GPT-2 (the paper's model) with hidden dropout and no

@@ -64,12 +64,22 @@ class MainParam:
     is_copy: bool
 
 
-def make_main_param(model: nn.Parameter, grad: torch.Tensor, start: int, end: int) -> MainParam:
-    """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param."""
+def make_main_param(
+    model: nn.Parameter, grad: torch.Tensor, start: int, end: int, offload: bool = False
+) -> MainParam:
+    """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param.
+
+    ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when CUDA is
+    there, for fast copies); on a CPU-only machine the same code path with both devices CPU.
+    """
     whole = start == 0 and end == model.numel()
     source = model.detach() if whole else model.detach().view(-1)[start:end]
-    is_copy = model.dtype != torch.float32
-    main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
+    is_copy = offload or model.dtype != torch.float32
+    if offload:
+        host = torch.empty(source.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+        main = nn.Parameter(host.copy_(source))
+    else:
+        main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
     copy_parallel_attributes(model, main)  # grad-norm rules read them
     return MainParam(main, model, grad.view(main.shape), (start, end), is_copy)
 
@@ -111,7 +121,9 @@ class MixedPrecisionOptimizer(ABC):
         grad_scaler,
         decoupled_lr: float | None = None,
         decoupled_min_lr: float | None = None,
+        offload: bool = False,
     ):
+        self.offload = offload  # main params / moments / step on the CPU
         self.model_chunks = model_chunks
         self.mesh = mesh
         self.main_params = main_params
@@ -138,7 +150,11 @@ class MixedPrecisionOptimizer(ABC):
             if decoupled_min_lr is not None:
                 group["min_lr"] = decoupled_min_lr
             groups.append(group)
-        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # Offloaded: torch's foreach AdamW on the CPU (its default there is the per-tensor loop).
+        foreach = True if offload else None
+        self.inner = torch.optim.AdamW(
+            groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach
+        )
 
     # What the training loop uses ------------------------------------------------------
     @property
@@ -211,7 +227,12 @@ class MixedPrecisionOptimizer(ABC):
         return get_params_norm(mains, self.mesh, dp_sharded=self.dp_sharded)
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: Adam moments (+ step) and fp32 main-param copies."""
+        """Bytes this rank holds for the optimizer on its training device: Adam moments (+ step) and fp32
+        main-param copies; 0 when offloaded (see :meth:`optimizer_host_bytes`)."""
+        return 0 if self.offload else self.optimizer_host_bytes()
+
+    def optimizer_host_bytes(self) -> int:
+        """Bytes of optimizer state wherever it lives (the CPU's share under offload)."""
         state = sum(t.nbytes for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t))
         copies = sum(m.main.nbytes for m in self.main_params if m.is_copy)
         return state + copies
@@ -262,7 +283,8 @@ class MixedPrecisionOptimizer(ABC):
     # Pieces of the step --------------------------------------------------------------------
     def _prepare_main_grads(self) -> list[torch.Tensor]:
         for m in self.main_params:
-            m.main.grad = m.grad if m.grad.dtype == torch.float32 else m.grad.float()
+            same = m.grad.dtype == torch.float32 and m.grad.device == m.main.device
+            m.main.grad = m.grad if same else m.grad.to(m.main.device, torch.float32)  # offload: D2H
         return [m.main.grad for m in self.main_params]
 
     def _release_main_grads(self) -> None:

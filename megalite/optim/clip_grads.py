@@ -88,7 +88,8 @@ def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool 
     for g in grads:
         total += mesh.on_device(g.numel() - torch.count_nonzero(g))
     groups = _summing_groups(mesh, dp_sharded)
-    return int(all_reduce_over(total, dist.ReduceOp.SUM, *groups).item())
+    # .to(mesh.device): offloaded (CPU) main grads still reduce over the job's backend.
+    return int(all_reduce_over(total.to(mesh.device), dist.ReduceOp.SUM, *groups).item())
 
 
 def _global_norm(
@@ -107,7 +108,7 @@ def _global_norm(
         for t in tensors:
             local = torch.maximum(local, mesh.on_device(t.detach().abs().max().float()))
         local = _poisoned(local, poison, math.inf)  # MAX keeps inf on every backend; NaN it may drop
-        return float(all_reduce_over(local, dist.ReduceOp.MAX, *groups))
+        return float(all_reduce_over(local.to(mesh.device), dist.ReduceOp.MAX, *groups))
     if tensors:
         norms = torch._foreach_norm(
             [t.detach().float() if t.dtype != torch.float32 else t.detach() for t in tensors]

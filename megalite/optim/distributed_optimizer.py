@@ -30,14 +30,16 @@ from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
 
 
-def shard_main_params(bucket: Bucket, dp_rank: int) -> list[MainParam]:
+def shard_main_params(bucket: Bucket, dp_rank: int, offload: bool = False) -> list[MainParam]:
     """Main params for the pieces of ``bucket``'s params inside DP rank ``dp_rank``'s shard."""
-    shard_lo, shard_hi = bucket.shard_range(dp_rank)
+    shard_lo = bucket.shard_range(dp_rank)[0]
+    shard = bucket.shard_view(dp_rank)
     out = []
-    for p, (p_lo, p_hi) in bucket.param_ranges.items():
-        lo, hi = max(p_lo, shard_lo), min(p_hi, shard_hi)
+    for p, (p_lo, _) in bucket.param_ranges.items():
+        lo, hi = bucket.param_shard_piece(p, dp_rank)
         if lo < hi:  # this param overlaps the shard
-            out.append(make_main_param(p, bucket.grad_data[lo:hi], lo - p_lo, hi - p_lo))
+            start = shard_lo + lo - p_lo
+            out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, offload))
     return out
 
 
@@ -46,11 +48,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     dp_sharded = True
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, **kwargs):
+    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload=False, **kwargs):
         self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
-        self._bucket_main_params = [shard_main_params(b, mesh.dp_rank) for b in self._buckets]
+        self._bucket_main_params = [
+            shard_main_params(b, mesh.dp_rank, offload=offload) for b in self._buckets
+        ]
         main_params = [m for ms in self._bucket_main_params for m in ms]
-        super().__init__(model_chunks, mesh, main_params, **kwargs)
+        super().__init__(model_chunks, mesh, main_params, offload=offload, **kwargs)
 
     def _all_gather_buckets(
         self, shard_of: Callable[[MainParam], torch.Tensor], dtype: torch.dtype | None = None
@@ -60,7 +64,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         Every bucket's all-gather is launched before the first wait: buckets overlap each other."""
         gathered = []
         for bucket, mains in zip(self._buckets, self._bucket_main_params):
-            full = bucket.grad_data.new_empty(bucket.numel_padded, dtype=dtype or bucket.dtype)
+            full = bucket.shard_view(self.mesh.dp_rank).new_empty(
+                bucket.numel_padded, dtype=dtype or bucket.dtype
+            )
             for m in mains:
                 start = bucket.param_ranges[m.model][0] + m.model_range[0]
                 full[start : start + m.main.numel()].copy_(shard_of(m).view(-1))

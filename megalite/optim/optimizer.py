@@ -28,13 +28,13 @@ _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class ReplicatedOptimizer(MixedPrecisionOptimizer):
     """AdamW with a full fp32 main copy of the model on every DP rank."""
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, **kwargs):
+    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload=False, **kwargs):
         main_params: list[MainParam] = []
         for chunk in model_chunks:
             for bucket in chunk.buckets:
                 for p in bucket.params:
-                    main_params.append(make_main_param(p, grad_of(p), 0, p.numel()))
-        super().__init__(model_chunks, mesh, main_params, **kwargs)
+                    main_params.append(make_main_param(p, grad_of(p), 0, p.numel(), offload))
+        super().__init__(model_chunks, mesh, main_params, offload=offload, **kwargs)
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
@@ -62,13 +62,15 @@ def build_optimizer(
     hysteresis: int = 2,
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
+    optimizer_cpu_offload: bool = False,
 ) -> MixedPrecisionOptimizer:
     """AdamW over DDP-wrapped ``model_chunks`` (one per virtual pipeline stage, or a single one).
 
     Megatron flags: ``--lr --weight-decay --adam-beta1 --adam-beta2 --adam-eps
     --clip-grad --fp16/--bf16 --use-distributed-optimizer --loss-scale
     --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis --decoupled-lr
-    --decoupled-min-lr``.
+    --decoupled-min-lr --optimizer-cpu-offload``. The ZeRO-2 grad sharding is DDP's (``shard_grads``);
+    the distributed optimizer reads the shards the same way under ZeRO-1 and ZeRO-2.
     ``clip_grad <= 0`` disables clipping (and the grad-norm report). A constant
     ``loss_scale`` applies in any precision; without it, fp16 gets a dynamic scaler
     and bf16 / fp32 none.
@@ -108,4 +110,5 @@ def build_optimizer(
         grad_scaler=grad_scaler,
         decoupled_lr=decoupled_lr,
         decoupled_min_lr=decoupled_min_lr,
+        offload=optimizer_cpu_offload,
     )

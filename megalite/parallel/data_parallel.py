@@ -56,10 +56,20 @@ class Bucket:
     ``grad_data`` [numel_padded] is a view of the flat buffer; ``param_ranges``
     maps each parameter to its ``(start, end)`` inside ``grad_data``. With the
     distributed optimizer ``numel_padded`` is a multiple of dp and DP rank ``r``
-    owns ``grad_data[r * shard_size:(r + 1) * shard_size]``.
+    owns ``grad_data[r * shard_size:(r + 1) * shard_size]``; ``shard_grad`` is that
+    shard's gradient: a view of ``grad_data`` (ZeRO-1), or, when gradients are sharded
+    (ZeRO-2), the persistent [shard_size] buffer while ``grad_data`` is a transient
+    staging buffer that lives from the bucket's first grad to its reduce-scatter.
     """
 
-    def __init__(self, index: int, params: list[nn.Parameter], grad_data: torch.Tensor, dp_size: int):
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        grad_data: torch.Tensor | None,
+        dp_size: int,
+        shard_grad: torch.Tensor | None = None,
+    ):
         self.index = index
         self.params = params  # backward order
         self.grad_data = grad_data
@@ -70,18 +80,31 @@ class Bucket:
             self.param_ranges[p] = (offset, offset + p.numel())
             offset += p.numel()
         self.numel = offset
-        self.shard_size = grad_data.numel() // dp_size
+        self.numel_padded = grad_data.numel() if shard_grad is None else shard_grad.numel() * dp_size
+        self.shard_size = self.numel_padded // dp_size
+        self.shard_grad = shard_grad
         self.ready: set[nn.Parameter] = set()
         self.handle = None
         self.launched = False
 
-    @property
-    def numel_padded(self) -> int:
-        return self.grad_data.numel()
-
     def shard_range(self, dp_rank: int) -> tuple[int, int]:
-        """The ``[start, end)`` of ``grad_data`` that DP rank ``dp_rank`` owns under ZeRO-1."""
+        """The ``[start, end)`` of ``grad_data`` that DP rank ``dp_rank`` owns under ZeRO-1/2."""
         return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+
+    def shard_view(self, dp_rank: int) -> torch.Tensor:
+        """DP rank ``dp_rank``'s reduced gradient shard [shard_size] (ZeRO-2's buffer, or ZeRO-1's view)."""
+        if self.shard_grad is not None:
+            return self.shard_grad
+        lo, hi = self.shard_range(dp_rank)
+        return self.grad_data[lo:hi]
+
+    def param_shard_piece(self, param: nn.Parameter, dp_rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of ``param``'s range inside DP rank ``dp_rank``'s shard, in shard coordinates
+        (``lo == hi`` when the param does not overlap the shard)."""
+        p_lo, p_hi = self.param_ranges[param]
+        s_lo, s_hi = self.shard_range(dp_rank)
+        lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)
+        return (lo - s_lo, hi - s_lo) if lo < hi else (0, 0)
 
     @property
     def is_complete(self) -> bool:
@@ -166,8 +189,13 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         grad_reduce_dtype: torch.dtype = torch.float32,
         overlap_grad_reduce: bool = True,
+        shard_grads: bool = False,
     ):
         super().__init__()
+        if shard_grads and not use_distributed_optimizer:
+            raise ValueError(
+                "shard_grads (ZeRO-2) needs use_distributed_optimizer (the optimizer owns the shard)"
+            )
         if bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {bucket_size}")
         self.module = module
@@ -178,6 +206,7 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.grad_reduce_dtype = grad_reduce_dtype
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.shard_grads = shard_grads
 
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -196,19 +225,27 @@ class DistributedDataParallel(nn.Module):
             padded_bucket_numel(sum(p.numel() for p in g), self.dp_size, use_distributed_optimizer)
             for g in groups
         ]
-        self.grad_buffer = torch.zeros(sum(sizes), dtype=grad_reduce_dtype, device=devices.pop())
+        # ZeRO-2 keeps only this rank's shard of each bucket: the persistent buffer is 1/dp the size.
+        held = [s // self.dp_size for s in sizes] if shard_grads else sizes
+        self.grad_buffer = torch.zeros(sum(held), dtype=grad_reduce_dtype, device=devices.pop())
 
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         start = 0
-        for i, (group, size) in enumerate(zip(groups, sizes)):
-            bucket = Bucket(i, group, self.grad_buffer[start : start + size], self.dp_size)
+        for i, (group, size) in enumerate(zip(groups, held)):
+            view = self.grad_buffer[start : start + size]
+            if shard_grads:  # no main_grad: a param's full grad exists only while its bucket is staged
+                bucket = Bucket(i, group, None, self.dp_size, shard_grad=view)
+            else:
+                bucket = Bucket(i, group, view, self.dp_size)
+                for p in group:
+                    lo, hi = bucket.param_ranges[p]
+                    set_main_grad(p, bucket.grad_data[lo:hi].view(p.shape))
             for p in group:
-                lo, hi = bucket.param_ranges[p]
-                set_main_grad(p, bucket.grad_data[lo:hi].view(p.shape))
                 self._bucket_of[p] = bucket
             self.buckets.append(bucket)
             start += size
+        self._end_of_backward_queued = False
 
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
@@ -228,6 +265,9 @@ class DistributedDataParallel(nn.Module):
 
     # Backward hook -------------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
+        if self.shard_grads:
+            self._stage_grad(param)
+            return
         if param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None  # main_grad holds it now; free the model-dtype copy
@@ -242,12 +282,59 @@ class DistributedDataParallel(nn.Module):
         bucket.ready.add(param)
         self._launch_complete_buckets()
 
+    # ZeRO-2: every microbatch reduce-scatters; between microbatches only the shards remain ---------
+    def _stage_grad(self, param: nn.Parameter) -> None:
+        """Add ``param.grad`` into its bucket's staging buffer; launch the bucket once complete.
+
+        Under ZeRO-2 ``no_sync`` is ignored: every backward (microbatch) reduce-scatters each bucket
+        and adds the shard into the persistent shard buffer, so no full-size gradient outlives a
+        microbatch (the price: m reduce-scatters per step instead of one). An autograd callback at
+        the end of the backward launches the buckets still incomplete and folds every shard in.
+        """
+        if not self._end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_of_backward_queued = True
+        bucket = self._bucket_of[param]
+        if bucket.grad_data is None:
+            bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
+        if param.grad is not None:
+            lo, hi = bucket.param_ranges[param]
+            bucket.grad_data[lo:hi].view(param.shape).add_(param.grad)
+            param.grad = None
+        bucket.ready.add(param)  # a set: a param seen twice before its bucket launched just accumulates
+        if self.overlap_grad_reduce:
+            self._launch_complete_buckets()
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        self._flush_sharded()
+
+    def _flush_sharded(self) -> None:
+        """ZeRO-2: launch every bucket not launched yet, wait, add each staged shard into ``shard_grad``."""
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket])
+        for bucket in self.buckets:
+            self._fold(bucket)
+        self._reset_buckets()
+
+    def _fold(self, bucket: Bucket) -> None:
+        """Wait for a launched ZeRO-2 bucket; add its reduced shard into ``shard_grad``; free the staging."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+        if bucket.launched and bucket.grad_data is not None:
+            lo, hi = bucket.shard_range(self.dp_rank)
+            bucket.shard_grad.add_(bucket.grad_data[lo:hi])
+            bucket.grad_data = None
+
     def _launch_complete_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].is_complete:
             self._launch(self.buckets[self._next_bucket])
 
     def _launch(self, bucket: Bucket) -> None:
         assert bucket.index == self._next_bucket and not bucket.launched
+        if self.shard_grads and bucket.grad_data is None:  # no grad this backward: the peers still wait
+            bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
         if self.dp_size > 1:
             bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
             if self.use_distributed_optimizer:
@@ -259,6 +346,8 @@ class DistributedDataParallel(nn.Module):
                 bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
         bucket.launched = True
         self._next_bucket += 1
+        if self.shard_grads and bucket.index > 0:  # at most two staged buckets in flight
+            self._fold(self.buckets[bucket.index - 1])
 
     # Public API ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -277,6 +366,9 @@ class DistributedDataParallel(nn.Module):
         Afterwards ``main_grad`` holds the DP average: for every parameter with
         all-reduce; only this rank's shard of each bucket with reduce-scatter.
         """
+        if self.shard_grads:
+            self._flush_sharded()
+            return
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
@@ -290,6 +382,9 @@ class DistributedDataParallel(nn.Module):
             if bucket.handle is not None:  # never zero memory a collective still writes
                 bucket.handle.wait()
         self._reset_buckets()
+        for bucket in self.buckets:
+            if self.shard_grads:
+                bucket.grad_data = None
         self.grad_buffer.zero_()
         for p in self._bucket_of:
             p.grad = None
@@ -305,6 +400,15 @@ class DistributedDataParallel(nn.Module):
             return
         for p in self._bucket_of:
             dist.broadcast(p.data, src=self.mesh.dp_ranks[0], group=self.dp_group)
+
+    def local_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The part of ``param``'s reduced gradient this rank holds: its ``main_grad`` view (no_shard,
+        ZeRO-1), or under ZeRO-2 the flat piece of it inside this rank's shard (maybe empty)."""
+        if not self.shard_grads:
+            return param.main_grad
+        bucket = self._bucket_of[param]
+        lo, hi = bucket.param_shard_piece(param, self.dp_rank)
+        return bucket.shard_grad[lo:hi]
 
     def num_buckets_launched(self) -> int:
         """How many buckets have started their collective since the last sync (for tests / logs)."""
@@ -329,15 +433,27 @@ def finalize_model_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
     _allreduce_sequence_parallel_grads(model_chunks, mesh)
     if mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
-    for p in [p for chunk in model_chunks for p in chunk.parameters() if is_shared_embedding(p)]:
-        dist.all_reduce(_grad_or_zeros(p), group=mesh.embedding_group)
+    for grad in _local_grads(model_chunks, is_shared_embedding):
+        if grad.numel():  # ZeRO-2: this rank's piece; same size on both stages (own bucket)
+            dist.all_reduce(grad, group=mesh.embedding_group)
 
 
-def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
-    grad = grad_of(p)
-    if grad is None:  # no backward touched it: contribute zeros, the peers still wait
-        p.grad = grad = torch.zeros_like(p)
-    return grad
+def _local_grads(model_chunks: list[nn.Module], predicate) -> list[torch.Tensor]:
+    """This rank's gradient of each param satisfying ``predicate``: DDP's :meth:`local_grad` (a ZeRO-2
+    shard piece, or main_grad), else ``.grad`` or zeros (no backward touched it: the peers still wait)."""
+    out = []
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if not predicate(p):
+                continue
+            if isinstance(chunk, DistributedDataParallel) and chunk.shard_grads:
+                out.append(chunk.local_grad(p))
+                continue
+            grad = grad_of(p)
+            if grad is None:
+                p.grad = grad = torch.zeros_like(p)
+            out.append(grad)
+    return out
 
 
 def _allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], mesh: Mesh) -> None:
@@ -348,10 +464,9 @@ def _allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], mesh: Mesh
     each rank owns is summed with the same shard of its TP peers. One coalesced
     all-reduce for all of them.
     """
-    params = [p for chunk in model_chunks for p in chunk.parameters() if is_sequence_parallel(p)]
-    if mesh.tp_size == 1 or not params:
+    grads = _local_grads(model_chunks, is_sequence_parallel) if mesh.tp_size > 1 else []
+    if not grads:
         return
-    grads = [_grad_or_zeros(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=mesh.tp_group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
