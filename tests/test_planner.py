@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_memory import _MODEL, LAYOUTS, _flag
+from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
 from megalite import planner
 from megalite.arguments import model_config, parse_args, validate_args
@@ -30,7 +30,7 @@ PLANNABLE = [
     (name, flags)
     for name, flags in LAYOUTS
     if not any(f in flags for f in ("gpipe", "--decoder-first-pipeline-num-layers", "block"))
-    and "uniform" not in flags
+    and _flag(flags, "--recompute-num-layers") == 1  # the planner's full recompute: uniform, 1 layer
 ]
 
 
@@ -68,7 +68,31 @@ def _problem(args, gpus=4, gpn=4, gpu="H100-SXM") -> planner.Problem:
 
 
 def test_enough_measured_layouts_are_plannable():
-    assert len(PLANNABLE) >= 7
+    assert len(PLANNABLE) >= 10
+    kinds = {
+        (_flag(f, "--tensor-model-parallel-size") > 1, _flag(f, "--pipeline-model-parallel-size") > 1)
+        for _, f in PLANNABLE
+    }
+    assert len(kinds) == 4  # tp only, pp only, both, dp only
+
+
+def test_planner_peak_matches_the_measured_report(spawned):  # noqa: F811 (the shared fixture)
+    """The planner's memory_per_rank_gb against the MEASURED report (max over the 4 ranks of
+    params + grads + optimizer + activations), for every plannable layout of test_memory's single
+    spawn (the fixture is shared: no second spawn)."""
+    files, _ = spawned
+    by_name = dict(zip((n for n, _ in LAYOUTS), files))
+    worst = 0.0
+    for name, flags in PLANNABLE:
+        args = _args(flags)
+        got = planner.with_memory(_problem(args), _candidate(args)).memory_per_rank_gb * planner.GIB
+        records = [json.loads(x) for x in Path(by_name[name]).read_text().splitlines() if '"memory"' in x]
+        assert len(records) == 4, name
+        measured = max(sum(r["measured"][c] for c in CATEGORIES) for r in records)
+        err = relative_error(measured, got)
+        worst = max(worst, err)
+        assert err <= 0.05, f"{name}: planner {got} vs measured peak {measured}"
+    print(f"planner peak vs measured peak, {len(PLANNABLE)} layouts: max relative error {worst:.4f}")
 
 
 @pytest.mark.parametrize("name,flags", PLANNABLE, ids=[n for n, _ in PLANNABLE])
