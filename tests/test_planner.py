@@ -197,3 +197,32 @@ def test_bad_flags_are_one_line(extra, flag):
     out = _tool(*SMALL_FLAGS, *extra)
     assert out.returncode == 2
     assert flag in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+CAL = {
+    "cores": 2, "peak_tflops": 0.1, "gemm": [[32, 0.02], [128, 0.06], [512, 0.1]],
+    "allreduce": {"latency_s": 5e-4, "gbps": 1.0}, "allgather": {"latency_s": 5e-4, "gbps": 1.0},
+    "p2p": {"latency_s": 5e-5, "gbps": 3.0}, "overhead_s_per_layer_microbatch": 1e-3,
+}  # fmt: skip
+
+
+def test_calibration_replaces_the_table(tmp_path):
+    from megalite import calibration
+
+    assert calibration.efficiency(CAL, 64) == pytest.approx(0.4)  # halfway in log d: (0.02 + 0.06) / 2 / 0.1
+    assert calibration.efficiency(CAL, 4096) == 1.0
+    p = _small(gpus=4, gpn=4, gbs=16, calibration=CAL, device_type="cpu")
+    ranked = planner.plan(p)
+    assert [c.step_time_s for c in ranked] == sorted(c.step_time_s for c in ranked)
+    tp4 = next(c for c in ranked if c.tp == 4 and c.recompute == "none")
+    assert (
+        dict(tp4.parts)["tp"] > 0
+        and ranked[0].step_time_s != planner.plan(_small(gpus=4, gpn=4, gbs=16))[0].step_time_s
+    )
+    with pytest.raises(calibration.MegaliteError, match="--calibration"):
+        calibration.load(tmp_path / "missing.json")
+    (tmp_path / "c.json").write_text(json.dumps(CAL))
+    out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "16",
+                "--calibration", str(tmp_path / "c.json"), "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["candidates"][0]["step_time_s"] > 0
