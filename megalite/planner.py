@@ -84,9 +84,13 @@ EFF_MAX = 0.65  # best end-to-end GEMM + kernel efficiency (fraction of peak) at
 EFF_HALF = 256  # GEMM dimension at which efficiency is half of EFF_MAX
 TP_EXPOSED = 0.7  # fraction of TP communication on the critical path
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-# ZeRO strategies the planner enumerates: name -> MemoryLayout fields. Add "optim_grads" /
-# "optim_grads_params" here (and their DP communication in `dp_time`) when data_parallel has them.
-SHARDING = {"no_shard": {"use_distributed_optimizer": False}, "optim": {"use_distributed_optimizer": True}}
+# ZeRO strategies the planner enumerates: name -> MemoryLayout fields. Add "optim_grads_params"
+# here (and its DP communication in `with_time`) when data_parallel has it.
+SHARDING = {
+    "no_shard": {"use_distributed_optimizer": False},
+    "optim": {"use_distributed_optimizer": True},
+    "optim_grads": {"use_distributed_optimizer": True, "shard_grads": True},
+}
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -124,6 +128,7 @@ class Problem:
     global_batch_size: int
     params_dtype: torch.dtype = torch.bfloat16
     device_type: str = "cuda"  # the kernels whose saved tensors the memory model counts
+    calibration: dict | None = None  # tools/plan.py --calibrate's JSON: replaces the table's constants
 
 
 def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
@@ -190,7 +195,55 @@ def recompute_extra(config: ModelConfig, seq: int, recompute: str) -> float:
     return 0.0
 
 
+def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
+    """Step time from a calibration (megalite/calibration.py) instead of the table's constants:
+    the measured GEMM curve and peak (shared by ``max(1, ranks / cores)``), a measured overhead
+    per layer x microbatch x pass, gloo collectives as ``latency + bytes / bandwidth``. gloo does
+    not overlap: TP, PP p2p and the DP all-reduce are all exposed."""
+    from megalite import calibration as cal_mod
+
+    cal, cfg, s = p.calibration, p.config, p.seq_length
+    n = p.cluster.num_gpus
+    B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
+    m = p.global_batch_size // (c.micro_batch_size * c.dp)
+    tokens_mb = c.micro_batch_size * s
+    share = max(1.0, n / cal["cores"])
+    peak = cal["peak_tflops"] * 1e12 / share
+    flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
+    model_flops_gpu = flops_tok * p.global_batch_size * s / n
+    extra = recompute_extra(cfg, s, c.recompute)
+    eff = cal_mod.efficiency(cal, min(tokens_mb, cfg.hidden_size // c.tp))
+    layers_per_rank = cfg.num_layers / c.pp
+    passes = 2 + (1 if c.recompute == "full" else 0)
+    overhead = cal["overhead_s_per_layer_microbatch"] * share * layers_per_rank * m * passes
+    compute = model_flops_gpu * (1 + extra) / (peak * eff) + overhead
+    act = B * tokens_mb * cfg.hidden_size
+    n_collectives = 4 + (2 if c.recompute == "full" else 0)
+    tp = m * layers_per_rank * n_collectives * cal_mod.ring_s(cal, "allreduce", act, c.tp)
+    p2p_bytes = act / c.tp if c.sequence_parallel else act
+    pp = 0.0 if c.pp == 1 else 2 * m * c.vp * cal_mod.p2p_s(cal, p2p_bytes)
+    busy = compute + tp + pp
+    bubble = busy * bubble_fraction(c.pp, c.vp, m) / (1 - bubble_fraction(c.pp, c.vp, m))
+    grad_bytes = peak_rank_memory(p, c).grads  # under ZeRO-2 this rank's 1/dp shard of the buffer
+    if c.sharding == "optim_grads":  # m reduce-scatters of the whole buffer + one param all-gather
+        dp = cal_mod.ring_s(cal, "allreduce", grad_bytes * c.dp, c.dp) * (m + 1) / 2
+    else:
+        dp = cal_mod.ring_s(cal, "allreduce", grad_bytes, c.dp)
+    step = busy + bubble + dp
+    parts = (("compute", compute), ("tp", tp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
+    return dataclasses.replace(
+        c,
+        step_time_s=step,
+        mfu=model_flops_gpu / step / peak,
+        tokens_per_sec=p.global_batch_size * s / step,
+        tflops_per_gpu=model_flops_gpu * (1 + extra) / step / 1e12,
+        parts=parts,
+    )
+
+
 def with_time(p: Problem, c: Candidate) -> Candidate:
+    if p.calibration is not None:
+        return with_calibrated_time(p, c)
     cfg, cl, s = p.config, p.cluster, p.seq_length
     gpu = cl.gpu
     B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
@@ -222,6 +275,11 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
         full_dp = ring_allreduce_s(4 * params_rank, c.dp, dp_bw)
         n_buckets = max(1, math.ceil(params_rank / 40_000_000))
         last_backward = compute / m * 2 / 3
+        if c.sharding == "optim_grads":
+            # ZeRO-2 reduce-scatters after every microbatch (m times half an all-reduce's bytes)
+            # and all-gathers the params once; all but the last microbatch's hide behind compute.
+            full_dp = full_dp * (m + 1) / 2
+            last_backward += compute * (m - 1) / m
         dp = max(full_dp - last_backward, full_dp / n_buckets)
     step = busy + bubble + dp
     tokens_per_sec = p.global_batch_size * s / step
@@ -340,6 +398,8 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
         f.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     if c.sharding == "optim":
         f.append("--use-distributed-optimizer")
+    elif c.sharding != "no_shard":
+        f.append(f"--data-parallel-sharding-strategy {c.sharding}")
     if c.dp > 1:
         f.append("--overlap-grad-reduce")
     return " ".join(f)

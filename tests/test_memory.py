@@ -286,6 +286,23 @@ LAYOUTS = [
     ("dp4 zero2 fp32", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", *_ZERO2]),
     ("tp2 pp2 zero2 offload bf16", _tp_pp(2, 2) + ["--num-attention-heads", "4", "--bf16", *_ZERO2, *_OFFLOAD]),
     ("dp4 offload fp32", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", *_OFFLOAD]),
+    # Layouts the planner can choose (tests/test_planner.py): full recompute is uniform, 1 layer.
+    (
+        "tp2 dp2 sp full-uniform-1 distopt fp32 dropout",
+        _tp_pp(2, 1, 2) + ["--num-attention-heads", "4", "--use-distributed-optimizer"]
+        + ["--hidden-dropout", "0.1", *_full("uniform", 1), *_SP],
+    ),
+    (
+        "pp2 dp2 1f1b full-uniform-1 distopt bf16",
+        _tp_pp(1, 2) + ["--num-attention-heads", "4", "--bf16", "--use-distributed-optimizer"]
+        + _full("uniform", 1),
+    ),
+    (
+        "tp2 pp2 interleaved sp selective bf16 llama",
+        _tp_pp(2, 2) + ["--num-attention-heads", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"]
+        + [*_SELECTIVE, *_SP, *_LLAMA],
+    ),
+    ("pp4 1f1b fp32 dropout", _tp_pp(1, 4) + ["--num-attention-heads", "4", "--attention-dropout", "0.1"]),
 ]  # fmt: skip
 
 # SP vs no SP, transformer layers only: GPT-2 (the paper's model) with hidden dropout and no
@@ -338,9 +355,18 @@ def _flag(flags, name, default=1):
     return int(flags[flags.index(name) + 1]) if name in flags else default
 
 
+_SPAWNED: list = []  # one spawn per session, shared with tests/test_planner.py (imports the fixture)
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """One 4-rank spawn: pretrain() for one iteration in every layout, then the SP factor runs."""
+    if not _SPAWNED:
+        _SPAWNED.append(_spawn(tmp_path_factory))
+    return _SPAWNED[0]
+
+
+def _spawn(tmp_path_factory):
     tmp, runs = tmp_path_factory.mktemp("memory"), []
     for i, (_, flags) in enumerate(LAYOUTS):
         pp = _flag(flags, "--pipeline-model-parallel-size")

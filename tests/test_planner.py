@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_memory import _MODEL, LAYOUTS, _flag
+from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
 from megalite import planner
 from megalite.arguments import model_config, parse_args, validate_args
@@ -29,8 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 PLANNABLE = [
     (name, flags)
     for name, flags in LAYOUTS
-    if not any(f in flags for f in ("gpipe", "--decoder-first-pipeline-num-layers", "block"))
-    and "uniform" not in flags
+    if not any(
+        f in flags
+        for f in ("gpipe", "--decoder-first-pipeline-num-layers", "block", "--optimizer-cpu-offload")
+    )
+    and _flag(flags, "--recompute-num-layers") == 1  # the planner's full recompute: uniform, 1 layer
 ]
 
 
@@ -51,7 +54,7 @@ def _candidate(args) -> planner.Candidate:
         args.micro_batch_size,
         args.sequence_parallel and args.tensor_model_parallel_size > 1,
         rc,
-        "optim" if args.use_distributed_optimizer else "no_shard",
+        args.data_parallel_sharding_strategy,
     )
 
 
@@ -68,7 +71,31 @@ def _problem(args, gpus=4, gpn=4, gpu="H100-SXM") -> planner.Problem:
 
 
 def test_enough_measured_layouts_are_plannable():
-    assert len(PLANNABLE) >= 7
+    assert len(PLANNABLE) >= 10
+    kinds = {
+        (_flag(f, "--tensor-model-parallel-size") > 1, _flag(f, "--pipeline-model-parallel-size") > 1)
+        for _, f in PLANNABLE
+    }
+    assert len(kinds) == 4  # tp only, pp only, both, dp only
+
+
+def test_planner_peak_matches_the_measured_report(spawned):  # noqa: F811 (the shared fixture)
+    """The planner's memory_per_rank_gb against the MEASURED report (max over the 4 ranks of
+    params + grads + optimizer + activations), for every plannable layout of test_memory's single
+    spawn (the fixture is shared: no second spawn)."""
+    files, _ = spawned
+    by_name = dict(zip((n for n, _ in LAYOUTS), files))
+    worst = 0.0
+    for name, flags in PLANNABLE:
+        args = _args(flags)
+        got = planner.with_memory(_problem(args), _candidate(args)).memory_per_rank_gb * planner.GIB
+        records = [json.loads(x) for x in Path(by_name[name]).read_text().splitlines() if '"memory"' in x]
+        assert len(records) == 4, name
+        measured = max(sum(r["measured"][c] for c in CATEGORIES) for r in records)
+        err = relative_error(measured, got)
+        worst = max(worst, err)
+        assert err <= 0.05, f"{name}: planner {got} vs measured peak {measured}"
+    print(f"planner peak vs measured peak, {len(PLANNABLE)} layouts: max relative error {worst:.4f}")
 
 
 @pytest.mark.parametrize("name,flags", PLANNABLE, ids=[n for n, _ in PLANNABLE])
@@ -173,3 +200,32 @@ def test_bad_flags_are_one_line(extra, flag):
     out = _tool(*SMALL_FLAGS, *extra)
     assert out.returncode == 2
     assert flag in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+CAL = {
+    "cores": 2, "peak_tflops": 0.1, "gemm": [[32, 0.02], [128, 0.06], [512, 0.1]],
+    "allreduce": {"latency_s": 5e-4, "gbps": 1.0}, "allgather": {"latency_s": 5e-4, "gbps": 1.0},
+    "p2p": {"latency_s": 5e-5, "gbps": 3.0}, "overhead_s_per_layer_microbatch": 1e-3,
+}  # fmt: skip
+
+
+def test_calibration_replaces_the_table(tmp_path):
+    from megalite import calibration
+
+    assert calibration.efficiency(CAL, 64) == pytest.approx(0.4)  # halfway in log d: (0.02 + 0.06) / 2 / 0.1
+    assert calibration.efficiency(CAL, 4096) == 1.0
+    p = _small(gpus=4, gpn=4, gbs=16, calibration=CAL, device_type="cpu")
+    ranked = planner.plan(p)
+    assert [c.step_time_s for c in ranked] == sorted(c.step_time_s for c in ranked)
+    tp4 = next(c for c in ranked if c.tp == 4 and c.recompute == "none")
+    assert (
+        dict(tp4.parts)["tp"] > 0
+        and ranked[0].step_time_s != planner.plan(_small(gpus=4, gpn=4, gbs=16))[0].step_time_s
+    )
+    with pytest.raises(calibration.MegaliteError, match="--calibration"):
+        calibration.load(tmp_path / "missing.json")
+    (tmp_path / "c.json").write_text(json.dumps(CAL))
+    out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "16",
+                "--calibration", str(tmp_path / "c.json"), "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["candidates"][0]["step_time_s"] > 0

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite import planner  # noqa: E402
+from megalite import calibration, planner  # noqa: E402
 from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
 from megalite.arguments import model_config  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
@@ -33,12 +34,20 @@ def build_parser():
     p.prog = "plan.py"
     p.description = "Rank parallel layouts of a model on a cluster by predicted memory and step time."
     g = p.add_argument_group("planner: the cluster")
-    g.add_argument("--num-gpus", type=int, required=True, help="GPUs in the job.")
+    g.add_argument("--num-gpus", type=int, default=None, help="GPUs in the job (required to plan).")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain).")
     g.add_argument("--gpu", choices=sorted(planner.GPUS), default="H100-SXM", help="GPU model (one table).")
     g.add_argument("--gpu-memory-gb", type=float, default=None, help="Override the GPU's memory (GiB).")
     g.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s per GPU inside a node.")
     g.add_argument("--inter-node-bandwidth", type=float, default=None, help="GB/s per GPU between nodes.")
+    g = p.add_argument_group("planner: calibration (megalite/calibration.py)")
+    g.add_argument(
+        "--calibrate", action="store_true", help="Benchmark this machine (< 60 s), write --calibration."
+    )
+    g.add_argument(
+        "--calibration", nargs="?", const=str(calibration.default_path()), default=None, metavar="FILE",
+        help=f"Calibration JSON to plan with instead of the GPU table (no FILE: {calibration.default_path()}).",
+    )  # fmt: skip
     g = p.add_argument_group("planner: output")
     g.add_argument("--json", action="store_true", help='Print {"candidates": [...]} best first.')
     g.add_argument("--top", type=int, default=10, help="Rows of the table.")
@@ -50,6 +59,7 @@ def problem(args) -> planner.Problem:
         if not cond:
             raise planner.PlanError(msg)
 
+    need(args.num_gpus is not None, "--num-gpus is required (GPUs in the job)")
     need(args.num_gpus >= 1, f"--num-gpus must be >= 1, got {args.num_gpus}")
     need(args.gpus_per_node >= 1, f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
     need(
@@ -84,11 +94,26 @@ def problem(args) -> planner.Problem:
         seq_length=args.seq_length,
         global_batch_size=args.global_batch_size,
         params_dtype=torch.float16 if args.fp16 else torch.bfloat16,
+        calibration=calibration.load(args.calibration) if args.calibration else None,
     )
 
 
 def plan(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.calibrate:
+        path = Path(args.calibration or calibration.default_path())
+        cal = calibration.calibrate(torch.bfloat16 if args.bf16 else torch.float32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cal, indent=1))
+        print(
+            f"calibrated in {cal['seconds']:.0f} s -> {path}: peak {cal['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, "
+            f"all-reduce {cal['allreduce']['gbps']:.2f} GB/s + {cal['allreduce']['latency_s'] * 1e6:.0f} us, "
+            f"p2p {cal['p2p']['gbps']:.2f} GB/s + {cal['p2p']['latency_s'] * 1e6:.0f} us, "
+            f"overhead {cal['overhead_s_per_layer_microbatch'] * 1e3:.2f} ms per layer x microbatch x pass"
+        )
+        if args.num_gpus is None:
+            return 0
+        args.calibration = str(path)
     p = problem(args)
     cands = planner.plan(p)
     if args.json:
