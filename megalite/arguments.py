@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_sequence_parallel_and_recompute_args(p)
+    add_compile_args(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (within a node).")
@@ -433,6 +434,26 @@ def add_sequence_parallel_and_recompute_args(p: argparse.ArgumentParser) -> None
         "--recompute-activations",
         action="store_true",
         help="Same as --recompute-granularity selective (Megatron's meaning).",
+    )
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    """``--torch-compile`` (regional: each transformer layer separately; see docs/performance.md)."""
+    g = p.add_argument_group("compilation")
+    g.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="torch.compile each transformer layer of this rank's chunks separately (regional "
+        "compilation; parameter names and checkpoints unchanged). Costs compile time at start-up.",
+    )
+    g.add_argument(
+        "--torch-compile-mode",
+        choices=COMPILE_MODES,
+        default="default",
+        help="torch.compile mode for --torch-compile.",
     )
 
 

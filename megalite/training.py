@@ -34,6 +34,7 @@ from megalite.metrics import (
     peak_memory_mb,
 )
 from megalite.model import ModelConfig, build_model_chunks
+from megalite.model.gpt import compile_layers
 from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -126,6 +127,8 @@ def setup(args: argparse.Namespace) -> TrainState:
         dtype=params_dtype(args),
         device=mesh.device,
     )
+    if args.torch_compile:
+        compile_layers(chunks, args.torch_compile_mode)
     model = [
         DistributedDataParallel(
             c,

@@ -666,4 +666,37 @@ def build_model_chunks(
     ]
 
 
-__all__ = ["GPTModel", "apply_rotary", "build_model_chunks", "recompute_units", "rotary_cos_sin"]
+def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
+    """``--torch-compile``: compile each transformer layer of ``chunks`` separately, in place.
+
+    Regional compilation (torchtitan's): one small graph per layer keeps compile time
+    bounded (identical layers reuse the compiled code) and composes with pipeline chunks,
+    interleaving and recompute, which call layers one by one. ``nn.Module.compile`` keeps
+    the module tree, so parameter names, ``state_dict`` keys and checkpoints are unchanged.
+    Dropout keeps drawing from torch's RNG as in eager (``fallback_random``), so the RNG
+    streams, recompute's replay and resume behave exactly as without compile. TP collectives
+    inside a layer (in the autograd functions of ``mappings``) are left to dynamo, which
+    graph-breaks around them: the breaks sit at the TP boundaries (see docs/performance.md).
+    """
+    from megalite.errors import MegaliteError
+
+    if not callable(getattr(torch, "compile", None)) or not hasattr(nn.Module, "compile"):
+        raise MegaliteError(
+            f"--torch-compile needs torch >= 2.2 (torch.compile, nn.Module.compile); this is torch {torch.__version__}"
+        )
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
+    for chunk in chunks:
+        for layer in chunk.decoder.layers.values():
+            layer.compile(mode=None if mode == "default" else mode)
+
+
+__all__ = [
+    "GPTModel",
+    "apply_rotary",
+    "build_model_chunks",
+    "compile_layers",
+    "recompute_units",
+    "rotary_cos_sin",
+]
