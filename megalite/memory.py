@@ -531,6 +531,9 @@ class SavedTensorMeter:
         self.live = 0
         self.peak = 0
 
+    # Bookkeeping, not model math: dynamo must not trace it (--torch-compile would recompile the
+    # hook once per saved tensor until its cache limit).
+    @torch._dynamo.disable
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -546,6 +549,7 @@ class SavedTensorMeter:
         return _Packed(tensor, key, self)
 
     @staticmethod
+    @torch._dynamo.disable
     def _unpack(packed):
         return packed.tensor if isinstance(packed, _Packed) else packed
 
