@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.arguments import validate_sequence_parallel_and_recompute
+from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
@@ -332,21 +333,28 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
         "norm_outputs": 2 * B * h * rows,
     }
     # q, k, v are views of the fused QKV output [b, s, (a + 2g)/t * d] unless made fresh: q by
-    # RoPE or, under GQA, by its reshape (a copy); k by RoPE; k and v by the GQA repeat (SDPA's
-    # inputs; selective keeps them before it). A saved view keeps the whole QKV buffer alive
-    # (counted once per storage).
+    # RoPE or, under GQA, by its reshape (a copy); k by RoPE; k and v by the GQA repeat when the
+    # model makes one (no SDPA enable_gqa: the model's own gpt.repeats_kv decides). A saved view
+    # keeps the whole QKV buffer alive (counted once per storage).
     qkv_buffer = B * (heads + 2 * groups) * d * T
     fresh_q = rope or gqa
+    repeat = gqa and _gpt.repeats_kv(heads // groups, _gpt.SDPA_ENABLE_GQA)
     if _attention_uses_math_kernel(config, layout) and mode != "selective":
-        # Math kernel: fp32 scaled q, k, v; softmax out, dropout noise, dropped probs [b, a/t, s, s]
-        # in fp32; its output is copied back to the dtype for linear_proj.
-        terms["attention_qkv"] = 3 * 4 * hq * T
+        # Math kernel: q, k scaled fp32 copies; softmax out, dropout noise, dropped probs
+        # [b, a/t, s, s] in fp32; its output is copied back to the dtype for linear_proj. v is an
+        # fp32 copy unless the math already is fp32, v is not repeated (GQA: the kernel repeats it
+        # itself under enable_gqa) and [b, g/t, s, d] folds to [b*g/t, s, d] as a view (b == 1
+        # or one group per rank): then the bmm saves that view, which keeps the QKV buffer.
+        v_view = B == 4 and not gqa and (layout.micro_batch_size == 1 or groups == 1)
+        terms["attention_qkv"] = 2 * 4 * hq * T + (qkv_buffer if v_view else 4 * hq * T)
         terms["attention_scores"] = 3 * 4 * heads * layout.seq_length * T
-    elif mode == "selective":  # the recompute's inputs: q, k after RoPE, v a view (before the repeat)
+    elif mode == "selective" or not repeat:
+        # selective: the recompute's inputs (q, k after RoPE, v a view before any repeat); SDPA
+        # with enable_gqa (or no GQA) saves the same inputs, plus its fp32 logsumexp below.
         terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + rope * groups * d) * T
-    else:  # SDPA's inputs: v is a view unless GQA repeated it (then q, k, v are all fresh)
-        fresh = 2 * fresh_q + gqa  # q and k (same condition), v
-        terms["attention_qkv"] = (not gqa) * qkv_buffer + fresh * B * hq * T
+    else:  # SDPA's inputs after the GQA repeat: q, k, v all fresh [b, a/t, s, d]
+        terms["attention_qkv"] = 3 * B * hq * T
+    if not _attention_uses_math_kernel(config, layout) and mode != "selective":
         terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
     terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
     if config.hidden_dropout > 0:

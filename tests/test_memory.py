@@ -35,6 +35,7 @@ from megalite.memory import (
     relative_error,
     stage_chunks,
 )
+from megalite.model import gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
@@ -193,17 +194,26 @@ BLOCK_1 = dict(recompute_granularity="full", recompute_method="block", recompute
         ("llama_gqa", torch.float32, (0.1, 0.1), SELECTIVE),  # k before the GQA repeat
         ("llama_gqa", torch.float32, (0.1, 0.1), UNIFORM_2),
         ("gpt2", torch.bfloat16, (0.1, 0.0), BLOCK_1),
+        # CPU math kernel (attention dropout), fp32, one head: v folds to [b*1, s, d] as a view,
+        # saved by its bmm, keeping the QKV buffer (bf16 and several heads: an fp32 copy).
+        ("gpt2_1head", torch.float32, (0.1, 0.1), {}),
+        ("gpt2_1head", torch.bfloat16, (0.1, 0.1), {}),
+        ("llama_1head", torch.float32, (0.0, 0.1), {}),
+        ("gpt2", torch.float32, (0.0, 0.1), {}),
+        ("llama_gqa", torch.float32, (0.0, 0.1), {}),
     ],
 )
-def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute):
+def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, b=3):
     """Every term of chunk_activation_bytes, checked on a whole 3-layer model in this process."""
     kw = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=200, max_position_embeddings=16)
     kw.update(hidden_dropout=dropout[0], attention_dropout=dropout[1])
     if flavour.endswith("_gqa"):
         kw["num_query_groups"] = 2
+    if flavour.endswith("_1head"):
+        kw["num_attention_heads"] = 1
     config = (ModelConfig.gpt2 if flavour.startswith("gpt2") else ModelConfig.llama)(**kw)
     model = GPTModel(config, Mesh.single(torch.device("cpu")), dtype=dtype, **recompute)
-    b, s = 3, 16
+    s = 16
     ids = torch.randint(0, 200, (b, s))
     meter = SavedTensorMeter(list(model.parameters()))
     with meter.track():
@@ -213,6 +223,24 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     assert meter.peak == chunk_activation_bytes(config, layout, ChunkSpec(True, True, (0, 3)))
     loss.backward()
     assert meter.live == 0  # every saved storage was released by backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_kernel_v_view_with_one_sequence_per_microbatch(dtype):
+    """b == 1: [1, a, s, d] folds to [a, s, d] as a view whatever the heads (fp32)."""
+    test_one_process_saved_bytes_equal_the_model("gpt2", dtype, (0.0, 0.1), {}, b=1)
+
+
+@pytest.mark.parametrize("enable_gqa", [True, False])
+@pytest.mark.parametrize("flavour,dtype,dropout", [("llama_gqa", torch.bfloat16, (0.1, 0.0))])
+def test_memory_model_follows_the_models_gqa_path(monkeypatch, enable_gqa, flavour, dtype, dropout):
+    """SDPA's enable_gqa (k, v unrepeated: v a view keeping the QKV buffer) or repeat_interleave
+    (q, k, v fresh): the model's flag default, gpt.SDPA_ENABLE_GQA, decides both."""
+    if enable_gqa and not gpt.SDPA_ENABLE_GQA:
+        pytest.skip("torch < 2.5: no enable_gqa")
+    monkeypatch.setattr(gpt, "SDPA_ENABLE_GQA", enable_gqa)
+    test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, {})
+    test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, SELECTIVE)
 
 
 # ---- distributed: the report of the first iteration against the prediction ---------------------
@@ -247,6 +275,11 @@ def _tp_pp(tp: int, pp: int, layers: int = 4) -> list[str]:
 LAYOUTS = [
     ("tp4 fp32 gpt2", _tp_pp(4, 1, 2) + ["--num-attention-heads", "4"]),
     ("tp4 sp fp32 gpt2 dropout", _tp_pp(4, 1, 2) + ["--num-attention-heads", "4", "--hidden-dropout", "0.1"] + _SP),
+    (  # CPU math kernel, one head per rank: v a view of the QKV buffer (73,796 bytes on rank 0)
+        "tp4 sp fp32 gpt2 attention dropout",
+        _tp_pp(4, 1, 2) + ["--num-attention-heads", "4", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+        + _SP,
+    ),
     ("tp4 sp selective bf16 llama gqa", _tp_pp(4, 1, 2) + _GQA + ["--bf16", *_SELECTIVE, *_SP, *_LLAMA]),
     (
         "tp2 pp2 1f1b sp bf16 dropout",

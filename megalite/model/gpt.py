@@ -197,6 +197,12 @@ def _sdpa_has_enable_gqa() -> bool:
 SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
 
 
+def repeats_kv(q_per_group: int, enable_gqa: bool = SDPA_ENABLE_GQA) -> bool:
+    """Whether core_attention copies each k/v head per query head (``repeat_interleave``) before
+    SDPA: under GQA without SDPA's ``enable_gqa``. megalite/memory.py asks this too."""
+    return q_per_group > 1 and not enable_gqa
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query attention; each TP rank holds whole query groups.
 
@@ -214,9 +220,8 @@ class SelfAttention(nn.Module):
         self.local_groups = config.query_groups // tp
         self.local_heads = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
-        # Off until megalite/memory.py models enable_gqa's saved tensors (bf16 CPU saves 2 KiB more
-        # per layer at tp2 in test_memory's SP case); bench/gqa.py and tests/test_gqa.py turn it on.
-        self.enable_gqa = False
+        # SDPA's enable_gqa where torch has it (>= 2.5), else repeat_interleave (see repeats_kv).
+        self.enable_gqa = SDPA_ENABLE_GQA
         self.rng = rng
         self.selective_recompute = selective
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
@@ -273,11 +278,11 @@ class SelfAttention(nn.Module):
         # Query heads of group g sit next to each other: SDPA's enable_gqa pairs them with k/v head
         # g without copies; older torch repeats each k/v head in place.
         gqa = {}
-        if self.q_per_group > 1 and self.enable_gqa:
-            gqa = {"enable_gqa": True}
-        elif self.q_per_group > 1:
+        if repeats_kv(self.q_per_group, self.enable_gqa):
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
+        elif self.q_per_group > 1:
+            gqa = {"enable_gqa": True}
         dropout_p = self.attention_dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
         with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
