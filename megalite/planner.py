@@ -384,6 +384,76 @@ def no_fit_message(p: Problem) -> str:
     )
 
 
+# ---- the start-up check (pretrain_gpt.py) ------------------------------------------------------
+def from_args(
+    args,
+    config: ModelConfig,
+    num_gpus: int,
+    gpus_per_node: int,
+    memory_gb: float,
+    params_dtype: torch.dtype,
+    device_type: str = "cuda",
+) -> tuple[Problem, Candidate] | None:
+    """The Problem / Candidate of a validated pretrain_gpt.py run; None for a layout the planner
+    does not model (a ZeRO strategy outside ``SHARDING``)."""  # fmt: skip
+    sharding = args.data_parallel_sharding_strategy
+    if sharding not in SHARDING:
+        return None
+    tp = args.tensor_model_parallel_size
+    # the device's memory; H100's speeds only rank the alternatives (memory decides what fits)
+    gpu = dataclasses.replace(GPUS["H100-SXM"], name="this device", memory_gb=memory_gb)
+    problem = Problem(
+        config=config,
+        cluster=Cluster(num_gpus, min(gpus_per_node, num_gpus), gpu),
+        seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size,
+        params_dtype=params_dtype,
+        device_type=device_type,
+    )
+    cand = Candidate(
+        tp,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size or 1,
+        args.data_parallel_size,
+        args.micro_batch_size,
+        bool(args.sequence_parallel) and tp > 1,
+        args.recompute_granularity or "none",
+        sharding,
+    )
+    return problem, cand
+
+
+STARTUP_SEARCH_LIMIT = 2000  # layouts the start-up check evaluates at most for an alternative
+
+
+def fit_warning(p: Problem, c: Candidate, limit: int = STARTUP_SEARCH_LIMIT) -> str | None:
+    """One line when ``c`` is predicted not to fit ``p``'s GPU memory, naming the fastest layout
+    (of at most ``limit`` evaluated, same GPU count) that fits; None when ``c`` fits."""
+    c = with_memory(p, c)
+    if fits(p, c):
+        return None
+    need, have = c.memory_per_rank_gb + c.overhead_gb, p.cluster.gpu.memory_gb
+    head = (
+        f"megalite: WARNING: the planner predicts {need:.1f} GB per rank for this layout "
+        f"({c.memory_per_rank_gb:.1f} GB + {c.overhead_gb:.1f} GB overhead) but the device has {have:.1f} GB"
+    )
+    found = []
+    for cross in (False, True) if p.cluster.num_gpus > p.cluster.gpus_per_node else (False,):
+        for i, alt in enumerate(layouts(p, None, cross)):
+            if i >= limit:
+                break
+            alt = with_memory(p, alt)
+            if fits(p, alt):
+                found.append(alt)
+        if found:
+            break
+    if not found:
+        return f"{head}; no layout of {p.cluster.num_gpus} GPUs fits (tools/plan.py --num-gpus ... says how many do)"
+    best = min((with_time(p, a) for a in found), key=lambda a: (a.step_time_s, a.memory_per_rank_gb))
+    need = best.memory_per_rank_gb + best.overhead_gb
+    return f"{head}; this one is predicted to fit ({need:.1f} GB): {launch_flags(best, p.config.num_layers)}"
+
+
 # ---- output -----------------------------------------------------------------------------------
 def launch_flags(c: Candidate, num_layers: int) -> str:
     f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]

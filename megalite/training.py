@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from megalite import planner
 from megalite.arguments import ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
@@ -521,6 +522,35 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
     return " | ".join(parts)
 
 
+def device_memory_gb(device: torch.device) -> float:
+    """The device's memory in GiB: ``MEGALITE_DEVICE_MEMORY_GB`` when set (tests), else CUDA's."""
+    forced = os.environ.get("MEGALITE_DEVICE_MEMORY_GB")
+    if forced:
+        return float(forced)
+    return torch.cuda.get_device_properties(device).total_memory / planner.GIB
+
+
+def memory_fit_warning(state: TrainState, memory_gb: float | None = None) -> str | None:
+    """The planner's start-up check (issue #15): one warning line when this layout's predicted peak
+    per rank (+ overhead) exceeds the device's memory, naming a layout of the same world size that
+    fits; None when it fits. Only the chosen layout is predicted unless it does not fit."""
+    args, mesh = state.args, state.mesh
+    if mesh.device.type != "cuda" and memory_gb is None:
+        # CPU (gloo) runs: host RAM is shared by every rank and swaps, not the per-device HBM limit
+        # the planner models, so a prediction against it would be noise.
+        return None
+    built = planner.from_args(
+        args,
+        state.config,
+        num_gpus=mesh.world_size,
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
+        memory_gb=device_memory_gb(mesh.device) if memory_gb is None else memory_gb,
+        params_dtype=params_dtype(args),
+        device_type=mesh.device.type,
+    )
+    return None if built is None else planner.fit_warning(*built)
+
+
 def pretrain(argv: list[str] | None = None) -> dict:
     """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
     args = parse_args(argv)
@@ -546,6 +576,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)
     warning = ignored_flags_warning(args)
+    if mesh.rank == 0:
+        warning = "\n".join(w for w in (warning, memory_fit_warning(state)) if w)
     if warning and mesh.rank == 0:
         print(warning, flush=True)
     try:

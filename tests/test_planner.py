@@ -229,3 +229,51 @@ def test_calibration_replaces_the_table(tmp_path):
                 "--calibration", str(tmp_path / "c.json"), "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["candidates"][0]["step_time_s"] > 0
+
+
+# ---- pretrain_gpt.py's start-up check (issue #15) -----------------------------------------------
+_BIG = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
+_BIG += [
+    "--max-position-embeddings",
+    "2048",
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "32",
+    "--bf16",
+]
+
+
+def _startup_state():
+    import types
+
+    args = validate_args(parse_args([*_MODEL, *_BIG]), 4)  # tp1 pp1 dp4, no recompute, no ZeRO
+    mesh = types.SimpleNamespace(device=torch.device("cpu"), world_size=4)
+    return types.SimpleNamespace(
+        args=args, mesh=mesh, config=model_config(args, vocab_size=args.vocab_size + 1)
+    )
+
+
+def test_startup_warns_with_a_fitting_layout_and_is_silent_when_it_fits(monkeypatch):
+    from megalite.training import memory_fit_warning
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    state = _startup_state()
+    assert memory_fit_warning(state) is None  # CPU without a forced memory: skipped
+    p, c = planner.from_args(state.args, state.config, 4, 4, 1.0, torch.bfloat16, "cpu")
+    c = planner.with_memory(p, c)
+    need = c.memory_per_rank_gb + c.overhead_gb
+    assert memory_fit_warning(state, memory_gb=1000.0) is None
+    line = memory_fit_warning(state, memory_gb=need - 1.0)
+    assert line is not None and "\n" not in line
+    assert f"predicts {need:.1f} GB" in line and f"device has {need - 1.0:.1f} GB" in line
+    flags = line.split("predicted to fit")[1]
+    assert "--tensor-model-parallel-size" in flags and "--micro-batch-size" in flags
+    # a different layout, and one the planner says fits at this memory
+    named = flags.split(": ", 1)[1]
+    assert named != planner.launch_flags(c, 8)
+    q = dataclasses.replace(
+        p, cluster=dataclasses.replace(p.cluster, gpu=planner.GPUSpec("x", 1, need - 1.0, 1, 1))
+    )
+    assert named in {planner.launch_flags(x, 8) for x in planner._fitting(q, None, False)}
+    assert "no layout" in memory_fit_warning(state, memory_gb=0.5)  # below CUDA context: none fits
