@@ -539,16 +539,21 @@ def memory_fit_warning(state: TrainState, memory_gb: float | None = None) -> str
         # CPU (gloo) runs: host RAM is shared by every rank and swaps, not the per-device HBM limit
         # the planner models, so a prediction against it would be noise.
         return None
-    built = planner.from_args(
-        args,
-        state.config,
-        num_gpus=mesh.world_size,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
-        memory_gb=device_memory_gb(mesh.device) if memory_gb is None else memory_gb,
-        params_dtype=params_dtype(args),
-        device_type=mesh.device.type,
-    )
-    return None if built is None else planner.fit_warning(*built)
+    try:
+        built = planner.from_args(
+            args,
+            state.config,
+            num_gpus=mesh.world_size,
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
+            memory_gb=device_memory_gb(mesh.device) if memory_gb is None else memory_gb,
+            params_dtype=params_dtype(args),
+            device_type=mesh.device.type,
+        )
+        return None if built is None else planner.fit_warning(*built)
+    except Exception as e:  # an advisory check must never stop a run it cannot model; say so instead
+        return (
+            f"megalite: note: the planner could not check whether this layout fits ({type(e).__name__}: {e})"
+        )
 
 
 def pretrain(argv: list[str] | None = None) -> dict:
