@@ -164,12 +164,6 @@ def run_distributed(
 # ``torch.from_numpy`` makes a host tensor; ``device=cpu:0`` / ``.to(cpu:0)`` a device one; any
 # other op's result is on the host only when all its tensor inputs are (as on a GPU).
 # ``Tensor.device`` answers accordingly, and the wrapped collectives refuse host tensors.
-_P2P = ("send", "recv", "isend", "irecv")
-_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all_single",
-    "batch_isend_irecv", *_P2P,
-)  # fmt: skip
 _SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
 
 
@@ -251,35 +245,20 @@ def device_discipline():
     Yields the tracker class; ``tracker.host_syncs`` counts ``.item()``, ``float(t)``, ``.tolist()``,
     ``.cpu()``, ... on device tensors: the host syncs a GPU run would make.
     """
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     import megalite.parallel.mesh as mesh_mod
+    from megalite.comm_meter import intercept_collectives
 
     tracker, declared = _make_tracker()
     saved = {}
 
-    def wrap(name, orig):
-        def checked(*args, **kwargs):
-            for t in _tensors(list(args) + list(kwargs.values())):
-                if on_host(t):
-                    raise DeviceDisciplineError(
-                        f"dist.{name} got a tensor on the host (shape {tuple(t.shape)}, {t.dtype}), not on the "
-                        f"mesh's device {declared}: NCCL would refuse it; make it with mesh.tensor/zeros/on_device"
-                    )
-            return orig(*args, **kwargs)
+    def check(name, bound):
+        for t in _tensors(list(bound.arguments.values())):
+            if on_host(t):
+                raise DeviceDisciplineError(
+                    f"dist.{name} got a tensor on the host (shape {tuple(t.shape)}, {t.dtype}), not on the "
+                    f"mesh's device {declared}: NCCL would refuse it; make it with mesh.tensor/zeros/on_device"
+                )
 
-        checked.__name__ = name
-        return checked
-
-    for name in _COLLECTIVES:
-        if hasattr(dist, name):
-            saved[(dist, name)] = getattr(dist, name)
-            w = wrap(name, getattr(dist, name))
-            setattr(dist, name, w)
-            if name in ("isend", "irecv"):  # P2POp checks its op against these
-                saved[(c10d, name)] = getattr(c10d, name)
-                setattr(c10d, name, w)
     orig_init = mesh_mod.initialize_model_parallel
 
     def init_on_declared(*args, **kwargs):
@@ -303,7 +282,7 @@ def device_discipline():
     saved[(training, "initialize_model_parallel")] = training.initialize_model_parallel
     training.initialize_model_parallel = init_on_declared
     try:
-        with tracker():
+        with intercept_collectives(check), tracker():
             yield tracker
     finally:
         for (mod, name), fn in saved.items():
