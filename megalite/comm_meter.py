@@ -409,6 +409,7 @@ class MeasuredRun:
             "optimizer_host_bytes": opt.optimizer_host_bytes(),
             "main_params": {"count": len(opt.main_params), "elements": sum(m.main.numel() for m in opt.main_params)},
             "num_params": sum(p.numel() for c in state.model for p in c.parameters()),
+            "param_tensors": sum(1 for c in state.model for _ in c.parameters()),
             "buckets": DPBuckets.of(state.model).__dict__,
             "bucket_sizes": [(b.numel, b.numel_padded) for c in state.model for b in c.buckets],
             "calls": meter.calls,
