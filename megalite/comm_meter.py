@@ -405,7 +405,7 @@ class MeasuredRun:
             "dp_rank": mesh.dp_rank,
             "dp": d,
             "num_microbatches": args.num_microbatches,
-            "memory": {"measured": memory["measured"], "predicted": memory["predicted"]},
+            "memory": {k: memory[k] for k in ("measured", "predicted", "measured_extra")},
             "optimizer_host_bytes": opt.optimizer_host_bytes(),
             "main_params": {"count": len(opt.main_params), "elements": sum(m.main.numel() for m in opt.main_params)},
             "num_params": sum(p.numel() for c in state.model for p in c.parameters()),
