@@ -173,7 +173,11 @@ def _describe(name: str, a: dict) -> list[tuple[str, object, int, int | None]]:
     if kind in ("send", "recv"):
         return [(kind, group, _nbytes(a["tensor"]), None)]
     if kind in ("broadcast", "scatter"):
-        n = _nbytes(a["tensor"]) if kind == "broadcast" else sum(_nbytes(t) for t in a.get("scatter_list") or [])
+        n = (
+            _nbytes(a["tensor"])
+            if kind == "broadcast"
+            else sum(_nbytes(t) for t in a.get("scatter_list") or [])
+        )
         return [(kind, group, n, _root(a, "src"))]
     if kind in ("reduce", "gather"):
         return [(kind, group, _nbytes(a["tensor"]), _root(a, "dst"))]
@@ -220,7 +224,9 @@ class CommMeter:
 
     def _select(self, group, kind):
         name = None if group is None else self._group_info(group)[0]
-        return [c for c in self.calls if (name is None or c.group == name) and (kind is None or c.kind == kind)]
+        return [
+            c for c in self.calls if (name is None or c.group == name) and (kind is None or c.kind == kind)
+        ]
 
     def bytes_sent(self, group=None, kind: str | None = None) -> Fraction:
         """Bytes this rank sent (ring volumes): on ``group`` (a ProcessGroup; None: every group),
@@ -396,6 +402,7 @@ class MeasuredRun:
         for n in dp_step_scalars(state).values():  # the step's bookkeeping all-reduces on DP
             theory["all_reduce"] = theory.get("all_reduce", Fraction(0)) + Fraction(2 * (d - 1) * n, d)
         opt = state.optimizer
+        dist_dp = mesh.dp_group is not None
         return {
             "strategy": strategy,
             "offload": args.optimizer_cpu_offload,
@@ -407,15 +414,19 @@ class MeasuredRun:
             "num_microbatches": args.num_microbatches,
             "memory": {k: memory[k] for k in ("measured", "predicted", "measured_extra")},
             "optimizer_host_bytes": opt.optimizer_host_bytes(),
-            "main_params": {"count": len(opt.main_params), "elements": sum(m.main.numel() for m in opt.main_params)},
+            "main_params": {
+                "count": len(opt.main_params),
+                "elements": sum(m.main.numel() for m in opt.main_params),
+            },
             "num_params": sum(p.numel() for c in state.model for p in c.parameters()),
             "param_tensors": sum(1 for c in state.model for _ in c.parameters()),
             "buckets": DPBuckets.of(state.model).__dict__,
             "bucket_sizes": [(b.numel, b.numel_padded) for c in state.model for b in c.buckets],
             "calls": meter.calls,
             "sent": meter.summary(labels={g: k for k, g in groups.items()}),
-            "dp_sent": {k: meter.bytes_sent(mesh.dp_group, k) for k in theory},
-            "dp_sent_total": meter.bytes_sent(mesh.dp_group),
+            # One process without torch.distributed: no DP group, nothing sent.
+            "dp_sent": {k: meter.bytes_sent(mesh.dp_group, k) if dist_dp else Fraction(0) for k in theory},
+            "dp_sent_total": meter.bytes_sent(mesh.dp_group) if dist_dp else Fraction(0),
             "dp_theory": theory,
         }
 
@@ -440,6 +451,7 @@ def dp_step_scalars(state) -> dict[str, int]:
         if opt.log_num_zeros_in_grad:
             out["zero count over the shards (float64)"] = 8
     return out
+
 
 __all__ = [
     "COLLECTIVES",

@@ -46,7 +46,10 @@ def sweep_configs(dp: int) -> list[tuple[str, list[str]]]:
 
 
 # pp2 x dp2 under ZeRO-1 (4 ranks): the DP theory on each stage, the p2p and tied-embedding traffic.
-PP_CONFIG = ("pp2-dp2 optim", SWEEP + layout(1, 2) + ["--global-batch-size", str(MBS * 2 * M)] + strategy_flags("optim"))
+PP_CONFIG = (
+    "pp2-dp2 optim",
+    SWEEP + layout(1, 2) + ["--global-batch-size", str(MBS * 2 * M)] + strategy_flags("optim"),
+)
 
 # ---- resume under ZeRO-2 from no_shard (1,1,1) and from ZeRO-1 (2,2,2): fp32, dropout 0 -----------
 ITERS, SAVE_AT = 6, 3
@@ -139,7 +142,11 @@ def runs(tmp_path_factory):
             ],
             False,
         ),
-        4: (sweep_configs(4) + [PP_CONFIG], [BASE + layout(2, 1) + Z2 + resume("optim-222") + out("optim-222-to-z2-tp2dp2")], True),
+        4: (
+            sweep_configs(4) + [PP_CONFIG],
+            [BASE + layout(2, 1) + Z2 + resume("optim-222") + out("optim-222-to-z2-tp2dp2")],
+            True,
+        ),
         2: (sweep_configs(2), [], False),
     }
     results = {w: run_distributed(_rank_work, w, *plan[w], timeout=300) for w in (1, 8, 4, 2)}
@@ -193,7 +200,8 @@ def test_dp_bytes_per_step_match_theory(runs, strategy, dp):
         bulk = DP_THEORY[base](dp, M, b["grad_bytes"], b["param_bytes"])
         assert b["grad_bytes"] == 4 * b["elements"] and b["param_bytes"] == B * b["elements"]
         scalars = theory.get("all_reduce", 0) - bulk.get("all_reduce", 0)
-        assert scalars == Fraction(2 * (dp - 1), dp) * 4 * (1 + (base != "no_shard")), scalars  # loss (+ norm)
+        loss_and_norm = 1 + (base != "no_shard")  # the loss average; the grad norm over ZeRO shards
+        assert scalars == Fraction(2 * (dp - 1), dp) * 4 * loss_and_norm, scalars
         if base == "optim_grads":  # its reduce-scatter: test_zero2_reduce_scatters_once_per_microbatch
             theory = {k: v for k, v in theory.items() if k != "reduce_scatter"}
             sent = {k: v for k, v in sent.items() if k != "reduce_scatter"}
