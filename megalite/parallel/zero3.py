@@ -77,9 +77,15 @@ class _Gathered:
     live = 0
     peak = 0
 
-    @classmethod
-    def reset_peak(cls) -> None:
-        cls.peak = cls.live
+
+def reset_gathered_peak() -> None:
+    """Start a new peak of :func:`gathered_peak_bytes` (the memory report's first iteration)."""
+    _Gathered.peak = _Gathered.live
+
+
+def gathered_peak_bytes() -> int:
+    """The most bytes of gathered full params this process held at once since the last reset."""
+    return _Gathered.peak
 
 
 class Unit:
