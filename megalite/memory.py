@@ -45,8 +45,8 @@ from megalite.arguments import validate_sequence_parallel_and_recompute
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
-from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
 from megalite.parallel import zero3
+from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
 from megalite.parallel.param_attributes import mark_shared_embedding
 from megalite.parallel.pipeline_layout import stage_layer_ranges
 from megalite.parallel.schedules import schedule_plan
@@ -636,7 +636,9 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves: the params'
     storages as allocated now (each once: ZeRO-3's are bucket buffers, freed between uses) plus
     ZeRO-3's param shards."""
-    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for c in model_chunks for p in c.parameters()}
+    storages = {
+        p.untyped_storage()._cdata: p.untyped_storage().nbytes() for c in model_chunks for p in c.parameters()
+    }
     shards = sum(s.shard_bytes() for c in model_chunks if (s := getattr(c, "param_sharding", None)))
     return {
         "params": sum(storages.values()) + shards,

@@ -190,8 +190,10 @@ def test_zero3_params_outside_the_computed_layer(runs, flavour):
     (one,) = _memory_records(runs / f"{flavour}-ref.jsonl")
     for r in _memory_records(runs / f"{flavour}-dp4-z3.jsonl"):
         ratio = r["measured"]["params"] / one["measured"]["params"]
-        print(f"{flavour} dp4 ZeRO-3: params {ratio:.4f} of dp=1's, gathered peak "
-              f"{r['measured_extra']['params_gathered'] / one['measured']['params']:.4f}")
+        print(
+            f"{flavour} dp4 ZeRO-3: params {ratio:.4f} of dp=1's, gathered peak "
+            f"{r['measured_extra']['params_gathered'] / one['measured']['params']:.4f}"
+        )
         assert 0.25 <= ratio <= 0.27, ratio
         assert r["measured"]["params"] + r["measured_extra"]["params_gathered"] < one["measured"]["params"]
 
@@ -247,3 +249,53 @@ def test_bad_sharding_flags(flags, words):
         validate_args(parse_args(BASE + flags), 4)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_zero3_one_process_gathers_just_in_time(recompute):
+    """One process (dp=1, no collectives): params are freed outside their unit's forward and
+    backward, the grads equal an unwrapped model's, and state_dict / load_state_dict are whole."""
+    import torch
+
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=40)
+    kwargs = dict(recompute_granularity=recompute, recompute_method="uniform" if recompute else None)
+    kwargs["recompute_num_layers"] = 2 if recompute else None
+    ref = GPTModel(config, Mesh.single(), **kwargs)
+    ddp = DistributedDataParallel(
+        GPTModel(config, Mesh.single(), **kwargs),
+        Mesh.single(),
+        use_distributed_optimizer=True,
+        shard_grads=True,
+        shard_params=True,
+    )
+    params = dict(ddp.module.named_parameters())
+
+    def freed():
+        return all(p.untyped_storage().nbytes() == 0 for p in params.values())
+
+    assert freed()
+    assert {k: v.tolist() for k, v in ddp.state_dict().items()} == {
+        k: v.tolist() for k, v in ref.state_dict().items()
+    }
+    assert freed()
+    seen = []
+    layer = ddp.module.decoder.layers["1"]
+    layer.register_forward_pre_hook(
+        lambda m, a: seen.append(layer.mlp.linear_fc2.weight.untyped_storage().nbytes())
+    )
+    tokens = torch.randint(0, 40, (2, 8))
+    for model in (ref, ddp):
+        model(input_ids=tokens, labels=tokens).mean().backward()
+    assert freed() and seen[0] > 0  # gathered when its forward starts, freed again after backward
+    ddp.finish_grad_sync()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(ddp.local_grad(params[name]).view_as(p), p.grad, rtol=0, atol=0)
+    ddp.load_state_dict({k: v * 2 for k, v in ref.state_dict().items()})
+    assert freed()
+    for k, v in ddp.state_dict().items():
+        assert torch.equal(v, 2 * ref.state_dict()[k]), k

@@ -207,7 +207,9 @@ class DistributedDataParallel(nn.Module):
     ):
         super().__init__()
         if shard_params and not shard_grads:
-            raise ValueError("shard_params (ZeRO-3) needs shard_grads (ZeRO-2's reduce-scatter per microbatch)")
+            raise ValueError(
+                "shard_params (ZeRO-3) needs shard_grads (ZeRO-2's reduce-scatter per microbatch)"
+            )
         if shard_grads and not use_distributed_optimizer:
             raise ValueError(
                 "shard_grads (ZeRO-2) needs use_distributed_optimizer (the optimizer owns the shard)"
