@@ -169,17 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="What is sharded over data-parallel ranks: no_shard (default), optim (ZeRO-1: optimizer "
         "state), optim_grads (ZeRO-2: also the gradients), optim_grads_params (ZeRO-3 / FSDP: also the "
-        "parameters; not built yet). Wins over the short forms when they agree.",
+        "parameters, each transformer layer all-gathered just in time in forward and backward). Wins "
+        "over the short forms when they agree.",
     )
     g.add_argument(
         "--use-torch-fsdp2",
         action="store_true",
-        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params.",
+        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params (megalite's "
+        "own ZeRO-3 on its DDP buckets, not torch's FSDP2).",
     )
     g.add_argument(
         "--use-megatron-fsdp",
         action="store_true",
-        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params.",
+        help="Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params (megalite's "
+        "own ZeRO-3 on its DDP buckets, not torch's FSDP2).",
     )
     g.add_argument(
         "--optimizer-cpu-offload",
@@ -963,13 +966,15 @@ def resolve_sharding_strategy(args: argparse.Namespace) -> str:
                 "--use-distributed-optimizer shards the optimizer, which contradicts "
                 "--data-parallel-sharding-strategy no_shard; drop one"
             )
-    if strategy == "optim_grads_params":
+    if strategy == "optim_grads_params" and getattr(args, "torch_compile", False):
         named = (
             fsdp[0] if fsdp and explicit is None else "--data-parallel-sharding-strategy optim_grads_params"
         )
+        # ZeRO-3 frees and re-gathers each layer's param storage in module hooks around the layer,
+        # which regional compile would trace into; not combined.
         raise ArgumentError(
-            f"{named}: ZeRO-3 / FSDP parameter sharding is not built yet; use "
-            "--data-parallel-sharding-strategy optim_grads (ZeRO-2) or optim (ZeRO-1)"
+            f"{named} (ZeRO-3) with --torch-compile is not supported; drop --torch-compile or use "
+            "--data-parallel-sharding-strategy optim_grads (ZeRO-2)"
         )
     if args.optimizer_cpu_offload and args.optimizer_offload_fraction != 1.0:
         raise ArgumentError(

@@ -4,7 +4,10 @@ measured report that checks it during the first training iteration.
 Prediction (pure arithmetic on shapes, no processes, no tensors allocated):
 
 * **params**: the shapes :class:`~megalite.model.gpt.GPTModel` builds for this rank's chunks
-  (:func:`chunk_param_shapes`; a test checks them name by name against the real model).
+  (:func:`chunk_param_shapes`; a test checks them name by name against the real model). Under
+  ZeRO-3 only this DP rank's shard of each padded bucket persists; the full params of the units
+  being computed (the chunk's root unit and one transformer layer, or one recomputed group) are
+  the transient ``params_gathered`` (:func:`gathered_param_bytes`).
 * **grads**: DistributedDataParallel's flat fp32 buffer: its own bucket split and padding
   (``split_into_buckets`` / ``padded_bucket_numel``), run on meta tensors.
 * **optimizer**: AdamW's two fp32 moments and its ``step`` scalar per main param, plus the fp32
@@ -42,6 +45,7 @@ from megalite.arguments import validate_sequence_parallel_and_recompute
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
+from megalite.parallel import zero3
 from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
 from megalite.parallel.param_attributes import mark_shared_embedding
 from megalite.parallel.pipeline_layout import stage_layer_ranges
@@ -82,7 +86,8 @@ class MemoryLayout:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = False
-    shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads)
+    shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads), and ZeRO-3
+    shard_params: bool = False  # ZeRO-3 (optim_grads_params; needs shard_grads)
     optimizer_cpu_offload: bool = False  # optimizer state in host memory: 0 bytes on the device
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
@@ -116,7 +121,8 @@ class MemoryLayout:
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            shard_grads=args.data_parallel_sharding_strategy == "optim_grads",
+            shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
+            shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
             optimizer_cpu_offload=args.optimizer_cpu_offload,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
@@ -233,23 +239,72 @@ def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.
     return params
 
 
-def _buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[Bucket]:
-    """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory)."""
+def _units(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[str] | None:
+    """ZeRO-3's unit name of each param of the chunk (registration order), by zero3's own rule:
+    each transformer layer (an element of the ``decoder.layers`` ModuleDict), else the root unit."""
+    if not layout.shard_params:
+        return None
+    prefixes = [f"decoder.layers.{i}" for i in range(*chunk.layer_range)]
+    return [zero3.unit_of_name(s.name, prefixes) for s in chunk_param_shapes(config, layout.tp, chunk)]
+
+
+def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[tuple[Bucket, str]]:
+    """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory), each
+    with its ZeRO-3 unit name (:data:`~megalite.parallel.zero3.ROOT` when params are not sharded)."""
     params = _meta_params(chunk_param_shapes(config, layout.tp, chunk), layout.params_dtype)
+    units = _units(config, layout, chunk) or [zero3.ROOT] * len(params)
+    unit_of = {id(p): u for p, u in zip(params, units)}
     groups = split_into_buckets(
-        list(reversed(params)), layout.ddp_bucket_size, layout.use_distributed_optimizer
+        list(reversed(params)),
+        layout.ddp_bucket_size,
+        layout.use_distributed_optimizer,
+        [unit_of[id(p)] for p in reversed(params)] if layout.shard_params else None,
     )
-    buckets = []
+    out = []
     for i, group in enumerate(groups):
         size = padded_bucket_numel(sum(p.numel() for p in group), layout.dp, layout.use_distributed_optimizer)
-        buckets.append(Bucket(i, group, torch.empty(size, device="meta"), layout.dp))
-    return buckets
+        out.append((Bucket(i, group, torch.empty(size, device="meta"), layout.dp), unit_of[id(group[0])]))
+    return out
+
+
+def _buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[Bucket]:
+    return [b for b, _ in _unit_buckets(config, layout, chunk)]
 
 
 def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """The params' bytes; under ZeRO-3 this rank's shard of each padded bucket (1/dp of the bucket
+    padded to a multiple of lcm(dp, 128)), all that persists outside the units being computed."""
     b = dtype_bytes(layout.params_dtype)
     chunks = stage_chunks(config, layout)[pp_rank]
+    if layout.shard_params:
+        return sum(b * bucket.shard_size for c in chunks for bucket in _buckets(config, layout, c))
     return sum(s.numel * b for c in chunks for s in chunk_param_shapes(config, layout.tp, c))
+
+
+def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """ZeRO-3: the peak bytes of full (all-gathered, padded) params, transient, besides the shards.
+
+    A chunk's root unit (embedding, final norm, output layer: whatever it holds) is whole for the
+    chunk's forward and backward; inside it, one transformer layer at a time, except that a full
+    recompute group (``uniform``: ``--recompute-num-layers`` layers) is gathered together while
+    its forward is rerun in backward. Chunks run one at a time. 0 without ZeRO-3.
+    """
+    if not layout.shard_params:
+        return 0
+    b = dtype_bytes(layout.params_dtype)
+    peak = 0
+    for c in stage_chunks(config, layout)[pp_rank]:
+        numel: dict[str, int] = {}
+        for bucket, unit in _unit_buckets(config, layout, c):
+            numel[unit] = numel.get(unit, 0) + bucket.numel_padded
+        root = numel.pop(zero3.ROOT, 0)
+        layers = [numel[f"decoder.layers.{i}"] for i in range(*c.layer_range)]
+        group = 1
+        if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
+            group = layout.recompute_num_layers
+        groups = [sum(layers[i : i + group]) for i in range(0, len(layers), group)]
+        peak = max(peak, b * (root + max(groups, default=0)))
+    return peak
 
 
 def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
@@ -491,6 +546,7 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
             # counted in `activations` once its forward saves it.
             "p2p_buffers": 2 * p2p,
             "recompute_transient": recompute_transient_bytes(config, layout),
+            "params_gathered": gathered_param_bytes(config, layout, pp_rank),
         },
     )
 
@@ -532,7 +588,9 @@ class SavedTensorMeter:
     """
 
     def __init__(self, exclude: list[torch.Tensor] = ()):
-        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        # By storage object, not address: a ZeRO-3 param's storage is freed (address 0) now and
+        # re-allocated elsewhere when its unit is gathered.
+        self._exclude = {p.untyped_storage()._cdata for p in exclude}
         self._refs: dict[int, int] = {}
         self._bytes: dict[int, int] = {}
         self._lock = threading.Lock()  # CUDA backward runs on autograd's device threads
@@ -545,7 +603,7 @@ class SavedTensorMeter:
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._exclude or storage.nbytes() == 0:
+        if storage._cdata in self._exclude or storage.nbytes() == 0:
             return tensor
         with self._lock:
             if key not in self._refs:
@@ -575,9 +633,15 @@ class SavedTensorMeter:
 
 
 def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
-    """params / grads / optimizer bytes this rank holds, from the tensors themselves."""
+    """params / grads / optimizer bytes this rank holds, from the tensors themselves: the params'
+    storages as allocated now (each once: ZeRO-3's are bucket buffers, freed between uses) plus
+    ZeRO-3's param shards."""
+    storages = {
+        p.untyped_storage()._cdata: p.untyped_storage().nbytes() for c in model_chunks for p in c.parameters()
+    }
+    shards = sum(s.shard_bytes() for c in model_chunks if (s := getattr(c, "param_sharding", None)))
     return {
-        "params": sum(p.nbytes for c in model_chunks for p in c.parameters()),
+        "params": sum(storages.values()) + shards,
         "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
         "optimizer": optimizer.optimizer_state_bytes(),
     }
@@ -603,6 +667,7 @@ class MemoryProbe:
             return
         params = [p for c in self.state.model for p in c.parameters()]
         self.meter = SavedTensorMeter(params)
+        zero3.reset_gathered_peak()
         if self.state.mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.state.mesh.device)
         with self.meter.track():
@@ -634,7 +699,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_rank)
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
-    measured_extra = {}
+    measured_extra = {"params_gathered": zero3.gathered_peak_bytes()}
     if mesh.device.type == "cuda":
         measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
     return {

@@ -138,7 +138,8 @@ def setup(args: argparse.Namespace) -> TrainState:
             use_distributed_optimizer=args.use_distributed_optimizer,
             grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
             overlap_grad_reduce=args.overlap_grad_reduce,
-            shard_grads=args.data_parallel_sharding_strategy == "optim_grads",
+            shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
+            shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
         )
         for c in chunks
     ]

@@ -1,6 +1,9 @@
-"""ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``) and ``--optimizer-cpu-offload``: the loss
-curve of one process at every layout, checkpoints across strategies, the flags (pretrain() with
---mock-data, tiny models, fp32, dropout 0)."""
+"""ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``), ZeRO-3 (``optim_grads_params``) and
+``--optimizer-cpu-offload``: the loss curve of one process at every layout, checkpoints across
+strategies, ZeRO-3's bytes per rank, the flags (pretrain() with --mock-data, tiny models, fp32,
+dropout 0)."""
+
+import json
 
 import pytest
 from conftest import COMMON, LLAMA, layout, losses, metrics, pretrain_runs
@@ -14,12 +17,16 @@ BASE[BASE.index("--train-iters") + 1] = str(ITERS)
 FLAVOURS = {"gpt2": BASE, "llama": BASE + LLAMA}
 Z2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 Z1 = ["--data-parallel-sharding-strategy", "optim"]
+Z3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+NO_SHARD = ["--data-parallel-sharding-strategy", "no_shard"]
 OFFLOAD = ["--optimizer-cpu-offload"]
 SP_RECOMPUTE = ["--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform"]
 SP_RECOMPUTE += ["--recompute-num-layers", "1"]
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS = {"dp4": (1, 1, 4), "tp2-dp2": (2, 1, 4), "pp2-dp2": (1, 2, 4), "tp2-pp2-dp2": (2, 2, 8)}
+STRATEGIES = {"z2": Z2, "z3": Z3}
+INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +41,12 @@ def runs(tmp_path_factory):
     for flavour, argv in FLAVOURS.items():
         by_world[1].append(argv + out(f"{flavour}-ref"))
         for name, (tp, pp, world) in LAYOUTS.items():
-            # Llama: overlapped with backward, many small buckets; GPT-2: Megatron's defaults.
-            extra = OVERLAP if flavour == "llama" else []
-            by_world[world].append(argv + layout(tp, pp) + Z2 + extra + out(f"{flavour}-{name}-z2"))
+            for z, flags in STRATEGIES.items():
+                # Llama: overlapped with backward, many small buckets; GPT-2: Megatron's defaults.
+                extra = OVERLAP if flavour == "llama" else []
+                if z == "z3" and flavour == "llama" and name == "tp2-pp2-dp2":
+                    extra = extra + SP_RECOMPUTE  # ZeRO-3 gathers inside the recompute, under SP and PP
+                by_world[world].append(argv + layout(tp, pp) + flags + extra + out(f"{flavour}-{name}-{z}"))
     by_world[4] += [
         BASE + Z2 + OFFLOAD + out("gpt2-dp4-z2-offload"),
         BASE + layout(1, 2) + OFFLOAD + out("gpt2-pp2-dp2-offload"),
@@ -47,13 +57,29 @@ def runs(tmp_path_factory):
         # fp16 with dynamic loss scaling: ZeRO-2 against ZeRO-1, the same fp16 run up to reordering.
         BASE + FP16 + Z2 + out("fp16-z2"),
         BASE + FP16 + Z1 + out("fp16-z1"),
+        # ZeRO-3: fp16 loss scaling with the optimizer offloaded; the tied embedding across stages of
+        # the interleaved schedule.
+        BASE + FP16 + Z3 + OFFLOAD + out("fp16-z3-offload"),
+        BASE + layout(1, 2) + Z3 + INTERLEAVED + out("gpt2-pp2-dp2-interleaved-z3"),
     ]
+    # ZeRO-3 checkpoint at tp2 x dp2, iteration 5: resumed there (bitwise), under ZeRO-1 at (2, 2, 2)
+    # and under no_shard on one process (later spawns).
+    z3_ckpt = ["--save", str(d / "ckpt-z3"), "--save-interval", "5"]
+    z3_resume = ["--load", str(d / "ckpt-z3"), "--ckpt-step", "5"]
+    by_world[4].append(BASE + layout(2, 1) + Z3 + z3_ckpt + out("gpt2-saved-z3"))
+    by_world[4].append(BASE + layout(2, 1) + Z3 + z3_resume + out("gpt2-resumed-z3-z3"))
+    by_world[8].append(BASE + layout(2, 2) + Z1 + z3_resume + out("gpt2-resumed-z3-z1"))
+    by_world[1].append(BASE + z3_resume + NO_SHARD + out("gpt2-resumed-z3-noshard"))
     by_world[1].append(BASE + OFFLOAD + out("gpt2-offload"))
     # Save under ZeRO-2 at (2, 2, 2) at iteration 5; resume under ZeRO-1 at (2, 2, 2) here ...
     ckpt = ["--save", str(d / "ckpt"), "--save-interval", "5"]
     by_world[8].append(BASE + layout(2, 2) + Z2 + ckpt + out("gpt2-saved-z2"))
     resume = ["--load", str(d / "ckpt"), "--ckpt-step", "5"]
-    by_world[8].append(BASE + layout(2, 2) + Z1 + resume + out("gpt2-resumed-z1"))
+    # (The ZeRO-1 run saves at iteration 6; ZeRO-3 resumes that: the reverse direction.)
+    z1_ckpt = ["--save", str(d / "ckpt-z1"), "--save-interval", "6"]
+    by_world[8].append(BASE + layout(2, 2) + Z1 + resume + z1_ckpt + out("gpt2-resumed-z1"))
+    z1_resume = ["--load", str(d / "ckpt-z1"), "--ckpt-step", "6"]
+    by_world[8].append(BASE + layout(2, 2) + Z3 + z1_resume + out("gpt2-resumed-z1-z3"))
     # ... and under no_shard on one process (after the 8-rank spawn wrote the checkpoint).
     by_world[1].append(BASE + resume + out("gpt2-resumed-noshard"))
     for world in (4, 8, 1):
@@ -70,12 +96,19 @@ def _assert_close(ref, got, name):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("z", sorted(STRATEGIES))
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_zero2_matches_one_process(runs, flavour, name):
+def test_zero_matches_one_process(runs, z, flavour, name):
     ref = losses(runs / f"{flavour}-ref.jsonl")
     assert len(ref) == ITERS and ref[-1] < ref[0]
-    _assert_close(ref, losses(runs / f"{flavour}-{name}-z2.jsonl"), f"{flavour} {name}")
+    _assert_close(ref, losses(runs / f"{flavour}-{name}-{z}.jsonl"), f"{flavour} {name} {z}")
+
+
+@pytest.mark.timeout(400)
+def test_zero3_interleaved_tied_embedding(runs):
+    got = losses(runs / "gpt2-pp2-dp2-interleaved-z3.jsonl")
+    _assert_close(losses(runs / "gpt2-ref.jsonl"), got, "gpt2 pp2 dp2 interleaved z3")
 
 
 @pytest.mark.timeout(400)
@@ -94,17 +127,75 @@ def test_checkpoint_saved_under_zero2_resumes_under_other_strategies(runs, name)
 
 
 @pytest.mark.timeout(400)
+def test_checkpoint_saved_under_zero3_resumes_bitwise_at_its_layout(runs):
+    saved, got = metrics(runs / "gpt2-saved-z3.jsonl"), metrics(runs / "gpt2-resumed-z3-z3.jsonl")
+    assert got == saved[5:]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["gpt2-resumed-z3-z1", "gpt2-resumed-z3-noshard"])
+def test_checkpoint_saved_under_zero3_resumes_under_other_strategies(runs, name):
+    saved, got = metrics(runs / "gpt2-saved-z3.jsonl"), metrics(runs / f"{name}.jsonl")
+    assert [it for it, _ in got] == list(range(6, ITERS + 1)), name
+    _assert_close([loss for _, loss in saved[5:]], [loss for _, loss in got], name)
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_saved_under_zero1_resumes_under_zero3(runs):
+    saved, got = metrics(runs / "gpt2-resumed-z1.jsonl"), metrics(runs / "gpt2-resumed-z1-z3.jsonl")
+    assert [it for it, _ in got] == list(range(7, ITERS + 1))
+    _assert_close([loss for _, loss in saved[1:]], [loss for _, loss in got], "z1 -> z3")
+
+
+@pytest.mark.timeout(400)
 def test_zero2_with_sequence_parallel_and_recompute(runs):
     got = losses(runs / "llama-tp2-dp2-sp-recompute-z2.jsonl")
     _assert_close(losses(runs / "llama-ref.jsonl"), got, "llama tp2 dp2 sp recompute")
 
 
 @pytest.mark.timeout(400)
-def test_zero2_fp16_loss_scaling_matches_zero1(runs):
-    z1, z2 = losses(runs / "fp16-z1.jsonl"), losses(runs / "fp16-z2.jsonl")
-    assert len(z2) == ITERS and z2[-1] < z2[0]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(z1, z2))
-    assert worst <= 1e-3, f"fp16: ZeRO-2 vs ZeRO-1 differ by {worst:.2e}\n{z1}\n{z2}"
+@pytest.mark.parametrize("name", ["fp16-z2", "fp16-z3-offload"])
+def test_fp16_loss_scaling_matches_zero1(runs, name):
+    z1, got = losses(runs / "fp16-z1.jsonl"), losses(runs / f"{name}.jsonl")
+    assert len(got) == ITERS and got[-1] < got[0]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(z1, got))
+    assert worst <= 1e-3, f"fp16: {name} vs ZeRO-1 differ by {worst:.2e}\n{z1}\n{got}"
+
+
+def _memory_records(path):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "memory"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+@pytest.mark.parametrize("name", ["dp4", "pp2-dp2", "tp2-pp2-dp2"])
+def test_zero3_memory_matches_prediction(runs, flavour, name):
+    """Every rank's params / grads / optimizer bytes equal the memory model's exactly, and so do
+    the gathered (transient) param bytes; recompute + SP + PP included (llama tp2-pp2-dp2)."""
+    records = _memory_records(runs / f"{flavour}-{name}-z3.jsonl")
+    assert len(records) == LAYOUTS[name][2]
+    for r in records:
+        for cat in ("params", "grads", "optimizer", "activations"):
+            assert r["measured"][cat] == r["predicted"][cat], (cat, r)
+        assert r["measured_extra"]["params_gathered"] == r["predicted_extra"]["params_gathered"] > 0, r
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_zero3_params_outside_the_computed_layer(runs, flavour):
+    """At dp=4 a rank holds <= 0.27 of dp=1's param bytes outside the units being computed (1/4 of
+    each bucket, padded to lcm(4, 128) elements), and the shards plus the peak gathered bytes stay
+    below the whole model."""
+    (one,) = _memory_records(runs / f"{flavour}-ref.jsonl")
+    for r in _memory_records(runs / f"{flavour}-dp4-z3.jsonl"):
+        ratio = r["measured"]["params"] / one["measured"]["params"]
+        print(
+            f"{flavour} dp4 ZeRO-3: params {ratio:.4f} of dp=1's, gathered peak "
+            f"{r['measured_extra']['params_gathered'] / one['measured']['params']:.4f}"
+        )
+        assert 0.25 <= ratio <= 0.27, ratio
+        assert r["measured"]["params"] + r["measured_extra"]["params_gathered"] < one["measured"]["params"]
 
 
 def _strategy(*flags):
@@ -117,6 +208,10 @@ def test_sharding_flags():
     assert _strategy(*Z2) == "optim_grads"
     assert _strategy(*Z2, "--use-distributed-optimizer") == "optim_grads"  # explicit wins, they agree
     assert _strategy(*Z1, "--use-distributed-optimizer") == "optim"
+    assert _strategy("--use-torch-fsdp2") == "optim_grads_params"
+    assert _strategy("--use-megatron-fsdp") == "optim_grads_params"
+    # Megatron's FSDP scripts pass all three together.
+    assert _strategy("--use-megatron-fsdp", *Z3, "--use-distributed-optimizer") == "optim_grads_params"
     args = validate_args(parse_args(BASE + Z2), 4)
     assert args.use_distributed_optimizer  # the optimizer state is sharded from optim up
 
@@ -136,17 +231,12 @@ def test_sharding_flags():
             ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"],
             ["--use-distributed-optimizer", "contradicts"],
         ),
-        # Megatron's FSDP scripts pass all three: accepted as flags, ZeRO-3 itself is not built yet.
+        (["--use-torch-fsdp2", "--torch-compile"], ["--use-torch-fsdp2", "--torch-compile"]),
         (
-            [
-                "--use-megatron-fsdp",
-                "--data-parallel-sharding-strategy",
-                "optim_grads_params",
-                "--use-distributed-optimizer",
-            ],
-            ["--data-parallel-sharding-strategy optim_grads_params", "not built yet"],
+            [*Z3, "--torch-compile"],
+            ["--data-parallel-sharding-strategy optim_grads_params", "--torch-compile"],
         ),
-        (["--use-torch-fsdp2"], ["--use-torch-fsdp2", "not built yet"]),
+        (["--use-torch-fsdp2", *Z2], ["--use-torch-fsdp2", "optim_grads", "contradicts"]),
         (
             ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
             ["--optimizer-offload-fraction 0.5"],
@@ -159,3 +249,53 @@ def test_bad_sharding_flags(flags, words):
         validate_args(parse_args(BASE + flags), 4)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_zero3_one_process_gathers_just_in_time(recompute):
+    """One process (dp=1, no collectives): params are freed outside their unit's forward and
+    backward, the grads equal an unwrapped model's, and state_dict / load_state_dict are whole."""
+    import torch
+
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=40)
+    kwargs = dict(recompute_granularity=recompute, recompute_method="uniform" if recompute else None)
+    kwargs["recompute_num_layers"] = 2 if recompute else None
+    ref = GPTModel(config, Mesh.single(), **kwargs)
+    ddp = DistributedDataParallel(
+        GPTModel(config, Mesh.single(), **kwargs),
+        Mesh.single(),
+        use_distributed_optimizer=True,
+        shard_grads=True,
+        shard_params=True,
+    )
+    params = dict(ddp.module.named_parameters())
+
+    def freed():
+        return all(p.untyped_storage().nbytes() == 0 for p in params.values())
+
+    assert freed()
+    assert {k: v.tolist() for k, v in ddp.state_dict().items()} == {
+        k: v.tolist() for k, v in ref.state_dict().items()
+    }
+    assert freed()
+    seen = []
+    layer = ddp.module.decoder.layers["1"]
+    layer.register_forward_pre_hook(
+        lambda m, a: seen.append(layer.mlp.linear_fc2.weight.untyped_storage().nbytes())
+    )
+    tokens = torch.randint(0, 40, (2, 8))
+    for model in (ref, ddp):
+        model(input_ids=tokens, labels=tokens).mean().backward()
+    assert freed() and seen[0] > 0  # gathered when its forward starts, freed again after backward
+    ddp.finish_grad_sync()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(ddp.local_grad(params[name]).view_as(p), p.grad, rtol=0, atol=0)
+    ddp.load_state_dict({k: v * 2 for k, v in ref.state_dict().items()})
+    assert freed()
+    for k, v in ddp.state_dict().items():
+        assert torch.equal(v, 2 * ref.state_dict()[k]), k

@@ -36,6 +36,7 @@ from megalite.checkpoint.logical import (
 )
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.zero3 import gathered_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +177,12 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()  # the staging folder exists for everyone
 
-    pieces = model_pieces(state.model, state.config, mesh)
-    pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
-    pieces.update(rng_state.capture(mesh, state.rng))
     staging = files.staging_dir(root, iteration)
-    storage.write(pieces, staging)  # returns once every rank's files are on disk
+    with gathered_params(state.model):  # ZeRO-3: whole params while they are written (collective)
+        pieces = model_pieces(state.model, state.config, mesh)
+        pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
+        pieces.update(rng_state.capture(mesh, state.rng))
+        storage.write(pieces, staging)  # returns once every rank's files are on disk
     checksums = gather_checksums(staging, mesh)  # each rank reads back its own files, in parallel
 
     error, final = None, files.iteration_dir(root, iteration)
@@ -320,23 +322,25 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     if not finetune and state.scheduler is not None and meta.get("scheduler") is not None:
         # First, so that a refused schedule (SchedulerError) stops the run before any tensor is read.
         notes = state.scheduler.load_state_dict(meta["scheduler"]) or []
-    targets = model_pieces(state.model, model_config, mesh, for_load=True)
-    opt_load = None
-    if load_optim:
-        opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)
-        targets.update(opt_load.pieces)
-    rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
-    targets.update(rng_targets)
-    storage.read(targets, folder)
-    zero_vocab_padding(state.model, model_config, mesh)
+    # ZeRO-3: the whole params are load targets; on exit each rank's param shard takes its slice.
+    with gathered_params(state.model):
+        targets = model_pieces(state.model, model_config, mesh, for_load=True)
+        opt_load = None
+        if load_optim:
+            opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)
+            targets.update(opt_load.pieces)
+        rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
+        targets.update(rng_targets)
+        storage.read(targets, folder)
+        zero_vocab_padding(state.model, model_config, mesh)
+        if not load_optim:
+            optimizer_state.reload_main_params(state.optimizer)  # reads the loaded model params
 
     if load_optim:
         opt_load.apply(int(meta["optimizer"]["adam_step"]))
         scaler = state.optimizer.grad_scaler
         if scaler is not None and meta["optimizer"].get("grad_scaler") is not None:
             scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
-    else:
-        optimizer_state.reload_main_params(state.optimizer)
     if not finetune:
         state.iteration = iteration
         state.consumed_train_samples = int(meta["consumed_train_samples"])

@@ -54,7 +54,9 @@ class MainParam:
     ``main`` [n] or the model param's shape; ``grad`` has the same shape and is
     a view of the DDP grad buffer; ``model_range`` is the ``[start, end)`` of the
     flattened model param that ``main`` covers; ``is_copy`` is False when
-    ``main`` shares storage with the (fp32) model param.
+    ``main`` shares storage with the (fp32) model param. ``shard`` (ZeRO-3): the flat
+    piece of the bucket's persistent param shard that ``main`` comes from and is written back to
+    (the model param itself is only materialised while its unit is gathered).
     """
 
     main: nn.Parameter
@@ -62,18 +64,26 @@ class MainParam:
     grad: torch.Tensor
     model_range: tuple[int, int]
     is_copy: bool
+    shard: torch.Tensor | None = None
 
 
 def make_main_param(
-    model: nn.Parameter, grad: torch.Tensor, start: int, end: int, offload: bool = False
+    model: nn.Parameter,
+    grad: torch.Tensor,
+    start: int,
+    end: int,
+    offload: bool = False,
+    shard: torch.Tensor | None = None,
 ) -> MainParam:
     """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param.
 
     ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when CUDA is
     there, for fast copies); on a CPU-only machine the same code path with both devices CPU.
+    ``shard`` (ZeRO-3): those elements in the persistent param shard, read instead of the model param.
     """
     whole = start == 0 and end == model.numel()
-    source = model.detach() if whole else model.detach().view(-1)[start:end]
+    flat = model.detach().view(-1)[start:end] if shard is None else shard
+    source = flat.view(model.shape) if whole else flat
     is_copy = offload or model.dtype != torch.float32
     if offload:
         host = torch.empty(source.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
@@ -81,7 +91,7 @@ def make_main_param(
     else:
         main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
     copy_parallel_attributes(model, main)  # grad-norm rules read them
-    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy)
+    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard)
 
 
 def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:

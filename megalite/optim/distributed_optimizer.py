@@ -39,7 +39,9 @@ def shard_main_params(bucket: Bucket, dp_rank: int, offload: bool = False) -> li
         lo, hi = bucket.param_shard_piece(p, dp_rank)
         if lo < hi:  # this param overlaps the shard
             start = shard_lo + lo - p_lo
-            out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, offload))
+            # ZeRO-3: the param's values live in the bucket's param shard (same coordinates as the grad's).
+            values = bucket.param_shard[lo:hi] if bucket.param_shard is not None else None
+            out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, offload, values))
     return out
 
 
@@ -82,9 +84,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
+        if any(b.param_shard is not None for b in self._buckets):
+            self._copy_main_params_to_param_shards()
+            return
         for bucket, full in self._all_gather_buckets(lambda m: m.main):
             for p, (p_lo, p_hi) in bucket.param_ranges.items():
                 p.view(-1).copy_(full[p_lo:p_hi])
+
+    def _copy_main_params_to_param_shards(self) -> None:
+        """ZeRO-3: the updated main params go into this rank's param shards, no all-gather (each
+        unit's next forward gathers it). fp32 main params are views of the shards: nothing to do."""
+        for chunk in self.model_chunks:
+            chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
+        for m in self.main_params:
+            if m.is_copy:
+                m.shard.copy_(m.main.detach().view(-1))
 
     @torch.no_grad()
     def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:

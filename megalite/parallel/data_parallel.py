@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.parallel import zero3
 from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import (
@@ -83,6 +84,10 @@ class Bucket:
         self.numel_padded = grad_data.numel() if shard_grad is None else shard_grad.numel() * dp_size
         self.shard_size = self.numel_padded // dp_size
         self.shard_grad = shard_grad
+        # ZeRO-3 (megalite.parallel.zero3): the full param buffer the params are views of (its
+        # storage freed between uses) and this rank's persistent shard of it.
+        self.param_data: torch.Tensor | None = None
+        self.param_shard: torch.Tensor | None = None
         self.ready: set[nn.Parameter] = set()
         self.handle = None
         self.launched = False
@@ -117,14 +122,17 @@ class Bucket:
 
 
 def split_into_buckets(
-    params: list[nn.Parameter], bucket_size: int, use_distributed_optimizer: bool
+    params: list[nn.Parameter],
+    bucket_size: int,
+    use_distributed_optimizer: bool,
+    units: list[str] | None = None,
 ) -> list[list[nn.Parameter]]:
     """Group params (already in backward order) into buckets of about ``bucket_size`` elements.
 
     A bucket closes once it reaches ``bucket_size`` elements, and before a
     parameter of a different dtype (the param all-gather of the distributed
-    optimizer works on one dtype per bucket). :func:`own_bucket` params get a
-    bucket to themselves.
+    optimizer works on one dtype per bucket) or, with ``units`` (ZeRO-3: each param's
+    unit name), of another unit. :func:`own_bucket` params get a bucket to themselves.
     """
     buckets: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
@@ -136,9 +144,11 @@ def split_into_buckets(
             buckets.append(current)
         current, numel = [], 0
 
+    unit_of = dict(zip(map(id, params), units)) if units is not None else {}
     for p in params:
         alone = own_bucket(p, use_distributed_optimizer)
-        if current and (p.dtype != current[0].dtype or alone):
+        other_unit = current and unit_of.get(id(p)) != unit_of.get(id(current[0]))
+        if current and (p.dtype != current[0].dtype or alone or other_unit):
             close()
         current.append(p)
         numel += p.numel()
@@ -175,6 +185,9 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: start each bucket's collective as soon as its grads are ready
             (Megatron's ``--overlap-grad-reduce``); False launches every bucket in
             :meth:`finish_grad_sync`, after backward. Same result either way.
+        shard_grads: ZeRO-2, only this rank's shard of each bucket's grads persists.
+        shard_params: ZeRO-3 (needs ``shard_grads``), only this rank's shard of each bucket's params
+            persists; units are gathered just in time (:mod:`megalite.parallel.zero3`).
 
     Wrap the module after moving it to its device and dtype: ``main_grad`` views
     and the grad hooks are bound to the parameter objects present at construction.
@@ -190,8 +203,13 @@ class DistributedDataParallel(nn.Module):
         grad_reduce_dtype: torch.dtype = torch.float32,
         overlap_grad_reduce: bool = True,
         shard_grads: bool = False,
+        shard_params: bool = False,
     ):
         super().__init__()
+        if shard_params and not shard_grads:
+            raise ValueError(
+                "shard_params (ZeRO-3) needs shard_grads (ZeRO-2's reduce-scatter per microbatch)"
+            )
         if shard_grads and not use_distributed_optimizer:
             raise ValueError(
                 "shard_grads (ZeRO-2) needs use_distributed_optimizer (the optimizer owns the shard)"
@@ -220,7 +238,11 @@ class DistributedDataParallel(nn.Module):
                     "DistributedDataParallel needs contiguous parameters (main_grad is a flat view)"
                 )
 
-        groups = split_into_buckets(list(reversed(params)), bucket_size, use_distributed_optimizer)
+        units = zero3.param_units(module) if shard_params else None
+        order = list(reversed(params))
+        groups = split_into_buckets(
+            order, bucket_size, use_distributed_optimizer, [units[p] for p in order] if units else None
+        )
         sizes = [
             padded_bucket_numel(sum(p.numel() for p in g), self.dp_size, use_distributed_optimizer)
             for g in groups
@@ -250,18 +272,23 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self.param_sharding = zero3.ParamSharding(self, units) if shard_params else None
 
     # Forward / state pass straight through, so parameter names stay the model's.
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+        if self.param_sharding is None:
+            return self.module.state_dict(*args, **kwargs)
+        with zero3.gathered_params([self]):  # ZeRO-3: collective over DP; copies of the whole params
+            return {k: v.clone() for k, v in self.module.state_dict(*args, **kwargs).items()}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         # Copies into the existing params (never assign=True): main_grad views and the
-        # grad hooks belong to these parameter objects.
-        return self.module.load_state_dict(state_dict, strict=strict)
+        # grad hooks belong to these parameter objects. ZeRO-3: into the shards (collective).
+        with zero3.gathered_params([self]):
+            return self.module.load_state_dict(state_dict, strict=strict)
 
     # Backward hook -------------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -291,9 +318,7 @@ class DistributedDataParallel(nn.Module):
         microbatch (the price: m reduce-scatters per step instead of one). An autograd callback at
         the end of the backward launches the buckets still incomplete and folds every shard in.
         """
-        if not self._end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_of_backward_queued = True
+        self._queue_end_of_backward()
         bucket = self._bucket_of[param]
         if bucket.grad_data is None:
             bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
@@ -302,12 +327,21 @@ class DistributedDataParallel(nn.Module):
             bucket.grad_data[lo:hi].view(param.shape).add_(param.grad)
             param.grad = None
         bucket.ready.add(param)  # a set: a param seen twice before its bucket launched just accumulates
+        if self.param_sharding is not None:  # ZeRO-3: the unit's backward is done once all its grads are
+            self.param_sharding.grad_ready(param)
         if self.overlap_grad_reduce:
             self._launch_complete_buckets()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_of_backward_queued = True
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         self._flush_sharded()
+        if self.param_sharding is not None:
+            self.param_sharding.free_all()
 
     def _flush_sharded(self) -> None:
         """ZeRO-2: launch every bucket not launched yet, wait, add each staged shard into ``shard_grad``."""
@@ -396,7 +430,7 @@ class DistributedDataParallel(nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
-        if self.dp_size == 1:
+        if self.dp_size == 1 or self.param_sharding is not None:  # ZeRO-3: each rank holds its own shard
             return
         for p in self._bucket_of:
             dist.broadcast(p.data, src=self.mesh.dp_ranks[0], group=self.dp_group)
