@@ -268,6 +268,7 @@ class DistributedDataParallel(nn.Module):
             self.buckets.append(bucket)
             start += size
         self._end_of_backward_queued = False
+        self._staged_since_flush = False  # ZeRO-2: a backward staged grads not yet reduce-scattered
 
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
@@ -319,6 +320,7 @@ class DistributedDataParallel(nn.Module):
         the end of the backward launches the buckets still incomplete and folds every shard in.
         """
         self._queue_end_of_backward()
+        self._staged_since_flush = True
         bucket = self._bucket_of[param]
         if bucket.grad_data is None:
             bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
@@ -344,7 +346,14 @@ class DistributedDataParallel(nn.Module):
             self.param_sharding.free_all()
 
     def _flush_sharded(self) -> None:
-        """ZeRO-2: launch every bucket not launched yet, wait, add each staged shard into ``shard_grad``."""
+        """ZeRO-2: launch every bucket not launched yet, wait, add each staged shard into ``shard_grad``.
+
+        Once per backward: the end-of-backward callback flushes, and ``finish_grad_sync`` after it
+        finds nothing staged, so a step sends m reduce-scatter rounds for m microbatches, not m + 1
+        (every DP rank stages the same buckets, so all skip together)."""
+        if not self._staged_since_flush:
+            return
+        self._staged_since_flush = False
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
