@@ -190,3 +190,114 @@ def test_layer_norms_use_torch_layer_norm():
         with Ops() as rec:
             norm(torch.randn(2, 32))
         assert any("native_layer_norm" in op for op in rec.ops), rec.ops
+
+
+# ---- fused AdamW ----------------------------------------------------------------------------
+KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+
+
+def test_adamw_kernel_policy(monkeypatch):
+    """Fused where torch has the kernel for the device (CUDA; CPU from torch 2.4), else foreach."""
+    from megalite.optim import base
+
+    for dev in ("cpu", "cuda"):
+        kernel, why = base.adamw_kernel(torch.device(dev))
+        assert kernel == {"fused": True} and why.startswith("fused") and dev in why
+    monkeypatch.setattr(base, "_fused_adamw_devices", lambda: {"cuda"})  # torch 2.0 - 2.3
+    assert base.adamw_kernel(torch.device("cpu"))[0] == {"foreach": True}
+    assert base.adamw_kernel(torch.device("cuda"))[0] == {"fused": True}
+    monkeypatch.setattr(base, "_fused_adamw_devices", set)  # torch < 2.0
+    assert base.adamw_kernel(torch.device("cuda"))[0] == {"foreach": True}
+
+
+def _toy_optimizer(kernel: str, monkeypatch, *, dtype=torch.float32, **kw):
+    """The toy DDP model of test_optimizer with megalite's optimizer on torch's ``kernel``."""
+    from megalite.optim import base
+    from test_optimizer import toy
+
+    monkeypatch.setattr(base, "adamw_kernel", lambda device: (KERNELS[kernel], kernel))
+    ddp, opt = toy(dtype, weight_decay=0.1, **kw)
+    group = opt.inner.param_groups[0]
+    assert {k: group[k] for k in KERNELS[kernel]} == KERNELS[kernel]
+    return ddp, opt
+
+
+def test_adamw_kernels_take_the_same_step(monkeypatch):
+    """Same params and grads, 10 steps of each of torch's three AdamW implementations.
+
+    Moments come out bitwise equal (same elementwise ops). The update ``lr / bc1 * m /
+    (sqrt(v) / sqrt(bc2) + eps)`` is ordered differently by the fused kernel, so each step's new
+    param may differ in its last bit: after N steps |diff| <= N ulp of the largest param (not
+    bitwise, and not less than that on any kernel that reorders)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5, 3), (1000,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    steps = 10
+    grads = [[torch.randn(s, generator=g) * 10.0 ** (i % 3 - 1) for s in shapes] for i in range(steps)]
+    out = {}
+    for kind, kw in KERNELS.items():
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kw)
+        for gs in grads:
+            for p, gr in zip(params, gs):
+                p.grad = gr.clone()
+            opt.step()
+        out[kind] = params, opt.state_dict()["state"]
+    ref_params, ref_state = out["foreach"]
+    for kind in ("fused", "loop"):
+        params, state = out[kind]
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            bound = steps * torch.finfo(torch.float32).eps * q.abs().max().item()
+            assert (p - q).abs().max().item() <= bound, (kind, i)
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[i][k], ref_state[i][k]), (kind, i, k)
+            assert float(state[i]["step"]) == steps
+
+
+def _train(ddp, opt, steps, start=0):
+    from test_optimizer import train_step
+
+    return [train_step(ddp, opt, s)[0] for s in range(start, start + steps)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_megalite_optimizer_fused_vs_foreach_vs_loop(dtype, monkeypatch):
+    """Through megalite's step (DDP grads, clipping, decay groups, fp32 main params of a bf16
+    model): 8 steps, losses and fp32 main params agree to rtol 1e-5 across the three kernels
+    (last-bit update differences feed the next steps' grads)."""
+    runs = {}
+    for kind in KERNELS:
+        ddp, opt = _toy_optimizer(kind, monkeypatch, dtype=dtype)
+        losses = _train(ddp, opt, 8)
+        runs[kind] = losses, [m.main.detach().clone() for m in opt.main_params]
+    for kind in ("fused", "loop"):
+        torch.testing.assert_close(torch.tensor(runs[kind][0]), torch.tensor(runs["foreach"][0]), rtol=1e-5, atol=0)
+        for a, b in zip(runs[kind][1], runs["foreach"][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("before,after", [("fused", "foreach"), ("foreach", "fused")])
+def test_adamw_state_dict_resumes_across_the_kernel_switch(before, after, monkeypatch):
+    """A checkpoint written under one kernel resumes under the other: same continuation as the
+    uninterrupted run (within the kernels' last-bit differences), and the resumed optimizer keeps
+    its own kernel, not the checkpoint's."""
+    import copy
+
+    ddp, opt = _toy_optimizer(before, monkeypatch, dtype=torch.bfloat16)
+    _train(ddp, opt, 3)
+    saved_model, saved_opt = copy.deepcopy(ddp.module.state_dict()), copy.deepcopy(opt.state_dict())
+    straight = _train(ddp, opt, 3, start=3)
+
+    ddp2, opt2 = _toy_optimizer(after, monkeypatch, dtype=torch.bfloat16)
+    ddp2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    for group in opt2.inner.param_groups:
+        assert bool(group["fused"]) == (after == "fused")
+    for m in opt2.main_params:
+        st = opt2.inner.state[m.main]
+        assert float(st["step"]) == 3 and st["step"].device == m.main.device
+    resumed = _train(ddp2, opt2, 3, start=3)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-5, atol=0)
+    for m, k in zip(opt.main_params, opt2.main_params):
+        torch.testing.assert_close(k.main, m.main, rtol=1e-5, atol=1e-6)
