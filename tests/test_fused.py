@@ -301,3 +301,33 @@ def test_adamw_state_dict_resumes_across_the_kernel_switch(before, after, monkey
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-5, atol=0)
     for m, k in zip(opt.main_params, opt2.main_params):
         torch.testing.assert_close(k.main, m.main, rtol=1e-5, atol=1e-6)
+
+
+# ---- bench/mfu.py ---------------------------------------------------------------------------
+def test_mfu_bench_runs_on_cpu_and_reports_its_fields():
+    """The GPU benchmark's code path at --tiny size (automatic without CUDA): one JSON object with
+    tokens/s, TFLOP/s per device and MFU from the training loop's own FLOP formula. Eager only:
+    compiling even the tiny layers takes 30-90 s on this CPU (the compiled path is the same
+    pretrain() with --torch-compile, covered by tests/test_compile.py)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "bench/mfu.py", "--preset", "gpt2-125m", "--modes", "eager", "--peak-tflops", "2"]
+    done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["preset"] == "gpt2-125m" and out["tiny"] is True and out["device"] == "cpu"
+    assert out["dtype"] == "bfloat16" and out["world_size"] == 1 and out["torch"] == torch.__version__
+    # GPT-2 at the tiny size (L 2, h 64, s 32, vocab 257 padded to 384): 3 x forward matmul FLOPs.
+    L, h, s, V = 2, 64, 32, 384
+    assert out["flops_per_token"] == 3 * (L * (2 * h * 3 * h + 4 * s * h + 2 * h * h + 2 * h * 4 * h * 2) + 2 * h * V)
+    eager = out["eager"]
+    assert eager["tokens_per_sec"] > 0 and eager["iteration_time_s"] > 0 and eager["peak_memory_mb"] > 0
+    tflops = out["flops_per_token"] * eager["tokens_per_sec"] / out["world_size"] / 1e12
+    assert eager["tflops_per_gpu"] == pytest.approx(tflops, rel=1e-9)
+    assert eager["mfu"] == pytest.approx(eager["tflops_per_gpu"] / 2.0, rel=1e-12)
+    assert out["global_batch_size"] == 4 and out["seq_length"] == s
+    assert "compiled" not in out and "compiled_speedup" not in out
