@@ -113,7 +113,7 @@ def adamw_kernel(device: torch.device) -> tuple[dict, str]:
     ``({"fused": True}, why)`` or ``({"foreach": True}, why)``.
 
     fused wherever torch has the kernel for the device: one kernel reads each param, grad and
-    moment once per step (CUDA: no per-op launches; CPU: 8x foreach, measured by
+    moment once per step (CUDA: no per-op launches; CPU: about 6x foreach, measured by
     ``bench/adamw.py``, which is what ``--optimizer-cpu-offload`` runs on, as Megatron's offload
     does). Otherwise foreach, which torch itself picks on CUDA but not on the CPU (the
     per-tensor loop there). All three give the same moments and params within a few fp32 ulps
