@@ -57,7 +57,9 @@ TINY = dict(layers=2, hidden=64, heads=4, seq=32, vocab=256, micro_batch=2)
 def pretrain_argv(a, world_size: int) -> list[str]:
     flavour, layers, hidden, heads, ffn, seq, vocab, mbs = PRESETS[a.preset]
     if a.tiny:
-        layers, hidden, heads, seq, vocab, mbs = (TINY[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch"))
+        layers, hidden, heads, seq, vocab, mbs = (
+            TINY[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch")
+        )
         ffn = None if ffn is None else 3 * hidden
     mbs = a.micro_batch_size or mbs
     argv = [
@@ -122,8 +124,15 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
-    p.add_argument("--tiny", action="store_true", help="a tiny model of the preset's flavour (default without CUDA)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s per GPU for MFU (default: by GPU name)")
+    p.add_argument(
+        "--tiny", action="store_true", help="a tiny model of the preset's flavour (default without CUDA)"
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak dense bf16 TFLOP/s per GPU for MFU (default: by GPU name)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's")
     p.add_argument("--microbatches", type=int, default=None, help="per DP rank and step (default 8; tiny 2)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default 10; tiny 2)")

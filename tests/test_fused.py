@@ -212,8 +212,9 @@ def test_adamw_kernel_policy(monkeypatch):
 
 def _toy_optimizer(kernel: str, monkeypatch, *, dtype=torch.float32, **kw):
     """The toy DDP model of test_optimizer with megalite's optimizer on torch's ``kernel``."""
-    from megalite.optim import base
     from test_optimizer import toy
+
+    from megalite.optim import base
 
     monkeypatch.setattr(base, "adamw_kernel", lambda device: (KERNELS[kernel], kernel))
     ddp, opt = toy(dtype, weight_decay=0.1, **kw)
@@ -272,7 +273,9 @@ def test_megalite_optimizer_fused_vs_foreach_vs_loop(dtype, monkeypatch):
         losses = _train(ddp, opt, 8)
         runs[kind] = losses, [m.main.detach().clone() for m in opt.main_params]
     for kind in ("fused", "loop"):
-        torch.testing.assert_close(torch.tensor(runs[kind][0]), torch.tensor(runs["foreach"][0]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(runs[kind][0]), torch.tensor(runs["foreach"][0]), rtol=1e-5, atol=0
+        )
         for a, b in zip(runs[kind][1], runs["foreach"][1]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -323,7 +326,9 @@ def test_mfu_bench_runs_on_cpu_and_reports_its_fields():
     assert out["dtype"] == "bfloat16" and out["world_size"] == 1 and out["torch"] == torch.__version__
     # GPT-2 at the tiny size (L 2, h 64, s 32, vocab 257 padded to 384): 3 x forward matmul FLOPs.
     L, h, s, V = 2, 64, 32, 384
-    assert out["flops_per_token"] == 3 * (L * (2 * h * 3 * h + 4 * s * h + 2 * h * h + 2 * h * 4 * h * 2) + 2 * h * V)
+    assert out["flops_per_token"] == 3 * (
+        L * (2 * h * 3 * h + 4 * s * h + 2 * h * h + 2 * h * 4 * h * 2) + 2 * h * V
+    )
     eager = out["eager"]
     assert eager["tokens_per_sec"] > 0 and eager["iteration_time_s"] > 0 and eager["peak_memory_mb"] > 0
     tflops = out["flops_per_token"] * eager["tokens_per_sec"] / out["world_size"] / 1e12

@@ -123,9 +123,9 @@ def adamw_kernel(device: torch.device) -> tuple[dict, str]:
     scale must come off before clipping, whose norm needs the unscaled grads, and the inf
     check must be agreed by every rank first; both already happen in :meth:`step`.
     """
-    if device.type in _fused_adamw_devices():
-        return {"fused": True}, f"fused: torch {torch.__version__} has a fused AdamW kernel for {device.type}"
-    return {"foreach": True}, f"foreach: torch {torch.__version__} has no fused AdamW kernel for {device.type}"
+    fused = device.type in _fused_adamw_devices()
+    why = f"torch {torch.__version__} has {'a' if fused else 'no'} fused AdamW kernel for {device.type}"
+    return ({"fused": True}, "fused: " + why) if fused else ({"foreach": True}, "foreach: " + why)
 
 
 # Keys of a param group that choose torch's implementation: a loaded checkpoint keeps this run's.
@@ -187,10 +187,14 @@ class MixedPrecisionOptimizer(ABC):
             if decoupled_min_lr is not None:
                 group["min_lr"] = decoupled_min_lr
             groups.append(group)
-        device = main_params[0].main.device if main_params else (torch.device("cpu") if offload else mesh.device)
+        device = (
+            main_params[0].main.device if main_params else (torch.device("cpu") if offload else mesh.device)
+        )
         kernel, self.adamw_kernel_reason = adamw_kernel(device)
         self.adamw_kernel = next(iter(kernel))  # "fused" or "foreach"
-        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel)
+        self.inner = torch.optim.AdamW(
+            groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel
+        )
 
     # What the training loop uses ------------------------------------------------------
     @property
