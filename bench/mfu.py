@@ -17,7 +17,7 @@ line) and MFU = that / the GPU's peak dense bf16 TFLOP/s (``megalite.metrics.det
 by device name, or ``--peak-tflops``). The first iteration's time is reported too; ``compile_s``
 is the compiled first iteration minus the eager one. Without CUDA the run is ``--tiny`` (2
 layers, hidden 64, seq 32: the same flavour) and MFU is null unless ``--peak-tflops`` is given.
-Rank 0 prints one JSON object on stdout (the training logs go to stderr).
+The logging rank prints one JSON object on stdout (the training logs go to stderr).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def pretrain_argv(a, world_size: int) -> list[str]:
     return argv
 
 
-def run_mode(a, argv: list[str], compiled: bool) -> dict:
-    """One pretrain() run; the median of its timed per-iteration log lines."""
+def run_mode(a, argv: list[str], compiled: bool) -> dict | None:
+    """One pretrain() run; the median of its timed per-iteration log lines (None on ranks that
+    do not log)."""
     from megalite.training import pretrain
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +102,8 @@ def run_mode(a, argv: list[str], compiled: bool) -> dict:
             attention = contextlib.nullcontext()
         with attention, contextlib.redirect_stdout(sys.stderr):
             pretrain(run_argv)
+        if not os.path.exists(metrics_file):  # not the logging rank: it records nothing
+            return None
         with open(metrics_file) as f:
             lines = [json.loads(x) for x in f]
     train = [x for x in lines if x["kind"] == "train"]
@@ -158,7 +161,6 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
         return subprocess.call(cmd + [os.path.abspath(__file__), *argv])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpus else torch.device("cpu")
     a.peak = a.peak_tflops or detect_peak_tflops(device)
     argv_run = pretrain_argv(a, world_size)
@@ -184,10 +186,10 @@ def main(argv=None) -> int:
         "flops_per_token": model_flops_per_token(config, args.seq_length, config.padded_vocab_size(1)),
         **results,
     }
-    if "eager" in results and "compiled" in results:
+    if "eager" in results and "compiled" in results and results["eager"] and results["compiled"]:
         out["compiled_speedup"] = results["compiled"]["tokens_per_sec"] / results["eager"]["tokens_per_sec"]
         out["compile_s"] = results["compiled"]["first_iteration_s"] - results["eager"]["first_iteration_s"]
-    if rank == 0:
+    if all(r is not None for r in results.values()):  # the logging rank (rank 0 when pp is 1)
         print(json.dumps(out), flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
