@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-cpu-offload",
         action="store_true",
         help="Keep fp32 main params and Adam moments in (pinned) CPU memory and run AdamW there "
-        "(foreach); grads go device -> host, updated params host -> device.",
+        "(torch's fused CPU kernel, else foreach); grads go device -> host, updated params host -> device.",
     )
     g.add_argument(
         "--optimizer-offload-fraction",

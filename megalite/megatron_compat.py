@@ -159,6 +159,12 @@ IGNORED: tuple[CompatFlag, ...] = (
         "--use-tp-pp-dp-mapping", 0, "a rank-order choice; every order computes the same (megalite: tp-dp-pp)"
     ),
     CompatFlag("--straggler-minmax-count", 1, "megalite has no straggler detector"),
+    CompatFlag(
+        "--use-torch-optimizer-for-cpu-offload",
+        0,
+        "megalite's optimizer is always torch's AdamW (fused where torch has the kernel), and with "
+        "--optimizer-offload-fraction 1.0 no part of it stays on the GPU for the flag to choose",
+    ),
 )
 
 _MOE = "MoE (mixture of experts; megalite trains dense models only)"
@@ -231,6 +237,11 @@ REFUSED: tuple[CompatFlag, ...] = (
         "overlapping ZeRO-1's parameter all-gather with the optimizer step (not built yet)",
     ),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
+    CompatFlag(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        0,
+        "overlapping the offloaded optimizer step with its device <-> host copies (not built yet)",
+    ),
     CompatFlag("--reset-position-ids", 0, "position ids restarting at each document (eod) in a sample"),
     CompatFlag("--reset-attention-mask", 0, "attention masked across documents (eod) inside a sample"),
     CompatFlag("--enable-gpt-oss", 0, _GPT_OSS),

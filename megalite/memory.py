@@ -355,9 +355,8 @@ def _norm_terms(config: ModelConfig, rows: int, B: int, cuda: bool) -> int:
     if config.normalization == "LayerNorm":
         # native_layer_norm: input + mean and rstd per token (fp32 on CUDA, the input dtype on CPU).
         return rows * (B * h + 2 * (4 if cuda else B))
-    # megalite's RMSNorm (fp32 math): x.float() (a copy unless fp32), rsqrt [., 1] fp32, and
-    # the normalized x in the input dtype (the weight's grad needs it).
-    return rows * (4 * h + 4 + B * h)
+    device_type = "cuda" if cuda else "cpu"
+    return rows * _gpt.RMSNorm.saved_bytes_per_token(h, B, device_type, config.apply_layernorm_1p)
 
 
 def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:

@@ -219,6 +219,14 @@ MUTANTS = [
         "AdamW on bf16 params directly: small updates round away",
     ),
     Mutant(
+        "adamw-resume-takes-checkpoint-kernel",
+        "megalite/optim/base.py",
+        'self.inner.load_state_dict(self._with_this_runs_kernel(state_dict["optimizer"]))',
+        'self.inner.load_state_dict(state_dict["optimizer"])',
+        ("tests/test_fused.py",),
+        "resuming across fused / foreach keeps the checkpoint's AdamW implementation, not this run's",
+    ),
+    Mutant(
         "replicated-copy-back-inverted",
         "megalite/optim/optimizer.py",
         "if m.is_copy:  # fp32 main params ARE the model params' storage",
@@ -686,6 +694,22 @@ MUTANTS = [
         "            k = k.repeat(1, self.q_per_group, 1, 1)\n            v = v.repeat(1, self.q_per_group, 1, 1)",
         ("tests/test_gqa.py",),  # the repeat_interleave fallback, checked against SDPA enable_gqa
         "GQA: query heads of a group sit together, so k/v heads must repeat in place",
+    ),
+    Mutant(
+        "rms-norm-1p-gamma-rounded",
+        "megalite/model/gpt.py",
+        "gamma = 1.0 + self.weight.float() if self.zero_centered_gamma else self.weight",
+        "gamma = 1.0 + self.weight if self.zero_centered_gamma else self.weight",
+        ("tests/test_fused.py",),
+        "--apply-layernorm-1p in bf16: 1 + w rounded to bf16 loses any |w| < 2^-8",
+    ),
+    Mutant(
+        "rms-norm-saved-bytes-hf",
+        "megalite/model/gpt.py",
+        "            return 8 * h + 4",
+        "            return 6 * h + 4",
+        ("tests/test_fused.py",),
+        "the memory model charging HF's RMSNorm (bf16 x/rms) where F.rms_norm keeps fp32 x/rms",
     ),
     Mutant(
         "rope-rotate-half-sign",

@@ -79,11 +79,45 @@ _NO_INIT = dict(init_method=None)
 # ---------------------------------------------------------------------------------------------
 
 
+def _rms_norm_composite(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What ``F.rms_norm`` computes, in plain ops (torch < 2.4): fp32 statistics and scale, one
+    rounding to the input dtype at the end (the op order of torch's own decomposition)."""
+    x32 = x.float()
+    dims = tuple(range(-len(normalized_shape), 0))
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dims, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+# torch >= 2.4. On CUDA (torch >= 2.9) one fused kernel, forward and backward, that saves only its
+# input and the per-token 1/rms; elsewhere torch's composite of the same math.
+_rms_norm = getattr(F, "rms_norm", _rms_norm_composite)
+
+
+def fused_rms_norm_kernel(device_type: str) -> bool:
+    """True where ``F.rms_norm`` runs as torch's fused kernel (``aten::_fused_rms_norm``), which
+    saves for backward only its input and an fp32 1/rms per token; False where it decomposes into
+    elementwise ops (CPU; torch < 2.9; no ``F.rms_norm``). A CPU-only build asked about CUDA
+    answers for a CUDA build of the same version."""
+    if _rms_norm is _rms_norm_composite or not hasattr(torch.ops.aten, "_fused_rms_norm"):
+        return False
+    if device_type != "cuda":
+        return False
+    if torch.version.cuda is None:  # a CPU-only build (the planner on a login node): assume it
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA")
+
+
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: x / rms(x) * weight, computed in fp32 (as HF Llama) for bf16 stability.
+    """RMSNorm: ``x / rms(x) * gamma``, statistics and scale in fp32, rounded once to x's dtype.
+
+    This is torch's ``F.rms_norm`` (used when torch has it: one fused kernel on CUDA) and
+    Transformer Engine's numerics. (HF Llama instead rounds ``x / rms(x)`` to bf16 before an
+    extra bf16 multiply by the weight: up to 2 bf16 roundings where this has 1; in fp32 the two
+    are the same.) Computing in fp32 keeps bf16 training stable.
 
     ``zero_centered_gamma`` (``--apply-layernorm-1p``): the weight holds gamma - 1 and the
-    scale is ``1 + weight``, applied in fp32 (as Transformer Engine does).
+    scale is ``1 + weight``, formed in fp32 (as Transformer Engine does): in bf16, 1 + w would
+    round away any |w| < 2^-8, so a bf16 model normalizes an fp32 copy of x then.
     """
 
     def __init__(
@@ -95,11 +129,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered_gamma:
-            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
+        gamma = 1.0 + self.weight.float() if self.zero_centered_gamma else self.weight
+        if gamma.dtype != x.dtype:  # the fused kernel takes one dtype: fp32 keeps gamma exact
+            return _rms_norm(x.float(), self.weight.shape, gamma.float(), self.eps).to(x.dtype)
+        return _rms_norm(x, self.weight.shape, gamma, self.eps)
+
+    @staticmethod
+    def saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_type: str, one_p: bool) -> int:
+        """Bytes one RMSNorm keeps for backward per token (its input included, its output not);
+        ``elem_bytes``: 4 for fp32 params, 2 for bf16 / fp16.
+
+        Fused kernel: the tensor it normalized (x, or its fp32 copy when gamma is fp32 and x is
+        not) and an fp32 1/rms. Composite: fp32 x, 1/rms and fp32 x/rms (the weight's grad needs
+        it), for any input dtype.
+        """
+        h = hidden_size
+        if not fused_rms_norm_kernel(device_type):
+            return 8 * h + 4
+        return (4 if one_p else elem_bytes) * h + 4
 
 
 class LayerNorm1P(nn.LayerNorm):

@@ -21,6 +21,7 @@ values reach the model (``_copy_main_params_to_model_params``).
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -105,6 +106,42 @@ def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:
     return chunks
 
 
+def _fused_adamw_devices() -> set[str]:
+    """Device types whose torch has a fused AdamW kernel: none before torch 2.0, CUDA from 2.0,
+    CPU (and others) from 2.4 (torch's own list where it keeps one)."""
+    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
+        return set()
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # torch 2.0: CUDA only, and no list
+        return {"cuda"}
+    return set(_get_fused_kernels_supported_devices())
+
+
+def adamw_kernel(device: torch.device) -> tuple[dict, str]:
+    """Which of torch's AdamW implementations steps fp32 main params on ``device``, and why:
+    ``({"fused": True}, why)`` or ``({"foreach": True}, why)``.
+
+    fused wherever torch has the kernel for the device: one kernel reads each param, grad and
+    moment once per step (CUDA: no per-op launches; CPU: about 6x foreach, measured by
+    ``bench/adamw.py``, which is what ``--optimizer-cpu-offload`` runs on, as Megatron's offload
+    does). Otherwise foreach, which torch itself picks on CUDA but not on the CPU (the
+    per-tensor loop there). All three give the same moments and params within a few fp32 ulps
+    (tests/test_fused.py), and their state dicts are interchangeable.
+
+    The fused kernel's own ``grad_scale`` / ``found_inf`` arguments are not used: the fp16 loss
+    scale must come off before clipping, whose norm needs the unscaled grads, and the inf
+    check must be agreed by every rank first; both already happen in :meth:`step`.
+    """
+    fused = device.type in _fused_adamw_devices()
+    why = f"torch {torch.__version__} has {'a' if fused else 'no'} fused AdamW kernel for {device.type}"
+    return ({"fused": True}, "fused: " + why) if fused else ({"foreach": True}, "foreach: " + why)
+
+
+# Keys of a param group that choose torch's implementation: a loaded checkpoint keeps this run's.
+_KERNEL_KEYS = ("fused", "foreach", "capturable")
+
+
 class MixedPrecisionOptimizer(ABC):
     """AdamW on fp32 main params with loss scaling and global-norm clipping.
 
@@ -160,10 +197,13 @@ class MixedPrecisionOptimizer(ABC):
             if decoupled_min_lr is not None:
                 group["min_lr"] = decoupled_min_lr
             groups.append(group)
-        # Offloaded: torch's foreach AdamW on the CPU (its default there is the per-tensor loop).
-        foreach = True if offload else None
+        device = (
+            main_params[0].main.device if main_params else (torch.device("cpu") if offload else mesh.device)
+        )
+        kernel, self.adamw_kernel_reason = adamw_kernel(device)
+        self.adamw_kernel = next(iter(kernel))  # "fused" or "foreach"
         self.inner = torch.optim.AdamW(
-            groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach
+            groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel
         )
 
     # What the training loop uses ------------------------------------------------------
@@ -257,7 +297,7 @@ class MixedPrecisionOptimizer(ABC):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict["optimizer"])
+        self.inner.load_state_dict(self._with_this_runs_kernel(state_dict["optimizer"]))
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         copies = [m for m in self.main_params if m.is_copy]
@@ -270,6 +310,26 @@ class MixedPrecisionOptimizer(ABC):
         for m, value in zip(copies, saved):
             m.main.copy_(value)
         self._copy_main_params_to_model_params()
+
+    def _with_this_runs_kernel(self, saved: dict) -> dict:
+        """``saved`` (an AdamW state dict) made to load into this run's implementation: a
+        checkpoint written by the fused kernel resumes under foreach and the other way round.
+
+        torch would take the implementation flags from the checkpoint's param groups; keep
+        ours. Each ``step`` goes to the CPU: torch moves it onto the param's device for the
+        fused kernel, and foreach wants it on the CPU (on the GPU it would cost a host sync
+        per param and step)."""
+        groups = saved["param_groups"]
+        if len(groups) == len(self.inner.param_groups):  # else torch's own check stops the load
+            groups = [
+                {**g, **{k: own[k] for k in _KERNEL_KEYS if k in own}}
+                for g, own in zip(groups, self.inner.param_groups)
+            ]
+        state = {
+            i: {k: v.cpu() if k == "step" and torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in saved["state"].items()
+        }
+        return {"state": state, "param_groups": groups}
 
     # Per-parameter state, for checkpoints ---------------------------------------------------
     def main_param_state(self, m: MainParam, kind: str) -> torch.Tensor:
