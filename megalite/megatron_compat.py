@@ -220,16 +220,6 @@ REFUSED: tuple[CompatFlag, ...] = (
         "--hierarchical-context-parallel-sizes", "+", "context parallelism (--context-parallel-size > 1)"
     ),
     CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
-    CompatFlag(
-        "--overlap-param-gather",
-        0,
-        "overlapping ZeRO-1's parameter all-gather with the next forward (not built yet)",
-    ),
-    CompatFlag(
-        "--overlap-param-gather-with-optimizer-step",
-        0,
-        "overlapping ZeRO-1's parameter all-gather with the optimizer step (not built yet)",
-    ),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
     CompatFlag("--reset-position-ids", 0, "position ids restarting at each document (eod) in a sample"),
     CompatFlag("--reset-attention-mask", 0, "attention masked across documents (eod) inside a sample"),

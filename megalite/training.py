@@ -40,6 +40,7 @@ from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
@@ -163,6 +164,8 @@ def setup(args: argparse.Namespace) -> TrainState:
         optimizer_cpu_offload=args.optimizer_cpu_offload,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
+    if args.overlap_param_gather:  # the step starts the param all-gathers; the next forward waits
+        optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
     scheduler = OptimizerParamScheduler(
@@ -391,6 +394,7 @@ def check_skipped_steps(state: TrainState) -> None:
 @torch.no_grad()
 def evaluate(state: TrainState, dataset) -> float | None:
     args, mesh = state.args, state.mesh
+    finish_param_sync(state.model)  # --overlap-param-gather: evaluate the stepped weights, whole
     for chunk in state.model:
         chunk.eval()
     data_iter = microbatch_iterator(dataset, 0, args, mesh, state.tokenizer.vocab_size, "valid")
@@ -493,6 +497,7 @@ def train(
         window_start += time.perf_counter() - paused
         if stop:
             break
+    finish_param_sync(state.model)  # --overlap-param-gather: the run ends with final weights
     if hooks is not None:
         hooks.at_end(state)  # the final save
     monitor.close()

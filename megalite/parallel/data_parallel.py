@@ -41,6 +41,7 @@ from torch import nn
 
 from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import (
     grad_of,
     is_sequence_parallel,
@@ -256,11 +257,13 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
+        finish_param_sync([self])  # --overlap-param-gather: never hand out a param still in flight
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         # Copies into the existing params (never assign=True): main_grad views and the
-        # grad hooks belong to these parameter objects.
+        # grad hooks belong to these parameter objects. A gather still in flight would land later.
+        finish_param_sync([self])
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # Backward hook -------------------------------------------------------------
