@@ -68,13 +68,23 @@ class ParamGather:
         # wait to be launched. n, n: nothing pending (the params are final).
         self._launched = self._finished = n
         self._index = {p: i for i, b in enumerate(self.buckets) for p in b.params}
-        for p in self._index:
-            setattr(p, _ATTR, self)
         self._hooks = []
-        for module in ddp.module.modules():
-            mine = [self._index[p] for p in module.parameters(recurse=False) if p in self._index]
-            if mine:
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(max(mine))))
+        inside_compiled: set[nn.Module] = set()
+        for module in ddp.module.modules():  # parents before children
+            if module in inside_compiled:
+                continue
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                # --torch-compile: one wait for the whole compiled module, before its graph runs
+                # (a hook inside would be traced); nothing inside it needs wait_for_params then.
+                inside_compiled.update(module.modules())
+                params = [p for p in module.parameters() if p in self._index]
+            else:
+                params = [p for p in module.parameters(recurse=False) if p in self._index]
+                for p in params:
+                    setattr(p, _ATTR, self)
+            if params:
+                last = max(self._index[p] for p in params)
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(last)))
 
     @property
     def pending(self) -> bool:
@@ -99,6 +109,8 @@ class ParamGather:
 
     # --------------------------------------------------------------------------------------------
     def _pre_hook(self, last: int):
+        # Never traced by torch.compile: it waits on collectives and reads counters that change.
+        @torch.compiler.disable
         def hook(module, args):
             if last >= self._finished:
                 self._finish_through(last)
