@@ -44,6 +44,7 @@ from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
+from megalite.profiling import named_range
 
 
 @dataclass
@@ -336,9 +337,11 @@ def train_step(state: TrainState, data_iter) -> dict:
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
     gbs = args.batch_schedule.global_batch_size_at(state.consumed_train_samples)
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
-    microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
+    with named_range("batch-generator"):
+        microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
     attach_loss_normalizer(microbatches, args, mesh)
-    losses = run_schedule(state, microbatches, forward_only=False)
+    with named_range("forward-backward"):
+        losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
     try:
         ok, grad_norm, num_zeros = state.optimizer.step(loss_not_finite(losses))
@@ -487,7 +490,9 @@ def train(
         paused = time.perf_counter()  # evaluation and saving are not training time
         eval_now = args.eval_interval and args.eval_iters > 0 and state.iteration % args.eval_interval == 0
         if eval_now and valid_ds is not None:
+            monitor.before_eval()  # --manual-gc: collect around evaluations
             eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
+            monitor.after_eval()
             if eval_loss is not None:
                 ppl = math.exp(min(eval_loss, 20.0))
                 sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})

@@ -31,6 +31,7 @@ from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_gather import ParamGather, finish_param_sync
+from megalite.profiling import named_range
 
 
 def shard_main_params(bucket: Bucket, dp_rank: int, offload: bool = False) -> list[MainParam]:
@@ -124,9 +125,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for gather in self._param_gathers:
                 gather.start()
             return
-        for bucket, full in self._all_gather_buckets(lambda m: m.main):
-            for p, (p_lo, p_hi) in bucket.param_ranges.items():
-                p.view(-1).copy_(full[p_lo:p_hi])
+        with named_range("params-all-gather"):
+            for bucket, full in self._all_gather_buckets(lambda m: m.main):
+                for p, (p_lo, p_hi) in bucket.param_ranges.items():
+                    p.view(-1).copy_(full[p_lo:p_hi])
 
     @torch.no_grad()
     def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:

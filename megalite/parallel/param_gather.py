@@ -143,7 +143,7 @@ class ParamGather:
     @torch.no_grad()
     def _wait(self, i: int) -> None:
         if self._handles[i] is not None:
-            with named_range("params-all-gather-wait"):
+            with named_range("params-all-gather"):
                 self._handles[i].wait()
             self._handles[i] = None
         full, self._full[i] = self._full[i], None
