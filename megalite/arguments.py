@@ -206,6 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
         "after backward (Megatron's default). Same result either way.",
     )
     g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="With the distributed optimizer: the optimizer step only starts the parameter "
+        "all-gather; the next forward waits for each bucket just before its first use, so the "
+        "gather overlaps the forward. Needs --use-distributed-optimizer and --overlap-grad-reduce. "
+        "Same result either way.",
+    )
+    g.add_argument(
+        "--overlap-param-gather-with-optimizer-step",
+        action="store_true",
+        help="With --overlap-param-gather and interleaved pipelining: start every bucket's parameter "
+        "all-gather at the end of the optimizer step rather than one bucket ahead of the forward "
+        "(megalite's optimizer step is one AdamW call, so it only moves the start). Same result.",
+    )
+    g.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
         help="Keep the gradient buffer and its DP reduction in bf16 (default fp32).",
@@ -931,6 +946,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     )
     validate_sequence_parallel_and_recompute(args)
     resolve_sharding_strategy(args)
+    validate_overlap_param_gather(args)
     model_config(args, vocab_size=args.vocab_size or 1).validate(tp)
     return args
 
@@ -984,6 +1000,29 @@ def resolve_sharding_strategy(args: argparse.Namespace) -> str:
     args.data_parallel_sharding_strategy = strategy
     args.use_distributed_optimizer = strategy != "no_shard"
     return strategy
+
+
+def validate_overlap_param_gather(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for ``--overlap-param-gather`` and ``--overlap-param-gather-with-optimizer-step``."""
+    if args.overlap_param_gather:
+        if not args.use_distributed_optimizer:
+            raise ArgumentError(
+                "--overlap-param-gather needs --use-distributed-optimizer (or --data-parallel-sharding-strategy "
+                "optim / optim_grads): only the distributed optimizer all-gathers parameters"
+            )
+        if not args.overlap_grad_reduce:
+            raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    if args.overlap_param_gather_with_optimizer_step:
+        if not args.overlap_param_gather:
+            raise ArgumentError(
+                "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather "
+                "(and --use-distributed-optimizer); add them"
+            )
+        if args.virtual_pipeline_model_parallel_size <= 1:
+            raise ArgumentError(
+                "--overlap-param-gather-with-optimizer-step needs interleaved pipelining (as in Megatron-LM): "
+                "add --num-layers-per-virtual-pipeline-stage, or drop the flag"
+            )
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:

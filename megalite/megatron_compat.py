@@ -5,7 +5,7 @@ Every Megatron-LM flag a launch script may pass falls in one of three classes:
 1. **Honoured**: the flags of :func:`megalite.arguments.build_parser`, with Megatron's
    names, defaults and meanings.
 2. **Accepted and ignored** (:data:`IGNORED`): switches with no meaning for megalite's
-   kernels or formats (fusions, attention backends, timers, checkpoint formats). They
+   kernels or formats (fusions, attention backends, checkpoint formats). They
    parse with Megatron's arity, and start-up prints ONE warning line listing those given.
 3. **Refused** (:data:`REFUSED`): flags whose meaning megalite does not build (MoE, fp8,
    context parallelism, ...). Given, the run stops in one line naming the feature: a
@@ -79,13 +79,6 @@ IGNORED: tuple[CompatFlag, ...] = (
         "megalite does not call torch.cuda.empty_cache() between steps",
         choices=("0", "1", "2"),
     ),
-    CompatFlag(
-        "--timing-log-level",
-        1,
-        "megalite logs the iteration time only (plus profiler ranges with --profile)",
-        choices=("0", "1", "2"),
-    ),
-    CompatFlag("--timing-log-option", 1, "megalite has no per-op timers", choices=("max", "minmax", "all")),
     CompatFlag("--logging-level", 1, "megalite prints plain lines, not through Python logging"),
     CompatFlag(
         "--no-create-attention-mask-in-dataloader",
@@ -226,16 +219,6 @@ REFUSED: tuple[CompatFlag, ...] = (
         "--hierarchical-context-parallel-sizes", "+", "context parallelism (--context-parallel-size > 1)"
     ),
     CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
-    CompatFlag(
-        "--overlap-param-gather",
-        0,
-        "overlapping ZeRO-1's parameter all-gather with the next forward (not built yet)",
-    ),
-    CompatFlag(
-        "--overlap-param-gather-with-optimizer-step",
-        0,
-        "overlapping ZeRO-1's parameter all-gather with the optimizer step (not built yet)",
-    ),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
     CompatFlag(
         "--overlap-cpu-optimizer-d2h-h2d",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import resource
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
+from megalite.parallel.mappings import all_gather_flat
+from megalite import profiling
 from megalite.profiling import Profiler, add_profiling_args, check_profiling_args, start_memory_history
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of the device name.
@@ -86,7 +89,8 @@ def add_logging_args(parser) -> None:
     g.add_argument(
         "--log-timers-to-tensorboard",
         action="store_true",
-        help="Write iteration-time (and with --log-throughput, throughput) at each log line.",
+        help="Write iteration-time (and with --log-throughput, throughput) at each log line, and "
+        "with --timing-log-level 1 or 2 Megatron's per-phase timers (forward-backward-time, ...).",
     )
     g.add_argument(
         "--log-memory-to-tensorboard",
@@ -347,6 +351,8 @@ class TrainingMonitor:
         self._samples = 0
         self._params_norm: tuple[int, float] | None = None  # (iteration, norm)
         self._num_zeros: int | None = None
+        self._window_steps = 0  # steps since the last log line: the timers' normaliser
+        profiling.set_timing_level(args.timing_log_level)
 
     def before_step(self, state, sinks: MetricSinks) -> None:
         if not self._started:
@@ -360,6 +366,7 @@ class TrainingMonitor:
     def after_step(self, state, step: dict) -> None:
         args, it = self.args, state.iteration
         self.profiler.after_step(it)
+        self._window_steps += 1
         self._num_zeros = step.get("num_zeros")
         batch_size = state.consumed_train_samples - self._samples
         self._samples = state.consumed_train_samples
@@ -401,8 +408,54 @@ class TrainingMonitor:
             if args.log_throughput:
                 tags["throughput"] = values["tflops_per_device"]
             self.sinks.scalars(it, tags)
+        if args.timing_log_level > 0:
+            self._log_timers(state)
+        self._window_steps = 0
         self.profiler.dump_memory_snapshot()
         return extra
+
+    def _log_timers(self, state) -> None:
+        """Megatron's timer report: ms per step of each timer over the log window, across ranks.
+
+        A collective over every rank (one all-gather). A rank that never entered a timer (p2p at
+        pp 1) has no value for it, as in Megatron. The console gets ``--timing-log-option``'s view;
+        with --log-timers-to-tensorboard, TensorBoard / wandb get ``<name>-time``, the max over ranks.
+        """
+        names = profiling.timer_names(self.args.timing_log_level)
+        mine = profiling.take_timers()
+        steps = max(self._window_steps, 1)
+        local = state.mesh.tensor([1000.0 * mine[n] / steps if n in mine else math.nan for n in names])
+        everyone = local
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = local.new_empty(dist.get_world_size() * len(names))
+            all_gather_flat(everyone, local, None)
+        table = everyone.view(-1, len(names)).t().cpu().tolist()  # [timer][rank]
+        option = self.args.timing_log_option
+        lines, maxima = [], {}
+        for name, values in zip(names, table):
+            seen = [v for v in values if not math.isnan(v)]
+            if not seen:
+                continue
+            maxima[f"{name}-time"] = max(seen)
+            if option == "max":
+                shown = f"{max(seen):.2f}"
+            elif option == "minmax":
+                shown = f"({min(seen):.2f}, {max(seen):.2f})"
+            else:
+                shown = "(" + ", ".join("-" if math.isnan(v) else f"{v:.2f}" for v in values) + ")"
+            lines.append(f"    {name} {'.' * max(1, 48 - len(name))}: {shown}")
+        if self.sinks is None or not lines:
+            return
+        title = {"max": "max time", "minmax": "(min, max) time", "all": "time"}[option]
+        self.sinks.console(f"{title} across ranks (ms):\n" + "\n".join(lines))
+        if self.args.log_timers_to_tensorboard:
+            self.sinks.scalars(state.iteration, maxima)
+
+    def before_eval(self) -> None:
+        self.profiler.before_eval()
+
+    def after_eval(self) -> None:
+        self.profiler.after_eval()
 
     def at_eval(self, state, loss: float, ppl: float) -> None:
         if self.sinks is None:
@@ -414,3 +467,4 @@ class TrainingMonitor:
 
     def close(self) -> None:
         self.profiler.close()
+        profiling.set_timing_level(0)  # the timers belong to this run

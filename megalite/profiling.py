@@ -16,7 +16,12 @@ Megatron-LM's flags, same meanings:
   at each log line and at the end, for https://pytorch.org/memory_viz.
 * ``--manual-gc``: Python's automatic garbage collector is off; it runs every
   ``--manual-gc-interval`` steps instead (0: never), on every rank at the same
-  step, so no rank stalls the others at a random moment.
+  step, so no rank stalls the others at a random moment; and, unless
+  ``--no-manual-gc-eval``, a full collection before each evaluation and a
+  young-generation one after it.
+* ``--timing-log-level 1|2``: the named ranges of that level (:data:`TIMER_LEVELS`,
+  Megatron-LM's timer names and levels) also add up their wall time, which the
+  training loop reports at each log line (:func:`take_timers`).
 
 Named ranges (``@profiled("forward-compute")``) mark forward, backward, p2p,
 the DP gradient reduction and the optimizer step. They are ``record_function``
@@ -29,6 +34,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,32 +44,79 @@ import torch
 # Megatron's configure_nvtx_profiling; only Profiler below sets it.
 _ranges_on = False
 
+# Megatron-LM's timers (megatron/training/training.py): name -> --timing-log-level that reports it,
+# for the ranges megalite has. "p2p" is megalite's one range for every pipeline send / receive
+# (Megatron times forward-recv, backward-send, ... separately).
+TIMER_LEVELS = {
+    "forward-backward": 1,
+    "all-grads-sync": 1,
+    "params-all-gather": 1,
+    "optimizer": 1,
+    "batch-generator": 2,
+    "forward-compute": 2,
+    "backward-compute": 2,
+    "p2p": 2,
+}
+_timing_level = 0  # --timing-log-level of the running job (0: no timer runs)
+_elapsed: dict[str, float] = {}  # seconds per timer since the last take_timers()
+
+
+def set_timing_level(level: int) -> None:
+    """Time the ranges of ``TIMER_LEVELS`` up to ``level`` from now on (0: none); clears the timers."""
+    global _timing_level
+    _timing_level = level
+    _elapsed.clear()
+
+
+def timer_names(level: int) -> list[str]:
+    """The timers ``--timing-log-level level`` reports, in Megatron's order."""
+    return [name for name, lv in TIMER_LEVELS.items() if lv <= level]
+
+
+def take_timers() -> dict[str, float]:
+    """Seconds each timer ran since the last call (only timers that ran), then reset."""
+    out = dict(_elapsed)
+    _elapsed.clear()
+    return out
+
 
 class _Range:
-    """A record_function range, plus an NVTX range on CUDA."""
+    """A record_function range plus an NVTX range on CUDA (while profiling), and/or a timer."""
 
-    __slots__ = ("name", "_rf")
+    __slots__ = ("name", "_rf", "_profile", "_timed", "_t0")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, profile: bool = True, timed: bool = False):
+        self.name, self._profile, self._timed = name, profile, timed
 
     def __enter__(self):
-        self._rf = torch.profiler.record_function(self.name)
-        self._rf.__enter__()
-        if torch.cuda.is_available():
-            torch.cuda.nvtx.range_push(self.name)
+        if self._profile:
+            self._rf = torch.profiler.record_function(self.name)
+            self._rf.__enter__()
+            if torch.cuda.is_available():
+                torch.cuda.nvtx.range_push(self.name)
+        if self._timed:
+            if torch.cuda.is_available():  # as Megatron's timers: device work ends inside the range
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            torch.cuda.nvtx.range_pop()
-        self._rf.__exit__(*exc)
+        if self._timed:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            _elapsed[self.name] = _elapsed.get(self.name, 0.0) + time.perf_counter() - self._t0
+        if self._profile:
+            if torch.cuda.is_available():
+                torch.cuda.nvtx.range_pop()
+            self._rf.__exit__(*exc)
         return False
 
 
 def named_range(name: str):
-    """``with named_range("p2p"): ...``: a profiler range while profiling, else a no-op."""
-    return _Range(name) if _ranges_on else _NULL
+    """``with named_range("p2p"): ...``: a profiler range while profiling, a timer when
+    ``--timing-log-level`` reports ``name``, else a no-op."""
+    timed = TIMER_LEVELS.get(name, 3) <= _timing_level
+    return _Range(name, _ranges_on, timed) if _ranges_on or timed else _NULL
 
 
 class _Null:
@@ -85,9 +138,9 @@ def profiled(name: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            if not _ranges_on:
+            if not _ranges_on and not _timing_level:
                 return fn(*args, **kwargs)
-            with _Range(name):
+            with named_range(name):
                 return fn(*args, **kwargs)
 
         return inner
@@ -157,6 +210,29 @@ def add_profiling_args(parser) -> None:
         default=0,
         help="Steps between manual garbage collections (0: only at start-up).",
     )
+    g.add_argument(
+        "--no-manual-gc-eval",
+        "--disable-manual-gc-eval",
+        dest="manual_gc_eval",
+        action="store_false",
+        help="With --manual-gc: no collection around evaluations (default: a full one before each "
+        "evaluation, a young-generation one after it, as Megatron-LM).",
+    )
+    g.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Megatron-LM's timers: 0 only the iteration time; 1 also forward-backward, all-grads-sync, "
+        "params-all-gather, optimizer; 2 also batch-generator, forward-compute, backward-compute, p2p "
+        "(one device sync per timed range). Printed at each log line in ms per step.",
+    )
+    g.add_argument(
+        "--timing-log-option",
+        default="minmax",
+        choices=("max", "minmax", "all"),
+        help="How timers are printed across ranks: the max, the (min, max), or every rank's value.",
+    )
 
 
 def check_profiling_args(args) -> list[str]:
@@ -225,6 +301,7 @@ class Profiler:
         self._nsys = False
         self.trace_path: str | None = None
         self._gc_disabled = False
+        self._timers_before_eval: dict[str, float] = {}
 
     def start(self) -> None:
         """Before the first step: with --manual-gc, automatic GC off for the run and one full collection."""
@@ -245,6 +322,17 @@ class Profiler:
         interval = self.args.manual_gc_interval
         if self.args.manual_gc and interval and done % interval == 0:
             gc.collect()
+
+    def before_eval(self) -> None:
+        self._timers_before_eval = take_timers()  # evaluation is not training time: not timed
+        if self.args.manual_gc and self.args.manual_gc_eval:
+            gc.collect()  # everything, at the same point on every rank
+
+    def after_eval(self) -> None:
+        if self.args.manual_gc and self.args.manual_gc_eval:
+            gc.collect(0)  # what the evaluation made: the young generation
+        _elapsed.clear()
+        _elapsed.update(self._timers_before_eval)
 
     def dump_memory_snapshot(self) -> None:
         if self.memory_history:

@@ -40,9 +40,11 @@ from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
+from megalite.profiling import named_range
 
 
 @dataclass
@@ -164,6 +166,8 @@ def setup(args: argparse.Namespace) -> TrainState:
         optimizer_cpu_offload=args.optimizer_cpu_offload,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
+    if args.overlap_param_gather:  # the step starts the param all-gathers; the next forward waits
+        optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
     scheduler = OptimizerParamScheduler(
@@ -334,9 +338,11 @@ def train_step(state: TrainState, data_iter) -> dict:
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
     gbs = args.batch_schedule.global_batch_size_at(state.consumed_train_samples)
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
-    microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
+    with named_range("batch-generator"):
+        microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
     attach_loss_normalizer(microbatches, args, mesh)
-    losses = run_schedule(state, microbatches, forward_only=False)
+    with named_range("forward-backward"):
+        losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
     try:
         ok, grad_norm, num_zeros = state.optimizer.step(loss_not_finite(losses))
@@ -392,6 +398,7 @@ def check_skipped_steps(state: TrainState) -> None:
 @torch.no_grad()
 def evaluate(state: TrainState, dataset) -> float | None:
     args, mesh = state.args, state.mesh
+    finish_param_sync(state.model)  # --overlap-param-gather: evaluate the stepped weights, whole
     for chunk in state.model:
         chunk.eval()
     data_iter = microbatch_iterator(dataset, 0, args, mesh, state.tokenizer.vocab_size, "valid")
@@ -484,7 +491,9 @@ def train(
         paused = time.perf_counter()  # evaluation and saving are not training time
         eval_now = args.eval_interval and args.eval_iters > 0 and state.iteration % args.eval_interval == 0
         if eval_now and valid_ds is not None:
+            monitor.before_eval()  # --manual-gc: collect around evaluations
             eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
+            monitor.after_eval()
             if eval_loss is not None:
                 ppl = math.exp(min(eval_loss, 20.0))
                 sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
@@ -494,6 +503,7 @@ def train(
         window_start += time.perf_counter() - paused
         if stop:
             break
+    finish_param_sync(state.model)  # --overlap-param-gather: the run ends with final weights
     if hooks is not None:
         hooks.at_end(state)  # the final save
     monitor.close()

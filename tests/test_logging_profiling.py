@@ -41,8 +41,11 @@ LOGGING = [
     "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--log-throughput",
     "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard",
     "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
+    "--timing-log-level", "2",
 ]  # fmt: skip
 RANGES = {"forward-compute", "backward-compute", "all-grads-sync", "optimizer"}
+TIMER_NAMES = ["batch-generator", "forward-backward", "forward-compute", "backward-compute", "all-grads-sync"]
+TIMER_NAMES += ["optimizer"]
 
 
 def _pretrain_runs(runs):
@@ -87,13 +90,16 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
     # One process, in this process; --manual-gc collects on schedule with automatic GC off.
     collects = []
     real_collect = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(gc.isenabled()) or real_collect(*a))
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append((a, gc.isenabled())) or real_collect(*a))
     gc_flags = ["--manual-gc", "--manual-gc-interval", "2"]
     monkeypatch.chdir(tmp_path)
     _pretrain_runs([COMMON + LOGGING + gc_flags + _run_flags(tmp_path, "single")])
     monkeypatch.undo()
     assert gc.isenabled(), "--manual-gc gives automatic GC back at the end"
-    assert collects == [False] * (1 + ITERS // 2), "one collection at start, then every 2 steps"
+    # One collection at start, then every 2 steps; around each evaluation (every 2 steps) a full
+    # one before and a young-generation one after (Megatron's --manual-gc-eval default).
+    every_2 = [((), False), ((), False), ((0,), False)]
+    assert collects == [((), False)] + every_2 * (ITERS // 2), collects
     plain = tmp_path / "plain.jsonl"
     _pretrain_runs([COMMON + ["--metrics-file", str(plain)]])  # logging does not change the math
     assert [x["loss"] for x in _records(plain)] == [x["loss"] for x in _records(tmp_path / "single.jsonl")]
@@ -133,6 +139,18 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
     assert [v for _, v in tb["lm loss validation"]] == pytest.approx([x["loss"] for x in evals])
     assert [v for _, v in tb["lm loss validation ppl"]] == pytest.approx([math.exp(x["loss"]) for x in evals])
     assert "mem-max-rss-bytes" in tb and "loss-scale vs samples" in tb and "train/loss" in tb
+    # --timing-log-level 2: Megatron's timers in ms per step, at each log line. Nested phases add up:
+    # the step holds forward-backward, which holds the microbatches' forward and backward compute.
+    timers = {name: [v for _, v in tb[f"{name}-time"]] for name in TIMER_NAMES}
+    for i, row in enumerate(single):
+        step_ms = 1000 * row["iteration_time_s"]
+        parts = sum(timers[n][i] for n in ("batch-generator", "forward-backward", "all-grads-sync", "optimizer"))
+        assert 0 < parts <= step_ms * 1.01, (i, timers, step_ms)
+        compute = timers["forward-compute"][i] + timers["backward-compute"][i]
+        assert 0 < compute <= timers["forward-backward"][i] * 1.01, (i, timers)
+    tb3 = _scalars(tmp_path / "3d" / "tb")
+    assert all(f"{n}-time" in tb3 for n in TIMER_NAMES + ["p2p", "params-all-gather"]), sorted(tb3)
+    assert "params-all-gather-time" not in tb  # no distributed optimizer: no timer, as in Megatron
 
     # --profile: a Chrome trace per profiled rank with the named ranges; pp=2 adds p2p.
     assert _trace_ranges(tmp_path / "single" / "trace" / "rank-0.json.gz") >= RANGES
@@ -279,3 +297,29 @@ def test_wandb_init_failure_stops_every_rank_in_one_line(tmp_path):
     assert "WANDB_MODE=offline" in messages[0]
     assert "logging rank could not open" in messages[1]
     assert all("\n" not in m for m in messages)
+
+
+def test_timing_levels_and_manual_gc_eval(monkeypatch):
+    """--timing-log-level picks Megatron's timers by level; --no-manual-gc-eval skips the eval collections."""
+    from megalite import profiling
+    from megalite.arguments import parse_args
+    from megalite.metrics import TrainingMonitor
+
+    for level, timed, untimed in ((1, "forward-backward", "forward-compute"), (2, "p2p", "no-such-timer")):
+        monitor = TrainingMonitor(parse_args(COMMON + ["--timing-log-level", str(level)]), rank=0)
+        assert profiling.named_range(untimed) is profiling._NULL
+        with profiling.named_range(timed):
+            pass
+        assert set(profiling.take_timers()) == {timed} and profiling.take_timers() == {}
+        monitor.close()
+    assert profiling.named_range("forward-backward") is profiling._NULL  # closed: timers off again
+
+    collects = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a))
+    for flags, expected in (([], [(), (0,)]), (["--no-manual-gc-eval"], [])):
+        collects.clear()
+        monitor = TrainingMonitor(parse_args(COMMON + ["--manual-gc"] + flags), rank=0)
+        monitor.before_eval()
+        monitor.after_eval()
+        monitor.close()
+        assert collects == expected

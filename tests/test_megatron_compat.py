@@ -76,7 +76,7 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-c
        "--fp8-param-gather"]  # fmt: skip
 
 
-def llama3_8b(d: Path, fp8: bool = True, overlap_param_gather: bool = True) -> list[str]:
+def llama3_8b(d: Path, fp8: bool = True) -> list[str]:
     """examples/llama/train_llama3_8b_h100_fp8.sh (its MOCK data branch)."""
     model = [
         "--use-mcore-models", "--num-layers", "2",  # 32
@@ -99,8 +99,7 @@ def llama3_8b(d: Path, fp8: bool = True, overlap_param_gather: bool = True) -> l
         "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
     ]  # fmt: skip
     parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
-    ddp = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
-    ddp += ["--overlap-param-gather"] if overlap_param_gather else []
+    ddp = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     data = [
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",  # 128256
         "--data-cache-path", str(d / "cache"), "--tiktoken-pattern", "v2",
@@ -158,11 +157,11 @@ def test_megatron_example_scripts(tmp_path, capsys):
     """The dense scripts train (GPT-3 at pp 2, Llama-3 on one process); fp8 and MoE stop in one
     line naming the feature. (GPT-3's --fp16 starts at Megatron's loss scale 2^32: its first
     steps overflow and are skipped, as in Megatron-LM.)"""
-    # Llama-3 8B as written: fp8 and --overlap-param-gather are refused, named, in one line.
+    # Llama-3 8B as written: fp8 is refused, named, in one line (--overlap-param-gather is built).
     with pytest.raises(RefusedFlagError) as e:
         parse_args(runnable(llama3_8b(tmp_path)))
     msg = str(e.value)
-    assert "fp8" in msg and "--fp8-format hybrid" in msg and "--overlap-param-gather" in msg, msg
+    assert "fp8" in msg and "--fp8-format hybrid" in msg and "--overlap-param-gather" not in msg, msg
     assert "\n" not in msg
     # Mixtral: refused naming MoE, from the command line (exit 2, one line, no traceback).
     r = subprocess.run(
@@ -177,9 +176,9 @@ def test_megatron_example_scripts(tmp_path, capsys):
         "MoE" in r.stderr and "--num-experts 8" in r.stderr and "--expert-model-parallel-size 8" in r.stderr
     )
 
-    # GPT-3 175B (pp 2) and Llama-3 8B without fp8 / --overlap-param-gather train 2 steps.
+    # GPT-3 175B (pp 2) and Llama-3 8B without fp8 (with --overlap-param-gather) train 2 steps.
     gpt3 = runnable(gpt3_175b(tmp_path)) + ["--metrics-file", str(tmp_path / "gpt3.jsonl")]
-    llama = runnable(llama3_8b(tmp_path, fp8=False, overlap_param_gather=False))
+    llama = runnable(llama3_8b(tmp_path, fp8=False))
     llama += ["--metrics-file", str(tmp_path / "llama.jsonl")]
     args = parse_args(llama)
     warning = ignored_flags_warning(args)

@@ -37,6 +37,7 @@ from megalite.checkpoint.logical import (
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.zero3 import gathered_params
+from megalite.parallel.param_gather import finish_param_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,7 @@ def resume_iteration(config: CheckpointConfig) -> int | None:
 # ---------------------------------------------------------------------------------- model
 def model_pieces(chunks: list, config: ModelConfig, mesh: Mesh, for_load: bool = False) -> dict:
     """This rank's model pieces ``{logical name: Shard | Tensor}`` (views of the params)."""
+    finish_param_sync(chunks)  # --overlap-param-gather: no param still in flight is saved or loaded into
     out = {}
     for name, model, param in named_parameters(chunks):
         if is_tied_copy(model, name) and not for_load:

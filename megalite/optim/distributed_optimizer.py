@@ -12,7 +12,9 @@ those elements:
 A parameter straddling a shard boundary is split: each rank's main param is
 its contiguous piece of the flattened parameter. After AdamW updates the
 shard, every bucket's updated values (in the model dtype) are all-gathered
-over DP and copied into the model params. Per rank the optimizer state is
+over DP and copied into the model params: before ``step`` returns, or, after
+:meth:`DistributedOptimizer.overlap_param_gather` (``--overlap-param-gather``), bucket by bucket
+during the next forward (:mod:`megalite.parallel.param_gather`). Per rank the optimizer state is
 about 1/dp of the replicated optimizer's. The same pack-and-all-gather gives a
 checkpoint whole per-parameter optimizer state (:meth:`gather_state_dp_zero`).
 """
@@ -28,6 +30,8 @@ from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_pa
 from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_gather import ParamGather, finish_param_sync
+from megalite.profiling import named_range
 
 
 def shard_main_params(bucket: Bucket, dp_rank: int, offload: bool = False) -> list[MainParam]:
@@ -57,6 +61,43 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ]
         main_params = [m for ms in self._bucket_main_params for m in ms]
         super().__init__(model_chunks, mesh, main_params, offload=offload, **kwargs)
+        self._param_gathers: list[ParamGather] = []
+
+    def overlap_param_gather(self, launch_all: bool = False) -> None:
+        """``--overlap-param-gather``: from now on :meth:`step` only starts the param all-gathers;
+        each chunk's next forward waits for them bucket by bucket (``launch_all``:
+        ``--overlap-param-gather-with-optimizer-step``, every bucket starts at the step's end)."""
+        mains = dict(zip(map(id, self._buckets), self._bucket_main_params))
+
+        def pack(bucket: Bucket, full: torch.Tensor) -> None:
+            self._pack_shard(bucket, mains[id(bucket)], full, lambda m: m.main)
+
+        for chunk in self.model_chunks:
+            chunk.param_gather = ParamGather(chunk, pack, launch_all=launch_all)
+            self._param_gathers.append(chunk.param_gather)
+
+    def finish_param_sync(self) -> None:
+        """Wait for the outstanding param all-gathers (no-op without --overlap-param-gather)."""
+        finish_param_sync(self.model_chunks)
+
+    def step(self, loss_not_finite: torch.Tensor | None = None):
+        # Before AdamW: fp32 main params share storage with the model params, so a bucket the last
+        # forward never waited for must land now, not after the update (it would overwrite it).
+        self.finish_param_sync()
+        return super().step(loss_not_finite)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.finish_param_sync()
+        super().load_state_dict(state_dict)
+        self.finish_param_sync()  # a load is not a step: the params are final when it returns
+
+    def _pack_shard(
+        self, bucket: Bucket, mains: list[MainParam], full: torch.Tensor, shard_of: Callable[[MainParam], torch.Tensor]
+    ) -> None:
+        """Write ``shard_of(m)`` of this rank's main params into their place in the bucket's flat ``full``."""
+        for m in mains:
+            start = bucket.param_ranges[m.model][0] + m.model_range[0]
+            full[start : start + m.main.numel()].copy_(shard_of(m).view(-1))
 
     def _all_gather_buckets(
         self, shard_of: Callable[[MainParam], torch.Tensor], dtype: torch.dtype | None = None
@@ -69,9 +110,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             full = bucket.shard_view(self.mesh.dp_rank).new_empty(
                 bucket.numel_padded, dtype=dtype or bucket.dtype
             )
-            for m in mains:
-                start = bucket.param_ranges[m.model][0] + m.model_range[0]
-                full[start : start + m.main.numel()].copy_(shard_of(m).view(-1))
+            self._pack_shard(bucket, mains, full, shard_of)
             lo, hi = bucket.shard_range(self.mesh.dp_rank)
             handle = None
             if self.mesh.dp_size > 1:
@@ -85,11 +124,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
         if any(b.param_shard is not None for b in self._buckets):
-            self._copy_main_params_to_param_shards()
+            self._copy_main_params_to_param_shards()  # ZeRO-3: nothing to all-gather after the step
             return
-        for bucket, full in self._all_gather_buckets(lambda m: m.main):
-            for p, (p_lo, p_hi) in bucket.param_ranges.items():
-                p.view(-1).copy_(full[p_lo:p_hi])
+        if self._param_gathers:  # --overlap-param-gather: the next forward waits, bucket by bucket
+            for gather in self._param_gathers:
+                gather.start()
+            return
+        with named_range("params-all-gather"):
+            for bucket, full in self._all_gather_buckets(lambda m: m.main):
+                for p, (p_lo, p_hi) in bucket.param_ranges.items():
+                    p.view(-1).copy_(full[p_lo:p_hi])
 
     def _copy_main_params_to_param_shards(self) -> None:
         """ZeRO-3: the updated main params go into this rank's param shards, no all-gather (each

@@ -42,6 +42,7 @@ from torch import nn
 from megalite.parallel import zero3
 from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import (
     grad_of,
     is_sequence_parallel,
@@ -280,6 +281,7 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
+        finish_param_sync([self])  # --overlap-param-gather: never hand out a param still in flight
         if self.param_sharding is None:
             return self.module.state_dict(*args, **kwargs)
         with zero3.gathered_params([self]):  # ZeRO-3: collective over DP; copies of the whole params
@@ -287,7 +289,9 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         # Copies into the existing params (never assign=True): main_grad views and the
-        # grad hooks belong to these parameter objects. ZeRO-3: into the shards (collective).
+        # grad hooks belong to these parameter objects. A gather still in flight would land later.
+        # ZeRO-3: into the shards (collective).
+        finish_param_sync([self])
         with zero3.gathered_params([self]):
             return self.module.load_state_dict(state_dict, strict=strict)
 
