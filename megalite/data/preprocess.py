@@ -34,7 +34,6 @@ import argparse
 import collections
 import glob
 import gzip
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -380,14 +379,13 @@ class _Encoder:
             texts, nbytes = item[3], item[4]
         out = {}
         for k in self.json_keys:
-            ids = self.tokenizer.tokenize_batch(texts[k])
-            lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+            tokens, lengths = self.tokenizer.tokenize_flat(texts[k])
             if self.append_eod:
                 # Megatron appends eod only to documents that produced tokens
-                ids = [d + [self.tokenizer.eod] if d else d for d in ids]
-                lengths += lengths > 0
-            tokens = np.array(list(itertools.chain.from_iterable(ids)), dtype=self.dtype)
-            out[k] = (tokens, lengths)
+                nonempty = lengths > 0
+                tokens = np.insert(tokens, np.cumsum(lengths)[nonempty], self.tokenizer.eod)
+                lengths += nonempty
+            out[k] = (tokens.astype(self.dtype, copy=False), lengths)
         return len(texts[self.json_keys[0]]), nbytes, out
 
 
