@@ -83,14 +83,18 @@ def main():
         with open(jsonl, encoding="utf-8") as f:
             texts = [json.loads(line)["text"] for line in f]
         text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-        results = {name: dict(tokenizer=None, tokenizer_only=[], runs={w: [] for w in args.workers}) for name in variants}
+        results = {
+            name: dict(tokenizer=None, tokenizer_only=[], runs={w: [] for w in args.workers})
+            for name in variants
+        }
         # repeats alternate between the variants, so slow spells of a shared machine hit both
         for r in range(args.repeats):
             for name, tok_kwargs in variants.items():
                 res = results[name]
                 tok = build_tokenizer(**tok_kwargs)  # fresh: no cache warm from an earlier repeat
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
-                _, lengths = tok.tokenize_flat(texts)  # what preprocessing calls, one process, no JSON, no I/O
+                # what preprocessing calls, in one process, without JSON or I/O
+                _, lengths = tok.tokenize_flat(texts)
                 res["tokenizer_only"].append((time.perf_counter() - t0, _cpu_seconds() - cpu0))
                 res["tokenizer"] = dict(
                     kwargs={k: os.path.basename(str(v)) for k, v in tok_kwargs.items()},
@@ -114,7 +118,7 @@ def main():
                     with open(stats["outputs"][0] + ".bin", "rb") as f:
                         stats["bin_sha256"] = hashlib.sha256(f.read()).hexdigest()[:16]
                     res["runs"][workers].append(stats)
-        for name, res in results.items():
+        for res in results.values():
             wall = [w for w, _ in res["tokenizer_only"]]
             cpu = [c for _, c in res["tokenizer_only"]]
             res["tokenizer_only_one_process"] = dict(
@@ -151,14 +155,13 @@ def main():
     if args.tokenizer == "gpt2":
         before, after = results["before_python"], results["after_tiktoken"]
         ratio = lambda a, b: round(a["mb_per_cpu_s"] / b["mb_per_cpu_s"], 2)
+        hashes = {h for v in (before, after) for run in v["runs"] for h in run["bin_sha256"]}
         out["speedup"] = dict(
             tokenizer_only_mb_per_cpu_s=ratio(
                 after["tokenizer_only_one_process"], before["tokenizer_only_one_process"]
             ),
             pipeline_mb_per_cpu_s=[ratio(a, b) for a, b in zip(after["runs"], before["runs"])],
-            # every run of both variants wrote the same .bin
-            outputs_identical=len({h for v in (before, after) for run in v["runs"] for h in run["bin_sha256"]})
-            == 1,
+            outputs_identical=len(hashes) == 1,  # every run of both variants wrote the same .bin
         )
     print(json.dumps(out, indent=1))
 

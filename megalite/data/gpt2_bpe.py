@@ -51,7 +51,9 @@ _GPT2_PATTERN_NO_LOOKAHEAD = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p
 # \s of both regex engines (Rust's regex crate, Python's `regex`): Unicode White_Space.
 # Not str.isspace, which also counts U+001C..U+001F.
 WHITESPACE = (
-    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
 )
 _IS_SPACE = np.zeros(max(map(ord, WHITESPACE)) + 2, dtype=bool)  # the last entry: every code point above
 _IS_SPACE[[ord(c) for c in WHITESPACE]] = True
