@@ -9,7 +9,9 @@ import os
 import random
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
 from megalite.data import gpt2_bpe
@@ -291,3 +293,106 @@ def test_tiktokenizer_needs_the_data_extra(tiktoken_file, monkeypatch):
         MissingExtraError, match=r"--tokenizer-type TikTokenizer needs `tiktoken`.*megalite\[data\]"
     ):
         build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_file[0], tiktoken_pattern="v2")
+
+
+# GPT-2's split ends a whitespace run one character early before a non-space; the tiktoken
+# backend cuts the text there instead of using the lookahead. Cases around those runs:
+RUN_CASES = [
+    " " * 1000 + "x",  # a long run before a word: " " * 999, " x"
+    "\n" * 500 + "y",  # ... before a word that takes no leading newline: "\n" * 499, "\n", "y"
+    "x" + " " * 300,  # trailing whitespace: one piece, no cut
+    "x \n\t ",
+    "a\n\nb\n\n\nc\n\n",
+    "\tdef f():\n\t\treturn 1\n\n\n",
+    "if x:\r\n    y = 1\r\n",
+    "a  b   c    d",
+    "  leading",
+    "\u3000\u3000x \u3000y\u00a0\u00a0z\u2003 w",  # unicode spaces
+    "x  's  'll\n  've 're'd",  # contractions after runs: " '" then "s", not "'s"
+    "x \x00  y\x00",  # the cut character itself, in a text that needs cuts
+    "\x00  \x00",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "a",
+]
+# code points that are not Unicode White_Space but look like it (str.isspace counts U+001C..U+001F)
+NOT_WHITESPACE = "\x1c\x1d\x1e\x1f\u180e\u200b\u2060\ufeff"
+
+
+def test_tiktoken_split_without_lookahead_gives_the_reference_ids(gpt2_files):
+    pytest.importorskip("tiktoken")
+    vocab_file, merge_file, _ = gpt2_files
+    fast = GPT2BPETokenizer(vocab_file, merge_file, backend="tiktoken")
+    slow = GPT2BPETokenizer(vocab_file, merge_file, backend="python")
+    texts = list(RUN_CASES)
+    for c in gpt2_bpe.WHITESPACE + NOT_WHITESPACE:
+        texts += [f"a{c}{c}b", f"a{c}{c}", f"{c}{c} x", f"a {c}b", f"a{c} b", f"{c}", f"é{c}{c}{c}'s"]
+    rng = random.Random(0)
+    alphabet = list("abs'1.   \n\t\r\u3000\xa0é\x1c\x00")
+    texts += ["".join(rng.choices(alphabet, k=rng.randrange(40))) for _ in range(3000)]
+    reference = [slow.tokenize(t) for t in texts]
+    assert [fast.tokenize(t) for t in texts] == reference
+    flat, lengths = fast.tokenize_flat(texts)
+    assert flat.dtype == np.uint32 and lengths.tolist() == list(map(len, reference))
+    assert flat.tolist() == [i for ids in reference for i in ids]
+    assert fast.tokenize_flat([])[0].size == 0
+    # the cases need the cuts: without them (plain \s+) the ids differ
+    enc = fast._tiktoken
+    uncut = [enc._encode(t, set()).tolist() for t in texts]
+    assert sum(u != r for u, r in zip(uncut, reference)) > 500
+    # tiktoken < 0.9 has no encode_to_numpy: the same ids through encode
+    old = gpt2_bpe.TiktokenGPT2BPE(types.SimpleNamespace(encode=enc.encoding.encode), enc.cut_id)
+    assert [old.encode(t) for t in texts[:300]] == reference[:300]
+    # lone surrogates are replaced, as tiktoken's own encode does
+    assert fast.tokenize("a  \ud800 b") == slow.tokenize("a  \ufffd b")
+
+
+def test_whitespace_table_is_both_regex_engines_whitespace():
+    """The cuts look at Unicode White_Space, which is \\s to the regex crate (tiktoken) and to `regex`."""
+    tiktoken = pytest.importorskip("tiktoken")
+    regex = pytest.importorskip("regex")
+    every = "".join(chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c < 0xE000)
+    ours = "".join(c for c in every if gpt2_bpe._IS_SPACE[min(ord(c), len(gpt2_bpe._IS_SPACE) - 1)])
+    assert ours == gpt2_bpe.WHITESPACE
+    assert "".join(regex.findall(r"\s", every)) == ours
+    # a tiktoken encoding that keeps only what \s matches, one byte per id
+    only_ws = tiktoken.Encoding(
+        "ws", pat_str=r"\s", mergeable_ranks={bytes([b]): b for b in range(256)}, special_tokens={}
+    )
+    assert only_ws.decode(only_ws.encode_ordinary(every)) == ours
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_preprocess_gpt2_backends_write_the_same_files(gpt2_files, tmp_path):
+    pytest.importorskip("tiktoken")
+    from megalite.data.preprocess import preprocess
+
+    vocab_file, merge_file, _ = gpt2_files
+    corpus = tmp_path / "corpus.jsonl"
+    docs = RUN_CASES + [TRAIN_TEXT, "", "naïve  café\n\n  x"] * 3
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    files = {}
+    for backend in ("python", "tiktoken"):
+        kwargs = dict(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=vocab_file,
+            merge_file=merge_file,
+            gpt2_bpe_backend=backend,
+        )
+        prefix = str(tmp_path / backend)
+        preprocess(str(corpus), prefix, kwargs, ("text",), 1, True, chunk_bytes=512, log=None)
+        files[backend] = [read_bytes(f"{prefix}_text_document{s}") for s in (".bin", ".idx")]
+    assert files["python"] == files["tiktoken"]
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    from megalite.data.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(tmp_path / "tiktoken") + "_text_document")
+    nonempty = [t for t in docs if t]
+    assert len(ds) == len(nonempty) and ds.num_documents == len(docs)
+    assert all(ds[i].tolist() == tok.tokenize(t) + [tok.eod] for i, t in enumerate(nonempty))

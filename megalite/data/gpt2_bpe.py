@@ -15,11 +15,13 @@ literal string ``<|endoftext|>``) are not parsed: they are tokenized as plain te
 
 Two encoders give the same ids:
 
-- **tiktoken** (Rust, ~10x faster), when installed: ``tiktoken_encoding`` builds an
-  ``Encoding`` from the same two files, no download. tiktoken ranks a merge by the
-  bytes it produces, OpenAI's encoder by the pair's line in ``merges.txt``; the two
-  agree when every merge's result has one rank, which ``tiktoken_encoding`` checks
-  (it returns None otherwise and the Python encoder is used).
+- **tiktoken** (Rust), when installed: ``tiktoken_encoder`` builds an ``Encoding`` from
+  the same two files, no download. tiktoken ranks a merge by the bytes it produces,
+  OpenAI's encoder by the pair's line in ``merges.txt``; the two agree when every
+  merge's result has one rank, which ``tiktoken_encoder`` checks (it returns None
+  otherwise and the Python encoder is used). The split runs without GPT-2's one
+  lookahead, which would put tiktoken's regex engine on its slow backtracking path
+  (see ``TiktokenGPT2BPE``).
 - **this module's Python encoder**, the fallback and the reference. Words up to
   ``_LONG_WORD`` symbols use OpenAI's loop (rescan all pairs, merge the best pair
   everywhere), which is quadratic in the word's length; longer words (a minified
@@ -35,16 +37,26 @@ import sys
 import unicodedata
 from functools import lru_cache
 
+import numpy as np
+
 # GPT-2's pattern. \p{L} / \p{N} need the third-party `regex` module (installed with
 # transformers); without it we build the same classes for the stdlib `re` from
 # unicodedata, which gives the same splits (tested against `regex`).
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# The same splits written for tiktoken's regex engine (tiktoken's own r50k/gpt2 pattern):
-# possessive runs and "\s++$|\s+(?!\S)|\s" instead of "\s+(?!\S)|\s+" avoid backtracking.
-_GPT2_PATTERN_TIKTOKEN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# GPT-2's pattern without "\s+(?!\S)": plain alternatives the regex crate matches without
+# backtracking. It differs from GPT-2's only at whitespace runs, see TiktokenGPT2BPE.
+_GPT2_PATTERN_NO_LOOKAHEAD = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"""
+
+# \s of both regex engines (Rust's regex crate, Python's `regex`): Unicode White_Space.
+# Not str.isspace, which also counts U+001C..U+001F.
+WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
 )
+_IS_SPACE = np.zeros(max(map(ord, WHITESPACE)) + 2, dtype=bool)  # the last entry: every code point above
+_IS_SPACE[[ord(c) for c in WHITESPACE]] = True
 
 
 def _category_class(major: str) -> str:
@@ -227,9 +239,80 @@ class GPT2BPE:
         return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
 
-def tiktoken_encoding(bpe: GPT2BPE, merges: list[tuple[str, str]]):
-    """A ``tiktoken.Encoding`` giving ``bpe``'s ids, or None (tiktoken missing, or a merges
-    file that tiktoken's rank-by-result cannot express)."""
+def whitespace_cuts(codes: np.ndarray) -> np.ndarray:
+    r"""Indices ``i`` (ascending) where ``codes[i]`` ends a run of 2+ whitespace code points and
+    a non-space follows: GPT-2's ``\s+(?!\S)`` ends a piece just before it, ``\s+`` would not."""
+    ws = _IS_SPACE[codes if codes.dtype == np.uint8 else np.minimum(codes, len(_IS_SPACE) - 1)]
+    cuts = np.flatnonzero(ws[:-2] & ws[1:-1] & ~ws[2:])
+    cuts += 1
+    return cuts
+
+
+def _code_points(text: str) -> tuple[np.ndarray, str]:
+    """``text`` as an array of code points and the codec that turns it back; one byte each
+    for ASCII (most code and English), four otherwise."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), np.uint8), "ascii"
+    return np.frombuffer(text.encode("utf-32-le"), np.uint32), "utf-32-le"
+
+
+class TiktokenGPT2BPE:
+    r"""GPT-2's byte-level BPE run by tiktoken with a split that needs no lookahead; same ids.
+
+    GPT-2's pattern ends a whitespace run that a non-space follows one character early
+    (``\s+(?!\S)``): that last character goes with the next piece (" word") or stands
+    alone ("\n", then "word"). Everywhere else it splits exactly as the same pattern with
+    a plain ``\s+`` (``_GPT2_PATTERN_NO_LOOKAHEAD``), which tiktoken's regex crate matches
+    without backtracking; the lookahead instead sends the whole pattern through
+    fancy-regex's backtracking VM, about half of tiktoken's time on code, where every
+    indented line starts with such a run. So we cut the text before the last character of
+    every such run of 2+ characters (one character is already split right) and split
+    each part with ``\s+``: in a part, a run either ends the part (``\s+(?!\S)`` would take
+    it whole too) or is one character before a non-space. Pieces never span a cut, so
+    the ids are the same. A cut is the special token ``CUT`` written into the text:
+    tiktoken matches the pattern separately on the text between special tokens, so one
+    call encodes a whole document; the cuts' id is then dropped. A text that holds
+    ``CUT`` itself is encoded part by part instead.
+    """
+
+    CUT = "\x00"
+
+    def __init__(self, encoding, cut_id: int) -> None:
+        self.encoding, self.cut_id = encoding, cut_id
+        self._cut_code = ord(self.CUT)
+        self._cut_only, self._none = {self.CUT}, set()
+        if hasattr(encoding, "encode_to_numpy"):  # tiktoken >= 0.9: no Python int per id
+            self._encode = lambda text, allowed: encoding.encode_to_numpy(
+                text, allowed_special=allowed, disallowed_special=()
+            )
+        else:
+            self._encode = lambda text, allowed: np.array(
+                encoding.encode(text, allowed_special=allowed, disallowed_special=()), np.uint32
+            )
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The ids of ``text`` as a uint32 array."""
+        try:
+            codes, codec = _code_points(text)
+        except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken's encode_ordinary does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            codes, codec = _code_points(text)
+        cuts = whitespace_cuts(codes)
+        if cuts.size == 0:
+            return self._encode(text, self._none)
+        if self.CUT in text:  # the text's own CUT must stay text: one call per part
+            ends = [0, *cuts.tolist(), len(text)]
+            return np.concatenate([self._encode(text[a:b], self._none) for a, b in zip(ends, ends[1:])])
+        ids = self._encode(np.insert(codes, cuts, self._cut_code).tobytes().decode(codec), self._cut_only)
+        return ids[ids != self.cut_id]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+
+def tiktoken_encoder(bpe: GPT2BPE) -> TiktokenGPT2BPE | None:
+    """``bpe``'s encoder run by tiktoken, or None (tiktoken missing, or a merges file that
+    tiktoken's rank-by-result cannot express)."""
     try:
         import tiktoken
     except ImportError:
@@ -246,12 +329,17 @@ def tiktoken_encoding(bpe: GPT2BPE, merges: list[tuple[str, str]]):
             return None
         ranks[bytes([b])] = bpe.encoder[u]
     last = -1
-    for a, b in merges:
+    for a, b in bpe.merges:
         result = a + b
         key = to_bytes(result)
         if key in ranks or result not in bpe.encoder or bpe.encoder[result] <= last:
             return None  # two merges make the same bytes, a result missing from vocab.json, or ids out of merge order
         last = ranks[key] = bpe.encoder[result]
-    return tiktoken.Encoding(
-        name="megalite-gpt2-bpe", pat_str=_GPT2_PATTERN_TIKTOKEN, mergeable_ranks=ranks, special_tokens={}
+    cut_id = max(bpe.encoder.values()) + 1  # no real id: dropped from every output
+    encoding = tiktoken.Encoding(
+        name="megalite-gpt2-bpe",
+        pat_str=_GPT2_PATTERN_NO_LOOKAHEAD,
+        mergeable_ranks=ranks,
+        special_tokens={TiktokenGPT2BPE.CUT: cut_id},
     )
+    return TiktokenGPT2BPE(encoding, cut_id)

@@ -34,7 +34,6 @@ import argparse
 import collections
 import glob
 import gzip
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -335,7 +334,6 @@ class _Encoder:
     tokenizer: Tokenizer
     json_keys: tuple[str, ...]
     append_eod: bool
-    dtype: np.dtype
 
     def parse_lines(self, path: str, offset: int, data: bytes) -> dict[str, list[str]]:
         texts: dict[str, list[str]] = {k: [] for k in self.json_keys}
@@ -380,23 +378,22 @@ class _Encoder:
             texts, nbytes = item[3], item[4]
         out = {}
         for k in self.json_keys:
-            ids = self.tokenizer.tokenize_batch(texts[k])
-            lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+            tokens, lengths = self.tokenizer.tokenize_flat(texts[k])
             if self.append_eod:
                 # Megatron appends eod only to documents that produced tokens
-                ids = [d + [self.tokenizer.eod] if d else d for d in ids]
-                lengths += lengths > 0
-            tokens = np.array(list(itertools.chain.from_iterable(ids)), dtype=self.dtype)
-            out[k] = (tokens, lengths)
+                nonempty = lengths > 0
+                tokens = np.insert(tokens, np.cumsum(lengths)[nonempty], self.tokenizer.eod)
+                lengths += nonempty
+            out[k] = (tokens, lengths)  # the builder checks the ids fit its dtype, then casts
         return len(texts[self.json_keys[0]]), nbytes, out
 
 
 _WORKER: _Encoder | None = None  # per-worker-process state, set by the Pool initializer
 
 
-def _init_worker(tok_kwargs, json_keys, append_eod, dtype):
+def _init_worker(tok_kwargs, json_keys, append_eod):
     global _WORKER
-    _WORKER = _Encoder(build_tokenizer(**tok_kwargs), tuple(json_keys), append_eod, np.dtype(dtype))
+    _WORKER = _Encoder(build_tokenizer(**tok_kwargs), tuple(json_keys), append_eod)
 
 
 def _encode_in_worker(item):
@@ -462,12 +459,12 @@ def preprocess(
 
     pool = None
     if workers == 1:
-        encoder = _Encoder(tokenizer, tuple(json_keys), append_eod, dtype)
+        encoder = _Encoder(tokenizer, tuple(json_keys), append_eod)
         run = lambda items: map(encoder.encode, items)
     else:
         # spawn: workers start clean (no inherited threads or state) on every platform
         pool = mp.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tok_kwargs, tuple(json_keys), append_eod, dtype)
+            workers, initializer=_init_worker, initargs=(tok_kwargs, tuple(json_keys), append_eod)
         )
         run = lambda items: _ordered(pool, items, 4 * workers)
 

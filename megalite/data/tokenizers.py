@@ -2,7 +2,8 @@
 
 Every tokenizer has ``vocab_size`` (ids are ``0 .. vocab_size - 1``), ``eod`` (the
 end-of-document id that ``--append-eod`` writes), ``tokenize(text) -> list[int]``,
-``tokenize_batch(texts) -> list[list[int]]`` and ``detokenize(ids) -> str``.
+``tokenize_batch(texts) -> list[list[int]]``, ``tokenize_flat(texts) -> (ids, lengths)``
+(arrays: what preprocessing writes) and ``detokenize(ids) -> str``.
 
 =======================  ===========================  ==============================================
 ``--tokenizer-type``     files                        eod / vocab_size
@@ -26,8 +27,11 @@ not, so data made with Megatron's ``GPTSentencePieceTokenizer`` has the same ids
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from abc import ABC, abstractmethod
+
+import numpy as np
 
 from megalite.data.optional import require
 from megalite.errors import MegaliteError
@@ -61,6 +65,14 @@ class Tokenizer(ABC):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All texts' ids back to back (an integer array) and each text's id count (int64).
+        A backend whose encoder returns arrays overrides this to skip Python ints."""
+        ids = self.tokenize_batch(texts)
+        lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=int(lengths.sum()))
+        return flat, lengths
 
     @abstractmethod
     def detokenize(self, ids) -> str: ...
@@ -105,7 +117,7 @@ class GPT2BPETokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_file: str, merge_file: str, backend: str | None = None) -> None:
-        from megalite.data.gpt2_bpe import GPT2BPE, tiktoken_encoding
+        from megalite.data.gpt2_bpe import GPT2BPE, tiktoken_encoder
 
         self._bpe = GPT2BPE(vocab_file, merge_file)
         self.vocab_size = len(self._bpe.encoder)
@@ -118,7 +130,7 @@ class GPT2BPETokenizer(Tokenizer):
         if backend in (None, "tiktoken"):
             if backend == "tiktoken":
                 require("tiktoken", "GPT2BPETokenizer(backend='tiktoken')")
-            self._tiktoken = tiktoken_encoding(self._bpe, self._bpe.merges)
+            self._tiktoken = tiktoken_encoder(self._bpe)
             if self._tiktoken is None and backend == "tiktoken":
                 raise TokenizerError(
                     f"--merge-file {merge_file}: tiktoken cannot express these merges (two merges give "
@@ -130,14 +142,17 @@ class GPT2BPETokenizer(Tokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         if self._tiktoken is not None:
-            return self._tiktoken.encode_ordinary(text)
+            return self._tiktoken.encode(text)
         return self._bpe.encode(text)
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        if self._tiktoken is not None:
-            # one thread: parallelism comes from the preprocess workers
-            return self._tiktoken.encode_ordinary_batch(texts, num_threads=1)
-        return [self._bpe.encode(t) for t in texts]
+    def tokenize_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._tiktoken is None:
+            return super().tokenize_flat(texts)
+        # one call per text in this thread: encode_ordinary_batch(num_threads=1) hands each
+        # text to a pool thread, which measured 5-50% more CPU time on the stdlib corpus
+        arrays = [self._tiktoken.encode_array(t) for t in texts]
+        lengths = np.fromiter(map(len, arrays), np.int64, count=len(arrays))
+        return (np.concatenate(arrays) if arrays else np.zeros(0, np.uint32)), lengths
 
     def detokenize(self, ids) -> str:
         return self._bpe.decode(ids)
