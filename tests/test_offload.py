@@ -79,26 +79,32 @@ def test_checkpoint_with_offload_and_overlap_resumes_bitwise(runs):
     assert got == saved[5:]
 
 
+def _memory_records(path):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "memory"]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name, z", CASES)
 def test_host_bytes_match_the_memory_model(runs, name, z):
     """Every rank: host bytes (moments, fp32 main copies, AdamW's step, pinned grad buffers) as
     predicted, 16 per main-param element + 4 per main param; the device holds no optimizer bytes."""
     for mode in MODES:
-        with open(runs / f"{name}-{z}-{mode}.jsonl") as f:
-            records = [r for r in map(json.loads, f) if r["kind"] == "memory"]
+        records = _memory_records(runs / f"{name}-{z}-{mode}.jsonl")
         assert len(records) == LAYOUTS[name][2]
         for r in records:
             assert r["host"]["measured"] == r["host"]["predicted"] > 0, r["host"]
             assert r["measured"]["optimizer"] == r["predicted"]["optimizer"] == 0
-    (one,) = [r for r in map(json.loads, open(runs / "ref.jsonl")) if r["kind"] == "memory"]
+    (one,) = _memory_records(runs / "ref.jsonl")
     assert one["host"] == {"measured": 0, "predicted": 0}
 
 
 def test_overlap_flag_is_megatrons():
     args = validate_args(parse_args(BASE + OVERLAP), 2)
     assert args.optimizer_cpu_offload and args.overlap_cpu_optimizer_d2h_h2d
-    assert not validate_args(parse_args(BASE + OFFLOAD), 2).overlap_cpu_optimizer_d2h_h2d  # Megatron's default
+    assert not validate_args(
+        parse_args(BASE + OFFLOAD), 2
+    ).overlap_cpu_optimizer_d2h_h2d  # Megatron's default
 
 
 # ---- one process: the step's pieces ------------------------------------------------------------
@@ -231,10 +237,13 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
                    key=lambda e: e["ts"])  # fmt: skip
     n = len(opt.main_params)
     assert len(d2h) == len(h2d) == len(adamw) == n, (len(d2h), len(h2d), len(adamw), n)
-    compute = {e["args"].get("stream") for e in events if e.get("cat") == "kernel" and "gemm" in e["name"].lower()}
+    compute = {
+        e["args"].get("stream") for e in events if e.get("cat") == "kernel" and "gemm" in e["name"].lower()
+    }
     streams = {e["args"].get("stream") for e in d2h + h2d}
     assert not streams & compute, (streams, compute)  # the copies ran off the compute stream
+    slack = 50  # us: the CPU and GPU clocks of the trace are aligned to a few us
     for i in range(n):
-        assert d2h[i]["ts"] + d2h[i]["dur"] <= adamw[i]["ts"] + 1, i  # (a) grads landed first
-        assert adamw[i]["ts"] + adamw[i]["dur"] <= h2d[i]["ts"] + 1, i  # H2D after its update
+        assert d2h[i]["ts"] + d2h[i]["dur"] <= adamw[i]["ts"] + slack, i  # (a) grads landed first
+        assert adamw[i]["ts"] + adamw[i]["dur"] <= h2d[i]["ts"] + slack, i  # H2D after its update
     assert h2d[0]["ts"] < adamw[-1]["ts"] + adamw[-1]["dur"]  # the pipeline: copies overlap AdamW

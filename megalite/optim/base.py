@@ -78,7 +78,9 @@ class MainParam:
     def home(self) -> torch.Tensor:
         """The device elements ``main`` mirrors, shaped like it: the ZeRO-3 shard piece, else elements
         ``model_range`` of the model param. Under offload the step's H2D writes the update there."""
-        flat = self.shard if self.shard is not None else self.model.detach().view(-1)[slice(*self.model_range)]
+        flat = (
+            self.shard if self.shard is not None else self.model.detach().view(-1)[slice(*self.model_range)]
+        )
         return flat.view(self.main.shape)
 
 
@@ -529,7 +531,9 @@ class MixedPrecisionOptimizer(ABC):
         """Offload: every main param H2D to its home, outside a step (after a checkpoint load)."""
         mains = self.main_params
         for k, chunk in enumerate(self._chunks):
-            self._h2d_events[k] = self._copies.h2d([mains[i].home for i in chunk], [mains[i].main for i in chunk])
+            self._h2d_events[k] = self._copies.h2d(
+                [mains[i].home for i in chunk], [mains[i].main for i in chunk]
+            )
         self._copies.device_waits(self._h2d_events)
 
     def _unscale_and_check_for_inf(
