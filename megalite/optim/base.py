@@ -505,8 +505,13 @@ class MixedPrecisionOptimizer(ABC):
             for i in chunk:
                 mains[i].main.grad = self._host_grads[i]
             self._step_only(self._chunk_groups[k])
-            self._h2d_events[k] = copies.h2d([mains[i].home for i in chunk], [mains[i].main for i in chunk])
+            self._upload_chunk(k)
         copies.device_waits(self._h2d_events)
+
+    def _upload_chunk(self, k: int) -> None:
+        """Queue the H2D of chunk ``k``'s main params into their homes (cast to the model dtype)."""
+        mains = [self.main_params[i] for i in self._chunks[k]]
+        self._h2d_events[k] = self._copies.h2d([m.home for m in mains], [m.main for m in mains])
 
     def _step_only(self, per_group: list[list[nn.Parameter]]) -> None:
         """``inner.step()`` on these params of each group only (AdamW is elementwise: stepping the
@@ -529,11 +534,8 @@ class MixedPrecisionOptimizer(ABC):
 
     def _upload_main_params(self) -> None:
         """Offload: every main param H2D to its home, outside a step (after a checkpoint load)."""
-        mains = self.main_params
-        for k, chunk in enumerate(self._chunks):
-            self._h2d_events[k] = self._copies.h2d(
-                [mains[i].home for i in chunk], [mains[i].main for i in chunk]
-            )
+        for k in range(len(self._chunks)):
+            self._upload_chunk(k)
         self._copies.device_waits(self._h2d_events)
 
     def _unscale_and_check_for_inf(
