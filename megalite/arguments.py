@@ -191,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(torch's fused CPU kernel, else foreach); grads go device -> host, updated params host -> device.",
     )
     g.add_argument(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        action="store_true",
+        help="With --optimizer-cpu-offload: pipeline the step over the main params, the grads' "
+        "device -> host copies and the updated params' host -> device copies on side CUDA streams "
+        "overlapping AdamW on the CPU (Megatron's flag; off by default, as there; no effect without "
+        "offload).",
+    )
+    g.add_argument(
         "--optimizer-offload-fraction",
         type=float,
         default=1.0,

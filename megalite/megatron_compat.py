@@ -220,11 +220,6 @@ REFUSED: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
-    CompatFlag(
-        "--overlap-cpu-optimizer-d2h-h2d",
-        0,
-        "overlapping the offloaded optimizer step with its device <-> host copies (not built yet)",
-    ),
     CompatFlag("--reset-position-ids", 0, "position ids restarting at each document (eod) in a sample"),
     CompatFlag("--reset-attention-mask", 0, "attention masked across documents (eod) inside a sample"),
     CompatFlag("--enable-gpt-oss", 0, _GPT_OSS),

@@ -326,18 +326,31 @@ def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_
     """
     if layout.optimizer_cpu_offload:
         return 0
+    copy = 4 if layout.params_dtype != torch.float32 else 0
+    return sum((8 + copy) * n + 4 for n in _main_param_numels(config, layout, pp_rank, dp_rank))
+
+
+def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """Host bytes of ``--optimizer-cpu-offload`` (0 without it): per main-param element the fp32 main
+    copy (always a copy there), the two moments and the pinned fp32 buffer the grad's D2H lands
+    in (16 bytes), plus AdamW's 4-byte ``step`` per main param."""
+    if not layout.optimizer_cpu_offload:
+        return 0
+    return sum(16 * n + 4 for n in _main_param_numels(config, layout, pp_rank, dp_rank))
+
+
+def _main_param_numels(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int) -> list[int]:
+    """Elements of each main param of rank (pp_rank, dp_rank), as the optimizers make them."""
     from megalite.optim.distributed_optimizer import shard_main_params  # optim imports parallel only
 
-    copy = 4 if layout.params_dtype != torch.float32 else 0
-    total = 0
+    out = []
     for c in stage_chunks(config, layout)[pp_rank]:
         for bucket in _buckets(config, layout, c):
             if layout.use_distributed_optimizer:
-                pieces = [m.main.numel() for m in shard_main_params(bucket, dp_rank)]
+                out += [m.main.numel() for m in shard_main_params(bucket, dp_rank)]
             else:
-                pieces = [p.numel() for p in bucket.params]
-            total += sum((8 + copy) * n + 4 for n in pieces)
-    return total
+                out += [p.numel() for p in bucket.params]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +532,7 @@ class RankMemory:
     optimizer: int
     activations: int
     extra: dict[str, int] = field(default_factory=dict)
+    host: int = 0  # host memory (--optimizer-cpu-offload), not in total: not on the device
 
     def categories(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -547,6 +561,7 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
             "recompute_transient": recompute_transient_bytes(config, layout),
             "params_gathered": gathered_param_bytes(config, layout, pp_rank),
         },
+        host=optimizer_host_bytes(config, layout, pp_rank, dp_rank),
     )
 
 
@@ -712,6 +727,8 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "predicted": predicted.categories(),
         "measured_extra": measured_extra,
         "predicted_extra": predicted.extra,
+        # Host memory (--optimizer-cpu-offload: optimizer state and pinned grad buffers; else 0).
+        "host": {"measured": state.optimizer.host_bytes(), "predicted": predicted.host},
         "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
     }
 
@@ -760,6 +777,10 @@ def format_memory_table(records: list[dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     title = " memory per rank, iteration 1 (predicted / measured; max over each stage's ranks):"
+    host = [r["host"] for r in records if r.get("host", {}).get("predicted")]
+    if host:  # --optimizer-cpu-offload
+        pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))
+        lines.append(f"host memory (offloaded optimizer, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
     return "\n".join([title] + [" " + line for line in lines])
 
 
@@ -781,6 +802,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_activation_terms",
     "optimizer_bytes",
+    "optimizer_host_bytes",
     "param_bytes",
     "peak_in_flight",
     "predict_rank",

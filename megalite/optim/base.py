@@ -15,6 +15,13 @@ One step::
     AdamW on the main params
     copy main params back into the model params (subclass: cast, or all-gather)
 
+``--optimizer-cpu-offload``: the main params and moments live in (pinned) host memory and AdamW
+runs on the CPU. Everything up to AdamW (unscale, inf check, norm, clipping) still runs on the
+device grads, as without offload; then the final grads go D2H into persistent pinned buffers,
+AdamW steps on the CPU, and the updated values go H2D into the device tensors the main params
+mirror (:attr:`MainParam.home`). ``--overlap-cpu-optimizer-d2h-h2d`` pipelines that over the
+main params (:class:`HostCopies`), as Megatron's HybridDeviceOptimizer does.
+
 Subclasses decide which main params exist (``_main_params``) and how updated
 values reach the model (``_copy_main_params_to_model_params``).
 """
@@ -67,6 +74,15 @@ class MainParam:
     is_copy: bool
     shard: torch.Tensor | None = None
 
+    @property
+    def home(self) -> torch.Tensor:
+        """The device elements ``main`` mirrors, shaped like it: the ZeRO-3 shard piece, else elements
+        ``model_range`` of the model param. Under offload the step's H2D writes the update there."""
+        flat = (
+            self.shard if self.shard is not None else self.model.detach().view(-1)[slice(*self.model_range)]
+        )
+        return flat.view(self.main.shape)
+
 
 def make_main_param(
     model: nn.Parameter,
@@ -78,8 +94,9 @@ def make_main_param(
 ) -> MainParam:
     """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param.
 
-    ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when CUDA is
-    there, for fast copies); on a CPU-only machine the same code path with both devices CPU.
+    ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when the model is
+    on CUDA: the H2D copies from it are then asynchronous); on a CPU-only machine the same code
+    path with both devices CPU.
     ``shard`` (ZeRO-3): those elements in the persistent param shard, read instead of the model param.
     """
     whole = start == 0 and end == model.numel()
@@ -87,7 +104,7 @@ def make_main_param(
     source = flat.view(model.shape) if whole else flat
     is_copy = offload or model.dtype != torch.float32
     if offload:
-        host = torch.empty(source.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+        host = torch.empty(source.shape, dtype=torch.float32, pin_memory=model.device.type == "cuda")
         main = nn.Parameter(host.copy_(source))
     else:
         main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
@@ -138,6 +155,66 @@ def adamw_kernel(device: torch.device) -> tuple[dict, str]:
     return ({"fused": True}, "fused: " + why) if fused else ({"foreach": True}, "foreach: " + why)
 
 
+class HostCopies:
+    """The device <-> host copies of the offloaded step, and the events that order them.
+
+    On CUDA every copy is ``non_blocking`` between device memory and pinned host memory, issued
+    on a side stream per direction with ``overlap`` (``--overlap-cpu-optimizer-d2h-h2d``), else on
+    the current stream (as Megatron's HybridDeviceOptimizer). Each stream first waits for the
+    current one (the grads are final there, and the last backward may still read the params the
+    H2D overwrites); each batch of copies records an event. Three waits keep it correct:
+
+    * :meth:`host_waits` a D2H event before the CPU reads those grads;
+    * :meth:`host_waits` an H2D event before the CPU overwrites the main params it reads (the
+      next step's AdamW, a checkpoint load);
+    * :meth:`device_waits` the H2D events: the current stream, hence the next forward, reads the
+      params only once they landed.
+
+    With the model on the CPU (a CPU-only machine) both ends are host memory: ``copy_`` has
+    finished when it returns, so there is no stream to run on and no event to wait for. The
+    same calls run; the events are ``None`` and the waits return at once.
+    """
+
+    def __init__(self, device: torch.device, overlap: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.overlap = overlap
+        self._d2h = torch.cuda.Stream(device) if self.cuda and overlap else None
+        self._h2d = torch.cuda.Stream(device) if self.cuda and overlap else None
+
+    def _copy(self, side_stream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        if not self.cuda:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        stream = side_stream or current
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+            return stream.record_event()
+
+    def d2h(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        """Device grads ``srcs`` -> pinned host buffers ``dsts``; the event (None on the CPU)."""
+        return self._copy(self._d2h, dsts, srcs)
+
+    def h2d(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        """Pinned host main params ``srcs`` -> device ``dsts`` (cast to their dtype); the event."""
+        return self._copy(self._h2d, dsts, srcs)
+
+    @staticmethod
+    def host_waits(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def device_waits(self, events) -> None:
+        current = torch.cuda.current_stream(self.device) if self.cuda else None
+        for event in events:
+            if event is not None:
+                current.wait_event(event)
+
+
 # Keys of a param group that choose torch's implementation: a loaded checkpoint keeps this run's.
 _KERNEL_KEYS = ("fused", "foreach", "capturable")
 
@@ -169,6 +246,7 @@ class MixedPrecisionOptimizer(ABC):
         decoupled_lr: float | None = None,
         decoupled_min_lr: float | None = None,
         offload: bool = False,
+        overlap_d2h_h2d: bool = False,
     ):
         self.offload = offload  # main params / moments / step on the CPU
         self.model_chunks = model_chunks
@@ -205,6 +283,32 @@ class MixedPrecisionOptimizer(ABC):
         self.inner = torch.optim.AdamW(
             groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel
         )
+        if offload:
+            self._init_offload(overlap_d2h_h2d)
+
+    def _init_offload(self, overlap: bool) -> None:
+        """Pinned host grad buffers (allocated once: the D2H lands there every step) and the
+        pipeline's chunks: one per main param with ``overlap`` (Megatron's granularity: the CPU
+        steps a param as soon as its grad landed, while the next grads come down and the last
+        updates go up), else one chunk of all (copy everything, step, copy everything back)."""
+        device = self.model_chunks[0].grad_buffer.device
+        self._copies = HostCopies(device, overlap)
+        pin = device.type == "cuda"
+        self._host_grads = [
+            torch.empty(m.main.shape, dtype=torch.float32, pin_memory=pin) for m in self.main_params
+        ]
+        n = len(self.main_params)
+        self._chunks = [[i] for i in range(n)] if overlap else ([list(range(n))] if n else [])
+        # Per chunk, per param group: the group's params in the chunk (what AdamW steps for it).
+        group_of = {id(p): g for g, group in enumerate(self.inner.param_groups) for p in group["params"]}
+        self._chunk_groups = []
+        for chunk in self._chunks:
+            per_group = [[] for _ in self.inner.param_groups]
+            for i in chunk:
+                main = self.main_params[i].main
+                per_group[group_of[id(main)]].append(main)
+            self._chunk_groups.append(per_group)
+        self._h2d_events = [None] * len(self._chunks)  # the last H2D of each chunk's main params
 
     # What the training loop uses ------------------------------------------------------
     @property
@@ -265,7 +369,10 @@ class MixedPrecisionOptimizer(ABC):
         num_zeros = None
         if self.log_num_zeros_in_grad:
             num_zeros = count_zeros([m.main for m in self.main_params], self.mesh, dp_sharded=self.dp_sharded)
-        self.inner.step()
+        if self.offload:
+            self._offloaded_adamw()
+        else:
+            self.inner.step()
         self._release_main_grads()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
@@ -287,6 +394,13 @@ class MixedPrecisionOptimizer(ABC):
         copies = sum(m.main.nbytes for m in self.main_params if m.is_copy)
         return state + copies
 
+    def host_bytes(self) -> int:
+        """Bytes this rank's optimizer holds in host memory: offloaded, the optimizer state, the fp32
+        main params and the pinned grad buffers the D2H lands in; 0 otherwise."""
+        if not self.offload:
+            return 0
+        return self.optimizer_host_bytes() + sum(g.nbytes for g in self._host_grads)
+
     def state_dict(self) -> dict:
         """This rank's optimizer state (AdamW state of its main params, loss scaler, fp32 copies)."""
         return {
@@ -307,8 +421,11 @@ class MixedPrecisionOptimizer(ABC):
                 f"optimizer checkpoint has {len(saved)} fp32 main params, this model has {len(copies)}: "
                 "was it saved with another --fp16/--bf16 setting or parallel layout?"
             )
+        self._finish_host_copies()
         for m, value in zip(copies, saved):
             m.main.copy_(value)
+        if self.offload:
+            self._upload_main_params()
         self._copy_main_params_to_model_params()
 
     def _with_this_runs_kernel(self, saved: dict) -> dict:
@@ -352,14 +469,74 @@ class MixedPrecisionOptimizer(ABC):
 
     # Pieces of the step --------------------------------------------------------------------
     def _prepare_main_grads(self) -> list[torch.Tensor]:
+        """Each main param's fp32 grad, on the device: the DDP buffer's view (cast if the buffer is
+        not fp32). Unscaling, the inf check, the norm, clipping and the zero count read it
+        (``grad_of``) and scale it in place there. Offloaded, the main param is on the CPU and
+        cannot hold a device ``.grad``: it carries it as ``main_grad`` (what ``grad_of`` reads
+        first) until the final grads go D2H in :meth:`_offloaded_adamw`."""
+        grads = []
         for m in self.main_params:
-            same = m.grad.dtype == torch.float32 and m.grad.device == m.main.device
-            m.main.grad = m.grad if same else m.grad.to(m.main.device, torch.float32)  # offload: D2H
-        return [m.main.grad for m in self.main_params]
+            g = m.grad if m.grad.dtype == torch.float32 else m.grad.float()
+            if self.offload:
+                m.main.main_grad = g
+            else:
+                m.main.grad = g
+            grads.append(g)
+        return grads
 
     def _release_main_grads(self) -> None:
         for m in self.main_params:
             m.main.grad = None
+            if self.offload:
+                m.main.main_grad = None  # a transient fp32 cast is freed: its D2H has finished
+
+    def _offloaded_adamw(self) -> None:
+        """D2H of the final grads, AdamW on the CPU, H2D of the updated main params, chunk by chunk:
+        all D2H are queued at once (in chunk order, on one stream), then chunk k steps as soon as
+        its grads landed while the later D2H and the earlier H2D run."""
+        copies, mains = self._copies, self.main_params
+        landed = [
+            copies.d2h([self._host_grads[i] for i in chunk], [mains[i].main.main_grad for i in chunk])
+            for chunk in self._chunks
+        ]
+        for k, chunk in enumerate(self._chunks):
+            copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
+            copies.host_waits(landed[k])  # their grads are in the host buffers
+            for i in chunk:
+                mains[i].main.grad = self._host_grads[i]
+            self._step_only(self._chunk_groups[k])
+            self._upload_chunk(k)
+        copies.device_waits(self._h2d_events)
+
+    def _upload_chunk(self, k: int) -> None:
+        """Queue the H2D of chunk ``k``'s main params into their homes (cast to the model dtype)."""
+        mains = [self.main_params[i] for i in self._chunks[k]]
+        self._h2d_events[k] = self._copies.h2d([m.home for m in mains], [m.main for m in mains])
+
+    def _step_only(self, per_group: list[list[nn.Parameter]]) -> None:
+        """``inner.step()`` on these params of each group only (AdamW is elementwise: stepping the
+        params in pieces gives the same values as one step; each keeps its own ``step`` count)."""
+        groups = self.inner.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g, params in zip(groups, per_group):
+                g["params"] = params
+            self.inner.step()
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+
+    def _finish_host_copies(self) -> None:
+        """Before the CPU writes main params outside a step: every H2D reading them has finished."""
+        if self.offload:
+            for event in self._h2d_events:
+                self._copies.host_waits(event)
+
+    def _upload_main_params(self) -> None:
+        """Offload: every main param H2D to its home, outside a step (after a checkpoint load)."""
+        for k in range(len(self._chunks)):
+            self._upload_chunk(k)
+        self._copies.device_waits(self._h2d_events)
 
     def _unscale_and_check_for_inf(
         self, grads: list[torch.Tensor], loss_not_finite: torch.Tensor | None = None

@@ -70,7 +70,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         mains = dict(zip(map(id, self._buckets), self._bucket_main_params))
 
         def pack(bucket: Bucket, full: torch.Tensor) -> None:
-            self._pack_shard(bucket, mains[id(bucket)], full, lambda m: m.main)
+            self._pack_shard(bucket, mains[id(bucket)], full, self._updated)
 
         for chunk in self.model_chunks:
             chunk.param_gather = ParamGather(chunk, pack, launch_all=launch_all)
@@ -90,6 +90,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.finish_param_sync()
         super().load_state_dict(state_dict)
         self.finish_param_sync()  # a load is not a step: the params are final when it returns
+
+    def _updated(self, m: MainParam) -> torch.Tensor:
+        """Where main param ``m``'s updated value is read for the all-gather: the main param itself,
+        or, offloaded, its home in the model param (the step's H2D put it there, cast to the
+        model dtype as the pack would: the same values, and no host memory in the collective)."""
+        return m.home if self.offload else m.main
 
     def _pack_shard(
         self, bucket: Bucket, mains: list[MainParam], full: torch.Tensor, shard_of: Callable[[MainParam], torch.Tensor]
@@ -131,15 +137,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 gather.start()
             return
         with named_range("params-all-gather"):
-            for bucket, full in self._all_gather_buckets(lambda m: m.main):
+            for bucket, full in self._all_gather_buckets(self._updated):
                 for p, (p_lo, p_hi) in bucket.param_ranges.items():
                     p.view(-1).copy_(full[p_lo:p_hi])
 
     def _copy_main_params_to_param_shards(self) -> None:
         """ZeRO-3: the updated main params go into this rank's param shards, no all-gather (each
-        unit's next forward gathers it). fp32 main params are views of the shards: nothing to do."""
+        unit's next forward gathers it). fp32 main params are views of the shards: nothing to do;
+        offloaded, the step's H2D wrote them (each main param's home is its shard piece)."""
         for chunk in self.model_chunks:
             chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
+        if self.offload:
+            return
         for m in self.main_params:
             if m.is_copy:
                 m.shard.copy_(m.main.detach().view(-1))

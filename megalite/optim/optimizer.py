@@ -38,6 +38,8 @@ class ReplicatedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
+        if self.offload:
+            return  # the offloaded step's H2D wrote them (each main param's home is its model param)
         for m in self.main_params:
             if m.is_copy:  # fp32 main params ARE the model params' storage
                 m.model.copy_(m.main)
@@ -63,13 +65,14 @@ def build_optimizer(
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
     optimizer_cpu_offload: bool = False,
+    overlap_cpu_optimizer_d2h_h2d: bool = False,
 ) -> MixedPrecisionOptimizer:
     """AdamW over DDP-wrapped ``model_chunks`` (one per virtual pipeline stage, or a single one).
 
     Megatron flags: ``--lr --weight-decay --adam-beta1 --adam-beta2 --adam-eps
     --clip-grad --fp16/--bf16 --use-distributed-optimizer --loss-scale
     --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis --decoupled-lr
-    --decoupled-min-lr --optimizer-cpu-offload``. The ZeRO-2 grad sharding is DDP's (``shard_grads``);
+    --decoupled-min-lr --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d``. The ZeRO-2 grad sharding is DDP's (``shard_grads``);
     the distributed optimizer reads the shards the same way under ZeRO-1 and ZeRO-2.
     ``clip_grad <= 0`` disables clipping (and the grad-norm report). A constant
     ``loss_scale`` applies in any precision; without it, fp16 gets a dynamic scaler
@@ -111,4 +114,5 @@ def build_optimizer(
         decoupled_lr=decoupled_lr,
         decoupled_min_lr=decoupled_min_lr,
         offload=optimizer_cpu_offload,
+        overlap_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
     )
