@@ -142,6 +142,9 @@ def setup(args: argparse.Namespace) -> TrainState:
             overlap_grad_reduce=args.overlap_grad_reduce,
             shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
             shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
+            # ZeRO-3's --overlap-param-gather: each unit's all-gather one unit ahead (zero3.py).
+            prefetch_params=args.overlap_param_gather
+            and args.data_parallel_sharding_strategy == "optim_grads_params",
         )
         for c in chunks
     ]
@@ -166,7 +169,8 @@ def setup(args: argparse.Namespace) -> TrainState:
         optimizer_cpu_offload=args.optimizer_cpu_offload,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
-    if args.overlap_param_gather:  # the step starts the param all-gathers; the next forward waits
+    if args.overlap_param_gather and args.data_parallel_sharding_strategy != "optim_grads_params":
+        # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
         optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.

@@ -3,6 +3,7 @@
 strategies, ZeRO-3's bytes per rank, the flags (pretrain() with --mock-data, tiny models, fp32,
 dropout 0)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -299,3 +300,62 @@ def test_zero3_one_process_gathers_just_in_time(recompute):
     assert freed()
     for k, v in ddp.state_dict().items():
         assert torch.equal(v, 2 * ref.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("recompute", [None, ("uniform", 1), ("uniform", 2), ("block", 1)])
+def test_zero3_prefetch_one_process(recompute):
+    """``--overlap-param-gather`` under ZeRO-3 on one process (the gathers are copies): each unit is
+    gathered one unit ahead, forward and backward (and inside a recompute), as often as without the
+    prefetch; the peak of gathered bytes equals the memory model's, with and without; grads equal."""
+    import torch
+
+    from megalite.memory import MemoryLayout, gathered_param_bytes
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel import zero3
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
+    method, n = recompute or (None, None)
+    kwargs = dict(recompute_granularity="full" if recompute else None, recompute_method=method)
+    kwargs["recompute_num_layers"] = n
+    tokens = torch.randint(0, 40, (2, 8))
+    seen = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(
+            GPTModel(config, Mesh.single(), **kwargs),
+            Mesh.single(),
+            use_distributed_optimizer=True,
+            shard_grads=True,
+            shard_params=True,
+            prefetch_params=prefetch,
+        )
+        sharding = ddp.param_sharding
+        events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
+        launch, demand = sharding._launch, sharding.demand
+        sharding._launch = lambda u: (None if u.gathered else events.append(("launch", u.name)), launch(u))
+        sharding.demand = lambda u, backward: (events.append(("demand", u.name)), demand(u, backward))
+        zero3.reset_gathered_peak()
+        ddp(input_ids=tokens, labels=tokens).mean().backward()
+        ddp.finish_grad_sync()
+        assert zero3._Gathered.live == 0 and all(not u.gathered for u in sharding.units.values())
+        layout = MemoryLayout(use_distributed_optimizer=True, shard_grads=True, shard_params=True, **kwargs)
+        layout = dataclasses.replace(layout, overlap_param_gather=prefetch)
+        assert zero3.gathered_peak_bytes() == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
+        grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}
+        seen[prefetch] = (events, zero3.gathered_peak_bytes(), grads)
+    (sync, sync_peak, sync_grads), (pre, pre_peak, pre_grads) = seen[False], seen[True]
+    launches = [u for what, u in pre if what == "launch"]
+    assert launches == [u for what, u in sync if what == "launch"]  # the same gathers, same order
+    layers = [f"decoder.layers.{i}" for i in range(4)]
+    assert launches[:5] == ["", *layers] and layers[3] in launches[5:7]  # forward, then backward
+    # Without prefetch a unit is launched when demanded; with it, already before its demand.
+    assert all(sync[i + 1] == ("launch", u) for i, (what, u) in enumerate(sync) if what == "demand" and
+               ("launch", u) in sync[i + 1 :])  # fmt: skip
+    early = [u for i, (what, u) in enumerate(pre) if what == "launch" and pre[i - 1] != ("demand", u)]
+    assert set(layers) <= set(early), pre
+    assert pre_peak > sync_peak
+    for name in sync_grads:
+        assert torch.equal(sync_grads[name], pre_grads[name]), name
