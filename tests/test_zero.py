@@ -28,6 +28,14 @@ FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS = {"dp4": (1, 1, 4), "tp2-dp2": (2, 1, 4), "pp2-dp2": (1, 2, 4), "tp2-pp2-dp2": (2, 2, 8)}
 STRATEGIES = {"z2": Z2, "z3": Z3}
 INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]
+OPG = ["--overlap-param-gather"]
+# ZeRO-3 with --overlap-param-gather (each unit's all-gather one unit ahead) against its twin
+# without the flag (Llama, OVERLAP): name -> (world, argv of the twin, the twin's metrics name).
+# tp2-pp2-dp2 has full recompute (SP_RECOMPUTE); the interleaved pair is built here.
+Z3_LLAMA_INTERLEAVED = BASE + LLAMA + layout(2, 2) + Z3 + OVERLAP + INTERLEAVED
+OPG_PAIRS = {
+    name: (LAYOUTS[name][2], f"llama-{name}-z3") for name in ("dp4", "tp2-dp2", "pp2-dp2", "tp2-pp2-dp2")
+} | {"tp2-pp2-dp2-interleaved": (8, "llama-tp2-pp2-dp2-interleaved-z3")}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +56,15 @@ def runs(tmp_path_factory):
                 if z == "z3" and flavour == "llama" and name == "tp2-pp2-dp2":
                     extra = extra + SP_RECOMPUTE  # ZeRO-3 gathers inside the recompute, under SP and PP
                 by_world[world].append(argv + layout(tp, pp) + flags + extra + out(f"{flavour}-{name}-{z}"))
+                if z == "z3" and flavour == "llama":  # the same with --overlap-param-gather
+                    # tp2-dp2 also saves at iteration 5 (resumed below, the flag on, bitwise).
+                    save = ["--save", str(d / "ckpt-z3-opg"), "--save-interval", "5"] if name == "tp2-dp2" else []
+                    argv_opg = argv + layout(tp, pp) + flags + extra + OPG + save
+                    by_world[world].append(argv_opg + out(f"llama-{name}-z3-opg"))
+    by_world[8].append(Z3_LLAMA_INTERLEAVED + out("llama-tp2-pp2-dp2-interleaved-z3"))
+    by_world[8].append(Z3_LLAMA_INTERLEAVED + OPG + out("llama-tp2-pp2-dp2-interleaved-z3-opg"))
+    opg_resume = ["--load", str(d / "ckpt-z3-opg"), "--ckpt-step", "5"]
+    by_world[4].append(BASE + LLAMA + layout(2, 1) + Z3 + OVERLAP + OPG + opg_resume + out("llama-resumed-z3-opg"))
     by_world[4] += [
         BASE + Z2 + OFFLOAD + out("gpt2-dp4-z2-offload"),
         BASE + layout(1, 2) + OFFLOAD + out("gpt2-pp2-dp2-offload"),
@@ -359,3 +376,33 @@ def test_zero3_prefetch_one_process(recompute):
     assert pre_peak > sync_peak
     for name in sync_grads:
         assert torch.equal(sync_grads[name], pre_grads[name]), name
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(OPG_PAIRS))
+def test_zero3_overlap_param_gather_bitwise(runs, name):
+    """ZeRO-3's prefetch moves the same all-gathers earlier: the losses equal the twin's bitwise
+    (1F1B, interleaved, full recompute included), and every rank's gathered bytes equal the
+    memory model's, which counts the prefetched unit (more than the twin's peak with two layers
+    per chunk)."""
+    world, twin = OPG_PAIRS[name]
+    sync, opg = metrics(runs / f"{twin}.jsonl"), metrics(runs / f"{twin}-opg.jsonl")
+    assert len(sync) == ITERS and opg == sync, f"{name}:\n{sync}\n{opg}"
+    records, twins = _memory_records(runs / f"{twin}-opg.jsonl"), _memory_records(runs / f"{twin}.jsonl")
+    assert len(records) == world
+    for r, t in zip(sorted(records, key=lambda r: r["rank"]), sorted(twins, key=lambda r: r["rank"])):
+        for cat in ("params", "grads", "optimizer", "activations"):
+            assert r["measured"][cat] == r["predicted"][cat] == t["measured"][cat], (cat, r)
+        gathered, predicted = r["measured_extra"]["params_gathered"], r["predicted_extra"]["params_gathered"]
+        assert gathered == predicted, r
+        # One layer per chunk (interleaved): the prefetched unit is the chunk's only layer, as before.
+        if name.endswith("interleaved"):
+            assert gathered == t["measured_extra"]["params_gathered"], (r, t)
+        else:
+            assert gathered > t["measured_extra"]["params_gathered"], (r, t)
+
+
+@pytest.mark.timeout(400)
+def test_zero3_overlap_param_gather_resumes_bitwise(runs):
+    saved, got = metrics(runs / "llama-tp2-dp2-z3-opg.jsonl"), metrics(runs / "llama-resumed-z3-opg.jsonl")
+    assert got == saved[5:] and len(got) == ITERS - 5
