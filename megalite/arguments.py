@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="With the distributed optimizer: the optimizer step only starts the parameter "
         "all-gather; the next forward waits for each bucket just before its first use, so the "
-        "gather overlaps the forward. Needs --use-distributed-optimizer and --overlap-grad-reduce. "
-        "Same result either way.",
+        "gather overlaps the forward. Under ZeRO-3 (optim_grads_params) each layer's all-gather is "
+        "prefetched one layer ahead in forward and backward. Needs --use-distributed-optimizer and "
+        "--overlap-grad-reduce. Same result either way.",
     )
     g.add_argument(
         "--overlap-param-gather-with-optimizer-step",
