@@ -58,13 +58,19 @@ def runs(tmp_path_factory):
                 by_world[world].append(argv + layout(tp, pp) + flags + extra + out(f"{flavour}-{name}-{z}"))
                 if z == "z3" and flavour == "llama":  # the same with --overlap-param-gather
                     # tp2-dp2 also saves at iteration 5 (resumed below, the flag on, bitwise).
-                    save = ["--save", str(d / "ckpt-z3-opg"), "--save-interval", "5"] if name == "tp2-dp2" else []
+                    save = (
+                        ["--save", str(d / "ckpt-z3-opg"), "--save-interval", "5"]
+                        if name == "tp2-dp2"
+                        else []
+                    )
                     argv_opg = argv + layout(tp, pp) + flags + extra + OPG + save
                     by_world[world].append(argv_opg + out(f"llama-{name}-z3-opg"))
     by_world[8].append(Z3_LLAMA_INTERLEAVED + out("llama-tp2-pp2-dp2-interleaved-z3"))
     by_world[8].append(Z3_LLAMA_INTERLEAVED + OPG + out("llama-tp2-pp2-dp2-interleaved-z3-opg"))
     opg_resume = ["--load", str(d / "ckpt-z3-opg"), "--ckpt-step", "5"]
-    by_world[4].append(BASE + LLAMA + layout(2, 1) + Z3 + OVERLAP + OPG + opg_resume + out("llama-resumed-z3-opg"))
+    by_world[4].append(
+        BASE + LLAMA + layout(2, 1) + Z3 + OVERLAP + OPG + opg_resume + out("llama-resumed-z3-opg")
+    )
     by_world[4] += [
         BASE + Z2 + OFFLOAD + out("gpt2-dp4-z2-offload"),
         BASE + layout(1, 2) + OFFLOAD + out("gpt2-pp2-dp2-offload"),
@@ -351,9 +357,17 @@ def test_zero3_prefetch_one_process(recompute):
         )
         sharding = ddp.param_sharding
         events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
-        launch, demand = sharding._launch, sharding.demand
-        sharding._launch = lambda u: (None if u.gathered else events.append(("launch", u.name)), launch(u))
-        sharding.demand = lambda u, backward: (events.append(("demand", u.name)), demand(u, backward))
+
+        def launch(u, launch=sharding._launch, events=events):
+            if not u.gathered:
+                events.append(("launch", u.name))
+            launch(u)
+
+        def demand(u, backward, demand=sharding.demand, events=events):
+            events.append(("demand", u.name))
+            demand(u, backward)
+
+        sharding._launch, sharding.demand = launch, demand
         zero3.reset_gathered_peak()
         ddp(input_ids=tokens, labels=tokens).mean().backward()
         ddp.finish_grad_sync()

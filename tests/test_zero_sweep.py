@@ -181,7 +181,9 @@ def test_meter_counts_hand_computed_volumes(runs):
 
 
 # ---- bytes sent per step: counted == theory, from the real bucket sizes --------------------------
-COMM_CASES = [(s, dp) for s in STRATEGIES + ["optim_grads+offload", "optim_grads_params+opg"] for dp in (2, 4)]
+COMM_CASES = [
+    (s, dp) for s in STRATEGIES + ["optim_grads+offload", "optim_grads_params+opg"] for dp in (2, 4)
+]
 
 
 def _comm_records(results, strategy, dp):

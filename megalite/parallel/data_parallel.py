@@ -42,13 +42,13 @@ from torch import nn
 from megalite.parallel import zero3
 from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import (
     grad_of,
     is_sequence_parallel,
     is_shared_embedding,
     set_main_grad,
 )
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.profiling import profiled
 
 
