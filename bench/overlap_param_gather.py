@@ -1,6 +1,10 @@
-"""Step time with and without ``--overlap-param-gather`` (ZeRO-1, gloo processes); prints JSON.
+"""Step time with and without ``--overlap-param-gather`` (ZeRO-1 or ZeRO-3, gloo processes); prints JSON.
 
     python bench/overlap_param_gather.py [--world 2] [--repeats 3] [--iters 12] [--hidden-size 256]
+        [--strategy optim|optim_grads|optim_grads_params]
+
+``--strategy optim`` (ZeRO-1, the default): the step's param all-gather overlapped with the next
+forward. ``optim_grads_params`` (ZeRO-3): each unit's all-gather prefetched one unit ahead.
 
 One spawn runs pretrain() alternately without and with the flag, ``--repeats`` times each, so both
 see the same machine load. Each run's iteration times come from its --metrics-file; the first
@@ -45,6 +49,7 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bucket-size", type=int, default=200_000, help="--ddp-bucket-size (elements)")
+    p.add_argument("--strategy", default="optim", choices=["optim", "optim_grads", "optim_grads_params"])
     a = p.parse_args()
     base = [
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
@@ -53,6 +58,7 @@ def main() -> None:
         "--train-iters", str(a.iters), "--lr", "1e-3", "--log-interval", "1", "--seed", "1",
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--eval-iters", "0",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", str(a.bucket_size),
+        "--data-parallel-sharding-strategy", a.strategy,
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         runs, names = [], []
@@ -72,6 +78,7 @@ def main() -> None:
         json.dumps(
             {
                 "world": a.world,
+                "strategy": a.strategy,
                 "hidden_size": a.hidden_size,
                 "num_layers": a.num_layers,
                 "bucket_size": a.bucket_size,

@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="With the distributed optimizer: the optimizer step only starts the parameter "
         "all-gather; the next forward waits for each bucket just before its first use, so the "
-        "gather overlaps the forward. Needs --use-distributed-optimizer and --overlap-grad-reduce. "
-        "Same result either way.",
+        "gather overlaps the forward. Under ZeRO-3 (optim_grads_params) each layer's all-gather is "
+        "prefetched one layer ahead in forward and backward. Needs --use-distributed-optimizer and "
+        "--overlap-grad-reduce. Same result either way.",
     )
     g.add_argument(
         "--overlap-param-gather-with-optimizer-step",
@@ -1019,7 +1020,9 @@ def validate_overlap_param_gather(args: argparse.Namespace) -> None:
                 "optim / optim_grads): only the distributed optimizer all-gathers parameters"
             )
         if not args.overlap_grad_reduce:
-            raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+            raise ArgumentError(
+                "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it"
+            )
     if args.overlap_param_gather_with_optimizer_step:
         if not args.overlap_param_gather:
             raise ArgumentError(

@@ -47,6 +47,10 @@ _FUSION = "a kernel-fusion switch; megalite runs plain PyTorch ops (and SDPA for
 _TE = "Transformer Engine / GPU-kernel tuning; megalite's local path has no such kernel"
 _CKPT = "megalite writes its own DCP-based, layout-free checkpoint format (docs/checkpoints.md)"
 _PERF = "a performance switch; the math is the same without it"
+_FSDP_BUFFERS = (
+    "how Megatron-FSDP allocates its communication buffers (memory reuse, not math); megalite's "
+    "ZeRO-3 allocates a unit's gathered buffer when it gathers the unit and frees it after"
+)
 
 IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--use-mcore-models", 0, "megalite has one model implementation (Megatron-Core's layout)"),
@@ -152,6 +156,20 @@ IGNORED: tuple[CompatFlag, ...] = (
         "--use-tp-pp-dp-mapping", 0, "a rank-order choice; every order computes the same (megalite: tp-dp-pp)"
     ),
     CompatFlag("--straggler-minmax-count", 1, "megalite has no straggler detector"),
+    # Megatron-FSDP's memory and buffer switches (examples/megatron_fsdp/): megalite's ZeRO-3
+    # (zero3.py) allocates a unit's full buffer when it gathers the unit and frees it after.
+    CompatFlag(
+        "--init-model-with-meta-device",
+        0,
+        "builds the model on the meta device so that no rank ever holds the whole model before "
+        "Megatron-FSDP shards it (memory at start-up only); megalite draws every weight the same way "
+        "in any layout, holding one chunk's full weights once at start-up before ZeRO-3 keeps its "
+        "DP shard",
+    ),
+    CompatFlag("--fsdp-double-buffer", 0, _FSDP_BUFFERS),
+    CompatFlag("--fsdp-manual-registration", 0, _FSDP_BUFFERS + "; NCCL user-buffer registration"),
+    CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", 0, _FSDP_BUFFERS),
+    CompatFlag("--megatron-fsdp-max-pool-double-buffer", 0, _FSDP_BUFFERS),
     CompatFlag(
         "--use-torch-optimizer-for-cpu-offload",
         0,
@@ -220,6 +238,40 @@ REFUSED: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("--cp-comm-type", "+", "context parallelism (--context-parallel-size > 1)"),
     CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
+    CompatFlag(
+        "--outer-dp-sharding-strategy",
+        1,
+        "hybrid FSDP's outer data-parallel group (with --num-distributed-optimizer-instances > 1)",
+        allowed=("no_shard",),
+        choices=("no_shard", "optim"),
+    ),
+    CompatFlag(
+        "--megatron-fsdp-main-params-dtype",
+        1,
+        "Megatron-FSDP's lower-precision main params (megalite's main params are fp32)",
+        allowed=("fp32",),
+        choices=("fp32", "bf16", "fp16", "auto"),
+    ),
+    CompatFlag(
+        "--megatron-fsdp-main-grads-dtype",
+        1,
+        "Megatron-FSDP's own gradient precision (megalite accumulates gradients in fp32)",
+        allowed=("fp32",),
+        choices=("fp32", "bf16", "fp16", "auto"),
+    ),
+    CompatFlag(
+        "--megatron-fsdp-grad-comm-dtype",
+        1,
+        "Megatron-FSDP's own gradient communication precision (megalite: fp32, or bf16 with "
+        "--grad-reduce-in-bf16)",
+        allowed=("fp32",),
+        choices=("fp32", "fp16", "bf16", "auto"),
+    ),
+    CompatFlag(
+        "--use-precision-aware-optimizer",
+        0,
+        "Transformer Engine's precision-aware optimizer (main params and Adam state in lower precision)",
+    ),
     CompatFlag("--reset-position-ids", 0, "position ids restarting at each document (eod) in a sample"),
     CompatFlag("--reset-attention-mask", 0, "attention masked across documents (eod) inside a sample"),
     CompatFlag("--enable-gpt-oss", 0, _GPT_OSS),

@@ -6,8 +6,9 @@ Prediction (pure arithmetic on shapes, no processes, no tensors allocated):
 * **params**: the shapes :class:`~megalite.model.gpt.GPTModel` builds for this rank's chunks
   (:func:`chunk_param_shapes`; a test checks them name by name against the real model). Under
   ZeRO-3 only this DP rank's shard of each padded bucket persists; the full params of the units
-  being computed (the chunk's root unit and one transformer layer, or one recomputed group) are
-  the transient ``params_gathered`` (:func:`gathered_param_bytes`).
+  being computed (the chunk's root unit and one transformer layer, or one recomputed group; with
+  ``--overlap-param-gather`` one prefetched layer more) are the transient ``params_gathered``
+  (:func:`gathered_param_bytes`).
 * **grads**: DistributedDataParallel's flat fp32 buffer: its own bucket split and padding
   (``split_into_buckets`` / ``padded_bucket_numel``), run on meta tensors.
 * **optimizer**: AdamW's two fp32 moments and its ``step`` scalar per main param, plus the fp32
@@ -88,6 +89,7 @@ class MemoryLayout:
     use_distributed_optimizer: bool = False
     shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads), and ZeRO-3
     shard_params: bool = False  # ZeRO-3 (optim_grads_params; needs shard_grads)
+    overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
     optimizer_cpu_offload: bool = False  # optimizer state in host memory: 0 bytes on the device
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
@@ -123,6 +125,7 @@ class MemoryLayout:
             use_distributed_optimizer=args.use_distributed_optimizer,
             shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
             shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
+            overlap_param_gather=args.overlap_param_gather,
             optimizer_cpu_offload=args.optimizer_cpu_offload,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
@@ -288,10 +291,15 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
     chunk's forward and backward; inside it, one transformer layer at a time, except that a full
     recompute group (``uniform``: ``--recompute-num-layers`` layers) is gathered together while
     its forward is rerun in backward. Chunks run one at a time. 0 without ZeRO-3.
+
+    With ``--overlap-param-gather`` one more unit is in flight (zero3.py's prefetch): the next
+    layer while a layer runs its forward (layers i and i + 1), the layer before while a layer or
+    a recompute group runs its backward (the group starting at layer a, and layer a - 1).
     """
     if not layout.shard_params:
         return 0
     b = dtype_bytes(layout.params_dtype)
+    prefetch = layout.overlap_param_gather
     peak = 0
     for c in stage_chunks(config, layout)[pp_rank]:
         numel: dict[str, int] = {}
@@ -302,8 +310,11 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
         group = 1
         if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
             group = layout.recompute_num_layers
-        groups = [sum(layers[i : i + group]) for i in range(0, len(layers), group)]
-        peak = max(peak, b * (root + max(groups, default=0)))
+        starts = range(0, len(layers), group)
+        held = [sum(layers[a : a + group]) + (layers[a - 1] if prefetch and a > 0 else 0) for a in starts]
+        if prefetch:  # forward: layer i computes while layer i + 1 arrives
+            held += [x + y for x, y in zip(layers, layers[1:])]
+        peak = max(peak, b * (root + max(held, default=0)))
     return peak
 
 

@@ -11,10 +11,10 @@ import resource
 import torch
 import torch.distributed as dist
 
+from megalite import profiling
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 from megalite.parallel.mappings import all_gather_flat
-from megalite import profiling
 from megalite.profiling import Profiler, add_profiling_args, check_profiling_args, start_memory_history
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of the device name.

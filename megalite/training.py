@@ -40,8 +40,8 @@ from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import counted_once
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
 from megalite.profiling import named_range
@@ -142,6 +142,9 @@ def setup(args: argparse.Namespace) -> TrainState:
             overlap_grad_reduce=args.overlap_grad_reduce,
             shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
             shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
+            # ZeRO-3's --overlap-param-gather: each unit's all-gather one unit ahead (zero3.py).
+            prefetch_params=args.overlap_param_gather
+            and args.data_parallel_sharding_strategy == "optim_grads_params",
         )
         for c in chunks
     ]
@@ -167,7 +170,8 @@ def setup(args: argparse.Namespace) -> TrainState:
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
-    if args.overlap_param_gather:  # the step starts the param all-gathers; the next forward waits
+    if args.overlap_param_gather and args.data_parallel_sharding_strategy != "optim_grads_params":
+        # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
         optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
@@ -340,7 +344,9 @@ def train_step(state: TrainState, data_iter) -> dict:
     gbs = args.batch_schedule.global_batch_size_at(state.consumed_train_samples)
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
     with named_range("batch-generator"):
-        microbatches = next_microbatches(data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device)
+        microbatches = next_microbatches(
+            data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device
+        )
     attach_loss_normalizer(microbatches, args, mesh)
     with named_range("forward-backward"):
         losses = run_schedule(state, microbatches, forward_only=False)

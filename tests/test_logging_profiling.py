@@ -144,7 +144,9 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
     timers = {name: [v for _, v in tb[f"{name}-time"]] for name in TIMER_NAMES}
     for i, row in enumerate(single):
         step_ms = 1000 * row["iteration_time_s"]
-        parts = sum(timers[n][i] for n in ("batch-generator", "forward-backward", "all-grads-sync", "optimizer"))
+        parts = sum(
+            timers[n][i] for n in ("batch-generator", "forward-backward", "all-grads-sync", "optimizer")
+        )
         assert 0 < parts <= step_ms * 1.01, (i, timers, step_ms)
         compute = timers["forward-compute"][i] + timers["backward-compute"][i]
         assert 0 < compute <= timers["forward-backward"][i] * 1.01, (i, timers)

@@ -1,7 +1,7 @@
 """Megatron-LM's own launch scripts on megalite: the three flag classes, schedules by samples,
 the model-changing flags against independent references, and YAML / unknown-flag errors.
 
-The argv of three Megatron-LM example scripts is kept as DATA below, copied from
+The argv of four Megatron-LM example scripts is kept as DATA below, copied from
 NVIDIA/Megatron-LM (commit d98e8a64, examples/...): only sizes are shrunk and data swapped
 for --mock-data; comments mark each change.
 """
@@ -113,6 +113,51 @@ def llama3_8b(d: Path, fp8: bool = True) -> list[str]:
         "--save", str(d / "llama3"), "--load", str(d / "llama3"), "--tensorboard-dir", str(d / "llama3-tb"),
     ]  # fmt: skip
     return model + training + ddp + (FP8 if fp8 else []) + parallel + data + logging
+
+
+def llama3_8b_fsdp(d: Path, fp8: bool = True) -> list[str]:
+    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its defaults (USE_MEGATRON_FSDP=1,
+    SHARDING_STRATEGY optim_grads_params, DTYPE fp8, NSYS_PROFILE=0) and its MOCK data branch."""
+    model = [
+        "--use-mcore-models", "--num-layers", "2",  # 32
+        "--hidden-size", "64", "--ffn-hidden-size", "128",  # 4096, 14336
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",  # 32, 8
+        "--kv-channels", "16",  # 128
+        "--seq-length", "32", "--max-position-embeddings", "32",  # 8192
+        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
+        "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    ]  # fmt: skip
+    training = [
+        "--micro-batch-size", "1", "--global-batch-size", "4",  # 128
+        "--train-samples", "8", "--lr-decay-samples", "6", "--lr-warmup-samples", "2",  # 1953125000, ...
+        "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
+        "--cross-entropy-loss-fusion", "--no-check-for-nan-in-loss-and-grad", "--manual-gc",
+        "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+        # USE_MEGATRON_FSDP=1
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--no-gradient-accumulation-fusion", "--calculate-per-token-loss", "--init-model-with-meta-device",
+        "--ckpt-format", "fsdp_dtensor", "--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration",
+        # DDP_ARGS (appended to TRAINING_ARGS)
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    ]  # fmt: skip
+    parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
+    data = [
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",  # 128256
+        "--data-cache-path", str(d / "cache-fsdp"), "--tiktoken-pattern", "v2",
+        "--split", "'99,1,0'",  # the script's quotes reach pretrain_gpt.py: ${ARR[@]} is unquoted
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+    ]  # fmt: skip
+    logging = [
+        "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100", "--save-interval", "1000",
+        "--log-throughput", "--logging-level", "20", "--distributed-timeout-minutes", "60",
+        "--save", str(d / "llama3-fsdp"), "--load", str(d / "llama3-fsdp"),
+        "--tensorboard-dir", str(d / "llama3-fsdp-tb"),
+    ]  # fmt: skip
+    return model + training + (FP8 if fp8 else []) + parallel + data + logging
 
 
 def mixtral_8x7b(d: Path) -> list[str]:
@@ -462,3 +507,44 @@ def test_eval_iters_0_runs_no_evaluation(tmp_path):
     )
     kinds = [json.loads(x)["kind"] for x in m.read_text().splitlines()]
     assert kinds == ["memory", "train", "train"]  # the first step's memory report, then no "eval"
+
+
+@pytest.mark.timeout(300)
+def test_megatron_fsdp_script(tmp_path):
+    """Megatron-FSDP's Llama-3 8B script: as written, fp8 is refused in one line; without the fp8
+    lines it trains 2 iterations on 2 plain pretrain_gpt.py processes (torchrun's variables: its
+    --num-workers 1 needs non-daemon ranks) under ZeRO-3 with the prefetch of --overlap-param-gather,
+    its Megatron-FSDP buffer switches ignored in the one warning line."""
+    import os
+    import socket
+
+    with pytest.raises(RefusedFlagError) as e:
+        parse_args(runnable(llama3_8b_fsdp(tmp_path)))
+    msg = str(e.value)
+    assert "fp8" in msg and "--fp8-format hybrid" in msg and "--fp8-param-gather" in msg and "\n" not in msg
+    for flag in ("--use-megatron-fsdp", "--init-model-with-meta-device", "--fsdp-double-buffer"):
+        assert flag not in msg, msg
+
+    argv = runnable(llama3_8b_fsdp(tmp_path, fp8=False)) + ["--metrics-file", str(tmp_path / "fsdp.jsonl")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path))  # fmt: skip
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    warnings = [line for line in logs[0].splitlines() if "ignoring Megatron-LM flags" in line]
+    assert len(warnings) == 1 and "--fsdp-manual-registration" in warnings[0], logs[0]
+    assert "--init-model-with-meta-device" in warnings[0] and "--ckpt-format fsdp_dtensor" in warnings[0]
+    rows = [json.loads(x) for x in (tmp_path / "fsdp.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["kind"] == "train"] == [1, 2], rows
+    memory = [r for r in rows if r["kind"] == "memory"]
+    assert {r["dp_rank"] for r in memory} == {0, 1}
+    for r in memory:  # ZeRO-3 with the prefetch, at dp 2: the gathered bytes as the model predicts
+        assert r["layout"]["shard_params"] and r["layout"]["overlap_param_gather"] and r["layout"]["dp"] == 2
+        assert r["measured_extra"]["params_gathered"] == r["predicted_extra"]["params_gathered"] > 0
+    assert (tmp_path / "llama3-fsdp" / "latest_checkpointed_iteration.txt").exists()

@@ -1,8 +1,8 @@
 """``--overlap-param-gather``: the distributed optimizer's param all-gather overlapped with the next forward.
 
 The same bytes reach the same params, only later, so every run must match its twin without the flag
-BITWISE: ZeRO-1 and ZeRO-2 at dp=2, and tp=2 x pp=2 x dp=2 under 1F1B and the interleaved schedule
-(fp32, dropout 0, 10 iterations, an evaluation every 5). A run saved at iteration 5 with the flag on
+BITWISE: ZeRO-1, ZeRO-2 and ZeRO-3 (its prefetch: more in tests/test_zero.py) at dp=2, and
+tp=2 x pp=2 x dp=2 under 1F1B and the interleaved schedule (fp32, dropout 0, 10 iterations, an evaluation every 5). A run saved at iteration 5 with the flag on
 resumes bitwise. One more check looks inside one step: the step only starts the gathers, and the
 forward makes the params final bucket by bucket. One spawn per world size.
 """
@@ -34,6 +34,8 @@ WITH_STEP = ["--overlap-param-gather-with-optimizer-step"]
 PAIRS = {
     "dp2-z1-gpt2": (2, BASE + Z1),
     "dp2-z2-llama": (2, BASE + LLAMA + Z2),
+    # ZeRO-3: each layer's all-gather prefetched one layer ahead (also in the evaluations' forwards).
+    "dp2-z3-llama": (2, BASE + LLAMA + Z1 + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     "tp2-pp2-dp2-1f1b-llama": (8, BASE + LLAMA + layout(2, 2) + Z1),
     "tp2-pp2-dp2-interleaved-gpt2": (8, BASE + layout(2, 2) + Z1 + INTERLEAVED),
 }
@@ -112,18 +114,26 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_bitwise_with_and_without_overlap(runs, name):
     for kind, count in (("train", ITERS), ("eval", 2)):
-        sync, opg = _records(runs[0] / f"{name}-sync.jsonl", kind), _records(runs[0] / f"{name}-opg.jsonl", kind)
+        sync, opg = (
+            _records(runs[0] / f"{name}-sync.jsonl", kind),
+            _records(runs[0] / f"{name}-opg.jsonl", kind),
+        )
         assert len(sync) == count and sync == opg, f"{name} {kind}:\n{sync}\n{opg}"
     assert sync[-1][1] < _records(runs[0] / f"{name}-sync.jsonl", "train")[0][1] + 1.0  # eval loss is sane
 
 
 def test_with_optimizer_step_bitwise(runs):
     name = "tp2-pp2-dp2-interleaved-gpt2"
-    assert _records(runs[0] / "with-step-opg.jsonl", "train") == _records(runs[0] / f"{name}-sync.jsonl", "train")
+    assert _records(runs[0] / "with-step-opg.jsonl", "train") == _records(
+        runs[0] / f"{name}-sync.jsonl", "train"
+    )
 
 
 def test_resume_bitwise(runs):
-    full, resumed = _records(runs[0] / "dp2-z1-gpt2-opg.jsonl", "train"), _records(runs[0] / "resumed.jsonl", "train")
+    full, resumed = (
+        _records(runs[0] / "dp2-z1-gpt2-opg.jsonl", "train"),
+        _records(runs[0] / "resumed.jsonl", "train"),
+    )
     assert resumed == full[4:], f"{full}\n{resumed}"
     assert _records(runs[0] / "resumed.jsonl", "eval") == _records(runs[0] / "dp2-z1-gpt2-opg.jsonl", "eval")
 

@@ -3,6 +3,7 @@
 strategies, ZeRO-3's bytes per rank, the flags (pretrain() with --mock-data, tiny models, fp32,
 dropout 0)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,14 @@ FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS = {"dp4": (1, 1, 4), "tp2-dp2": (2, 1, 4), "pp2-dp2": (1, 2, 4), "tp2-pp2-dp2": (2, 2, 8)}
 STRATEGIES = {"z2": Z2, "z3": Z3}
 INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]
+OPG = ["--overlap-param-gather"]
+# ZeRO-3 with --overlap-param-gather (each unit's all-gather one unit ahead) against its twin
+# without the flag (Llama, OVERLAP): name -> (world, argv of the twin, the twin's metrics name).
+# tp2-pp2-dp2 has full recompute (SP_RECOMPUTE); the interleaved pair is built here.
+Z3_LLAMA_INTERLEAVED = BASE + LLAMA + layout(2, 2) + Z3 + OVERLAP + INTERLEAVED
+OPG_PAIRS = {
+    name: (LAYOUTS[name][2], f"llama-{name}-z3") for name in ("dp4", "tp2-dp2", "pp2-dp2", "tp2-pp2-dp2")
+} | {"tp2-pp2-dp2-interleaved": (8, "llama-tp2-pp2-dp2-interleaved-z3")}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +56,21 @@ def runs(tmp_path_factory):
                 if z == "z3" and flavour == "llama" and name == "tp2-pp2-dp2":
                     extra = extra + SP_RECOMPUTE  # ZeRO-3 gathers inside the recompute, under SP and PP
                 by_world[world].append(argv + layout(tp, pp) + flags + extra + out(f"{flavour}-{name}-{z}"))
+                if z == "z3" and flavour == "llama":  # the same with --overlap-param-gather
+                    # tp2-dp2 also saves at iteration 5 (resumed below, the flag on, bitwise).
+                    save = (
+                        ["--save", str(d / "ckpt-z3-opg"), "--save-interval", "5"]
+                        if name == "tp2-dp2"
+                        else []
+                    )
+                    argv_opg = argv + layout(tp, pp) + flags + extra + OPG + save
+                    by_world[world].append(argv_opg + out(f"llama-{name}-z3-opg"))
+    by_world[8].append(Z3_LLAMA_INTERLEAVED + out("llama-tp2-pp2-dp2-interleaved-z3"))
+    by_world[8].append(Z3_LLAMA_INTERLEAVED + OPG + out("llama-tp2-pp2-dp2-interleaved-z3-opg"))
+    opg_resume = ["--load", str(d / "ckpt-z3-opg"), "--ckpt-step", "5"]
+    by_world[4].append(
+        BASE + LLAMA + layout(2, 1) + Z3 + OVERLAP + OPG + opg_resume + out("llama-resumed-z3-opg")
+    )
     by_world[4] += [
         BASE + Z2 + OFFLOAD + out("gpt2-dp4-z2-offload"),
         BASE + layout(1, 2) + OFFLOAD + out("gpt2-pp2-dp2-offload"),
@@ -299,3 +323,100 @@ def test_zero3_one_process_gathers_just_in_time(recompute):
     assert freed()
     for k, v in ddp.state_dict().items():
         assert torch.equal(v, 2 * ref.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("recompute", [None, ("uniform", 1), ("uniform", 2), ("block", 1)])
+def test_zero3_prefetch_one_process(recompute):
+    """``--overlap-param-gather`` under ZeRO-3 on one process (the gathers are copies): each unit is
+    gathered one unit ahead, forward and backward (and inside a recompute), as often as without the
+    prefetch; the peak of gathered bytes equals the memory model's, with and without; grads equal."""
+    import torch
+
+    from megalite.memory import MemoryLayout, gathered_param_bytes
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel import zero3
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
+    method, n = recompute or (None, None)
+    kwargs = dict(recompute_granularity="full" if recompute else None, recompute_method=method)
+    kwargs["recompute_num_layers"] = n
+    tokens = torch.randint(0, 40, (2, 8))
+    seen = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(
+            GPTModel(config, Mesh.single(), **kwargs),
+            Mesh.single(),
+            use_distributed_optimizer=True,
+            shard_grads=True,
+            shard_params=True,
+            prefetch_params=prefetch,
+        )
+        sharding = ddp.param_sharding
+        events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
+
+        def launch(u, launch=sharding._launch, events=events):
+            if not u.gathered:
+                events.append(("launch", u.name))
+            launch(u)
+
+        def demand(u, backward, demand=sharding.demand, events=events):
+            events.append(("demand", u.name))
+            demand(u, backward)
+
+        sharding._launch, sharding.demand = launch, demand
+        zero3.reset_gathered_peak()
+        ddp(input_ids=tokens, labels=tokens).mean().backward()
+        ddp.finish_grad_sync()
+        assert zero3._Gathered.live == 0 and all(not u.gathered for u in sharding.units.values())
+        layout = MemoryLayout(use_distributed_optimizer=True, shard_grads=True, shard_params=True, **kwargs)
+        layout = dataclasses.replace(layout, overlap_param_gather=prefetch)
+        assert zero3.gathered_peak_bytes() == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
+        grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}
+        seen[prefetch] = (events, zero3.gathered_peak_bytes(), grads)
+    (sync, sync_peak, sync_grads), (pre, pre_peak, pre_grads) = seen[False], seen[True]
+    launches = [u for what, u in pre if what == "launch"]
+    assert launches == [u for what, u in sync if what == "launch"]  # the same gathers, same order
+    layers = [f"decoder.layers.{i}" for i in range(4)]
+    assert launches[:5] == ["", *layers] and layers[3] in launches[5:7]  # forward, then backward
+    # Without prefetch a unit is launched when demanded; with it, already before its demand.
+    assert all(sync[i + 1] == ("launch", u) for i, (what, u) in enumerate(sync) if what == "demand" and
+               ("launch", u) in sync[i + 1 :])  # fmt: skip
+    early = [u for i, (what, u) in enumerate(pre) if what == "launch" and pre[i - 1] != ("demand", u)]
+    assert set(layers) <= set(early), pre
+    assert pre_peak > sync_peak
+    for name in sync_grads:
+        assert torch.equal(sync_grads[name], pre_grads[name]), name
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(OPG_PAIRS))
+def test_zero3_overlap_param_gather_bitwise(runs, name):
+    """ZeRO-3's prefetch moves the same all-gathers earlier: the losses equal the twin's bitwise
+    (1F1B, interleaved, full recompute included), and every rank's gathered bytes equal the
+    memory model's, which counts the prefetched unit (more than the twin's peak with two layers
+    per chunk)."""
+    world, twin = OPG_PAIRS[name]
+    sync, opg = metrics(runs / f"{twin}.jsonl"), metrics(runs / f"{twin}-opg.jsonl")
+    assert len(sync) == ITERS and opg == sync, f"{name}:\n{sync}\n{opg}"
+    records, twins = _memory_records(runs / f"{twin}-opg.jsonl"), _memory_records(runs / f"{twin}.jsonl")
+    assert len(records) == world
+    for r, t in zip(sorted(records, key=lambda r: r["rank"]), sorted(twins, key=lambda r: r["rank"])):
+        for cat in ("params", "grads", "optimizer", "activations"):
+            assert r["measured"][cat] == r["predicted"][cat] == t["measured"][cat], (cat, r)
+        gathered, predicted = r["measured_extra"]["params_gathered"], r["predicted_extra"]["params_gathered"]
+        assert gathered == predicted, r
+        # One layer per chunk (interleaved): the prefetched unit is the chunk's only layer, as before.
+        if name.endswith("interleaved"):
+            assert gathered == t["measured_extra"]["params_gathered"], (r, t)
+        else:
+            assert gathered > t["measured_extra"]["params_gathered"], (r, t)
+
+
+@pytest.mark.timeout(400)
+def test_zero3_overlap_param_gather_resumes_bitwise(runs):
+    saved, got = metrics(runs / "llama-tp2-dp2-z3-opg.jsonl"), metrics(runs / "llama-resumed-z3-opg.jsonl")
+    assert got == saved[5:] and len(got) == ITERS - 5

@@ -30,6 +30,8 @@ PADDED_VOCAB = 112
 B = 2  # bf16 bytes per parameter
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 OFFLOAD = ["--optimizer-cpu-offload"]
+# ZeRO-3's prefetch (--overlap-param-gather, which needs --overlap-grad-reduce): the same bytes.
+OPG = ["--overlap-grad-reduce", "--overlap-param-gather"]
 DPS = (1, 2, 4)
 
 
@@ -42,6 +44,8 @@ def sweep_configs(dp: int) -> list[tuple[str, list[str]]]:
     argv = SWEEP + ["--global-batch-size", str(MBS * dp * M)]
     out = [(s, argv + strategy_flags(s)) for s in STRATEGIES if strategy_built(s, argv, dp)]
     out += [(f"{s}+offload", argv + strategy_flags(s) + OFFLOAD) for s in ("no_shard", "optim_grads")]
+    if dp > 1:
+        out.append(("optim_grads_params+opg", argv + strategy_flags("optim_grads_params") + OPG))
     return out
 
 
@@ -177,7 +181,9 @@ def test_meter_counts_hand_computed_volumes(runs):
 
 
 # ---- bytes sent per step: counted == theory, from the real bucket sizes --------------------------
-COMM_CASES = [(s, dp) for s in STRATEGIES + ["optim_grads+offload"] for dp in (2, 4)]
+COMM_CASES = [
+    (s, dp) for s in STRATEGIES + ["optim_grads+offload", "optim_grads_params+opg"] for dp in (2, 4)
+]
 
 
 def _comm_records(results, strategy, dp):
@@ -216,6 +222,25 @@ def test_zero2_reduce_scatters_once_per_microbatch(runs, strategy, dp):
         assert len(calls) == M * rec["buckets"]["buckets"], (len(calls), M, rec["buckets"]["buckets"])
         assert rec["dp_sent"]["reduce_scatter"] == rec["dp_theory"]["reduce_scatter"]
         assert rec["dp_sent_total"] == sum(rec["dp_theory"].values())
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_prefetch_issues_the_same_collectives(runs, dp):
+    """ZeRO-3 with --overlap-param-gather: the same all-gathers and reduce-scatters as without it,
+    each family in the same order (the prefetch starts an all-gather earlier, never another one;
+    --overlap-grad-reduce, which the flag needs, moves the reduce-scatters between them), and
+    every DP rank issues the same sequence of DP collectives."""
+    results, _ = runs
+
+    def dp_calls(rec, kind=None):
+        return [(c.kind, c.nbytes) for c in rec["calls"] if len(c.ranks) == dp and kind in (None, c.kind)]
+
+    sync, opg = _records(results, "optim_grads_params", dp), _records(results, "optim_grads_params+opg", dp)
+    assert len(dp_calls(opg[0], "all_gather")) >= 2 * M * 3  # forward and backward, every unit and microbatch
+    for s, o in zip(sync, opg):
+        assert dp_calls(o) == dp_calls(opg[0])
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert dp_calls(o, kind) == dp_calls(s, kind), kind
 
 
 def test_pipeline_stages_dp_p2p_and_embedding_bytes(runs):

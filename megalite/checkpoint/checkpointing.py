@@ -36,8 +36,8 @@ from megalite.checkpoint.logical import (
 )
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.zero3 import gathered_params
 from megalite.parallel.param_gather import finish_param_sync
+from megalite.parallel.zero3 import gathered_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return m.home if self.offload else m.main
 
     def _pack_shard(
-        self, bucket: Bucket, mains: list[MainParam], full: torch.Tensor, shard_of: Callable[[MainParam], torch.Tensor]
+        self,
+        bucket: Bucket,
+        mains: list[MainParam],
+        full: torch.Tensor,
+        shard_of: Callable[[MainParam], torch.Tensor],
     ) -> None:
         """Write ``shard_of(m)`` of this rank's main params into their place in the bucket's flat ``full``."""
         for m in mains:

@@ -42,13 +42,13 @@ from torch import nn
 from megalite.parallel import zero3
 from megalite.parallel.mappings import reduce_scatter_flat
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.param_attributes import (
     grad_of,
     is_sequence_parallel,
     is_shared_embedding,
     set_main_grad,
 )
+from megalite.parallel.param_gather import finish_param_sync
 from megalite.profiling import profiled
 
 
@@ -189,6 +189,8 @@ class DistributedDataParallel(nn.Module):
         shard_grads: ZeRO-2, only this rank's shard of each bucket's grads persists.
         shard_params: ZeRO-3 (needs ``shard_grads``), only this rank's shard of each bucket's params
             persists; units are gathered just in time (:mod:`megalite.parallel.zero3`).
+        prefetch_params: ZeRO-3 with ``--overlap-param-gather``: each unit's all-gather starts one
+            unit ahead, while the unit before it computes (forward and backward).
 
     Wrap the module after moving it to its device and dtype: ``main_grad`` views
     and the grad hooks are bound to the parameter objects present at construction.
@@ -205,8 +207,11 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: bool = True,
         shard_grads: bool = False,
         shard_params: bool = False,
+        prefetch_params: bool = False,
     ):
         super().__init__()
+        if prefetch_params and not shard_params:
+            raise ValueError("prefetch_params needs shard_params (ZeRO-3 gathers the params per unit)")
         if shard_params and not shard_grads:
             raise ValueError(
                 "shard_params (ZeRO-3) needs shard_grads (ZeRO-2's reduce-scatter per microbatch)"
@@ -274,7 +279,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        self.param_sharding = zero3.ParamSharding(self, units) if shard_params else None
+        self.param_sharding = zero3.ParamSharding(self, units, prefetch_params) if shard_params else None
 
     # Forward / state pass straight through, so parameter names stay the model's.
     def forward(self, *args, **kwargs):

@@ -55,7 +55,10 @@ class ParamGather:
     """
 
     def __init__(
-        self, ddp: DistributedDataParallel, pack: Callable[[Bucket, torch.Tensor], None], launch_all: bool = False
+        self,
+        ddp: DistributedDataParallel,
+        pack: Callable[[Bucket, torch.Tensor], None],
+        launch_all: bool = False,
     ):
         self.ddp = ddp
         self.pack = pack

@@ -26,6 +26,21 @@ logical checkpoints):
 * Full recompute reruns a layer's forward inside backward: the forward pre-hook gathers it
   again and the post-hook leaves it gathered (we are inside backward: its backward follows).
 * Nothing is all-gathered after the optimizer step: the next forward gathers each unit.
+* ``--overlap-param-gather`` (``prefetch``; what Megatron-FSDP does with that flag): a unit's
+  gather is started one unit ahead, asynchronously, so its communication runs while the unit
+  before it computes. Forward order is the root unit, then the units in module order (a
+  GPT chunk's layers); backward order is the root unit, then the units in reverse. When unit
+  ``i`` is demanded (its forward pre-hook, or its gather before backward) it is waited for and
+  the all-gather of the next unit in that pass's order starts. A forward pre-hook that runs
+  inside backward (a full recompute) counts as backward: it prefetches the unit before it.
+  Prefetches stay inside one chunk's forward pass or one backward pass: the last unit of a
+  pass prefetches nothing, and the chunk's forward post-hook and the end-of-backward callback
+  wait for and free whatever is still gathered. So no gather is ever in flight across a
+  pipeline send / receive, another chunk or another microbatch, and every DP rank issues the
+  same all-gathers in the same order (the order is a function of the model, not of timing).
+  Gathered at once: the root unit, the unit computing (or the recompute group being rerun)
+  and one prefetched unit (``megalite.memory.gathered_param_bytes``). The same all-gathers
+  as without the flag, only earlier: the same bytes, and bitwise the same params.
 
 Communication per step per rank, Ψ the chunk's parameter elements: an all-gather of every
 unit in every microbatch's forward and again in its backward (2·m·(d-1)/d·Ψ received, m
@@ -41,6 +56,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.mappings import all_gather_flat
+from megalite.profiling import named_range
 
 ROOT = ""  # the unit name of the params outside every repeated block
 
@@ -95,7 +111,8 @@ class Unit:
         self.name = name
         self.buckets = buckets
         self.params = {p for b in buckets for p in b.params}
-        self.gathered = False
+        self.gathered = False  # the full buffers are materialised: final, or an all-gather in flight
+        self.handles: list | None = None  # a prefetch's all-gathers not waited for yet
         self.ready: set[nn.Parameter] = set()  # params whose grad this backward has produced
 
     @property
@@ -113,7 +130,7 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.sharding.gather(ctx.unit)
+        ctx.sharding.demand(ctx.unit, backward=True)
         ctx.sharding.ddp._queue_end_of_backward()  # frees whatever this backward leaves gathered
         return (None, None, *grads)
 
@@ -122,18 +139,28 @@ class ParamSharding:
     """ZeRO-3 of one DistributedDataParallel chunk: param shards, units, their hooks.
 
     ``units``: ``{param: unit name}`` (:func:`param_units`); DDP's buckets never span two units.
+    ``prefetch``: start each unit's all-gather one unit ahead (``--overlap-param-gather``).
     """
 
-    def __init__(self, ddp, units: dict[nn.Parameter, str]):
+    def __init__(self, ddp, units: dict[nn.Parameter, str], prefetch: bool = False):
         self.ddp = ddp
         self.dp_size, self.dp_rank, self.dp_group = ddp.dp_size, ddp.dp_rank, ddp.dp_group
+        self.prefetch = prefetch
         by_name: dict[str, list] = {}
         with torch.no_grad():
             for bucket in ddp.buckets:
                 self._shard_bucket(bucket)
                 by_name.setdefault(units[bucket.params[0]], []).append(bucket)
+        if prefetch:  # a chunk without root params (a middle stage) still starts the first prefetch
+            by_name.setdefault(ROOT, [])
         self.units = {name: Unit(name, buckets) for name, buckets in by_name.items()}
         self._unit_of = {p: u for u in self.units.values() for p in u.params}
+        # The pass orders the prefetch follows: the units in module order, after the root.
+        order = [self.units[n] for n in unit_prefixes(ddp.module) if n in self.units and n != ROOT]
+        root = self.units.get(ROOT)
+        self._next_forward = dict(zip([root, *order], order)) if root else dict(zip(order, order[1:]))
+        self._next_backward = dict(zip([root, *reversed(order)], reversed(order)))
+        self._next_backward.pop(None, None)
         self._handles = []
         for unit in self.units.values():
             module = ddp.module if unit.name == ROOT else ddp.module.get_submodule(unit.name)
@@ -155,27 +182,49 @@ class ParamSharding:
     # ---- gather / free -------------------------------------------------------------------
     def gather(self, unit: Unit) -> None:
         """Re-materialise the unit's full buffers and all-gather the DP shards into them."""
+        self._launch(unit)
+        self._wait(unit)
+
+    def demand(self, unit: Unit, backward: bool) -> None:
+        """``unit`` is needed now: gather it (or wait for its prefetch); with ``prefetch``, then
+        start the all-gather of the unit that comes next in this pass (forward or backward)."""
+        self.gather(unit)
+        if self.prefetch:
+            nxt = (self._next_backward if backward else self._next_forward).get(unit)
+            if nxt is not None:
+                self._launch(nxt)
+
+    def _launch(self, unit: Unit) -> None:
+        """Materialise the unit's full buffers and start their all-gathers (every bucket launched
+        before any wait); a no-op when the unit is gathered or in flight already."""
         if unit.gathered:
             return
         handles = []
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(b.param_data.numel() * b.param_data.element_size())
-            if self.dp_size > 1:  # every bucket launched before the first wait
-                handles.append(all_gather_flat(b.param_data, b.param_shard, self.dp_group, async_op=True))
+            if self.dp_size > 1:
+                with named_range("params-all-gather"):
+                    handles.append(all_gather_flat(b.param_data, b.param_shard, self.dp_group, async_op=True))
             else:
                 b.param_data.copy_(b.param_shard)
-        for h in handles:
-            h.wait()
-        unit.gathered = True
+        unit.gathered, unit.handles = True, handles
         _Gathered.live += unit.full_bytes
         _Gathered.peak = max(_Gathered.peak, _Gathered.live)
 
+    def _wait(self, unit: Unit) -> None:
+        """Wait for the unit's all-gathers still in flight (a prefetch), if any."""
+        if unit.handles:
+            with named_range("params-all-gather"):
+                for h in unit.handles:
+                    h.wait()
+        unit.handles = None
+
     def free(self, unit: Unit) -> None:
         unit.ready.clear()
-        if not unit.gathered and unit.buckets[0].param_data.untyped_storage().nbytes() == 0:
-            return
+        self._wait(unit)  # never free storage an all-gather still writes into
         for b in unit.buckets:
-            b.param_data.untyped_storage().resize_(0)
+            if b.param_data.untyped_storage().nbytes():
+                b.param_data.untyped_storage().resize_(0)
         if unit.gathered:
             _Gathered.live -= unit.full_bytes
         unit.gathered = False
@@ -200,7 +249,8 @@ class ParamSharding:
     # ---- hooks ----------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: Unit):
         def hook(module, args):
-            self.gather(unit)
+            # Inside backward this is a full recompute: the backward's order comes next.
+            self.demand(unit, backward=_in_backward())
 
         return hook
 
@@ -209,7 +259,10 @@ class ParamSharding:
             if torch.is_grad_enabled():
                 output = self._wrap(unit, output)
             if not _in_backward():  # a recompute inside backward: the unit's backward comes next
-                self.free(unit)
+                if unit.name == ROOT and self.prefetch:
+                    self.free_all()  # the chunk's forward is over: no prefetch outlives it
+                else:
+                    self.free(unit)
             return output
 
         return hook
