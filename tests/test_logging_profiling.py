@@ -119,8 +119,12 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
         assert b["params_norm"] == pytest.approx(a["params_norm"], rel=1e-5)
         assert a["params_norm"] > 0
         # Zero grads: the same, plus the padded vocab rows tp=2 adds (96 -> 128 at tp 1, 256 at tp 2),
-        # in the one tied embedding.
-        assert b["num_zeros"] - a["num_zeros"] == (256 - 128) * H
+        # in the one tied embedding. Exactly so on the first step (same params); after it the fused
+        # AdamW kernel rounds a whole tensor and a ZeRO shard piece of it differently in the last ulp
+        # (its vector body vs scalar tail), so a gradient that is ~1e-10 in one layout may be an exact
+        # zero in the other: a couple of elements of slack, never a padded row's 32.
+        extra = b["num_zeros"] - a["num_zeros"] - (256 - 128) * H
+        assert extra == 0 if a is single[0] else abs(extra) <= 2, (a["num_zeros"], b["num_zeros"])
 
     tb = _scalars(tmp_path / "single" / "tb")
     losses = [x["loss"] for x in single]
