@@ -485,6 +485,8 @@ def plan(p: Problem) -> list[Candidate]:
     found = list(_fitting(p, None, False))
     if not found and p.cluster.num_gpus > p.cluster.gpus_per_node:
         found = list(_fitting(p, None, True))
+    if not found and next(layouts(p, None, True), None) is None:
+        raise PlanError(no_layout_message(p))
     if not found:
         raise PlanError(no_fit_message(p))
     ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
@@ -502,6 +504,17 @@ def smallest_gpu_count(p: Problem, limit: int = 1 << 16) -> int | None:
         if next(_fitting(p, n, n > gpn), None) is not None:
             return n
     return None
+
+
+def no_layout_message(p: Problem) -> str:
+    """No tp x pp x dp of the GPU count divides the model and the batch, whatever the memory."""
+    cfg, n = p.config, p.cluster.num_gpus
+    return (
+        f"no layout of --num-gpus {n} exists for --num-layers {cfg.num_layers}, --num-attention-heads "
+        f"{cfg.num_attention_heads} and --global-batch-size {p.global_batch_size}: tp must divide the heads "
+        f"(and --gpus-per-node {p.cluster.gpus_per_node}), pp the layers, and micro-batch x dp the global "
+        "batch; change --num-gpus or --global-batch-size"
+    )
 
 
 def no_fit_message(p: Problem) -> str:
