@@ -214,7 +214,7 @@ def _timed(active: bool, inner: int, body) -> float | None:
     return out
 
 
-def _machine(dtype_name: str, reps: int = 5) -> dict:
+def _machine(dtype_name: str, reps: int = 7) -> dict:
     """On each rank of a spawn of max_ranks(): the concurrency slowdowns and the collectives
     between compute, for every power-of-two number of active ranks and group size."""
     import torch.distributed as dist
@@ -264,8 +264,10 @@ def _machine(dtype_name: str, reps: int = 5) -> dict:
                         work(1)
                         coll()
 
-                    with_ = [_timed(rank < active, inner, both) for _ in range(reps)]
-                    alone = [_timed(rank < active, inner, lambda: work(1)) for _ in range(reps)]
+                    with_, alone = [], []
+                    for _ in range(reps):  # back to back, so each difference sees the same load
+                        with_.append(_timed(rank < active, inner, both))
+                        alone.append(_timed(rank < active, inner, lambda: work(1)))
                     if rank < active:
                         key = f"{kind}/{active}/{n}/{nbytes}"
                         res["collectives"][key] = [with_, alone]
@@ -366,9 +368,9 @@ def _machine_terms(per_rank: list[dict]) -> dict:
     for key in per_rank[0]["collectives"]:
         kind, active, group, nbytes = key.split("/")
         ranks = [r["collectives"][key] for r in per_rank if key in r["collectives"]]
-        with_ = statistics.median(max(rep) for rep in zip(*(w for w, _ in ranks)))
-        alone = statistics.median(max(rep) for rep in zip(*(a for _, a in ranks)))
-        dt = max(with_ - alone, 0.0) / (2 if kind == "p2p" else 1)
+        # the median of paired differences: robust to the machine's other load drifting
+        diffs = [max(w) - max(a) for w, a in zip(zip(*(w for w, _ in ranks)), zip(*(a for _, a in ranks)))]
+        dt = max(statistics.median(diffs), 0.0) / (2 if kind == "p2p" else 1)
         added.setdefault((kind, int(active), int(group)), []).append((int(nbytes), dt))
     collectives = []
     for (kind, active, group), pts in sorted(added.items()):

@@ -294,8 +294,8 @@ def _gpt3(**kw) -> ModelConfig:
 
 
 def test_gpt3_parameters_and_flops_are_narayanans_equations():
-    """Eq. (2): P = 12 L h^2 (1 + 13/12h + (V + s)/12lh) (+ the final LayerNorm's 2h, which the
-    paper drops); eq. (3): 96 B s L h^2 (1 + s/6h + V/16lh) FLOPs per step with full recompute,
+    """Eq. (2): P = 12 l h^2 (1 + 13/12h + (V + s)/12lh) (+ the final LayerNorm's 2h, which the
+    paper drops); eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step with full recompute,
     the hardware FLOPs the paper's TFLOP/s count: the planner's tflops_per_gpu numerator."""
     from megalite.metrics import model_flops_per_token
 
@@ -320,7 +320,7 @@ def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
     * states: (2 + 4 + 12) bytes per parameter held (fp16 weight, fp32 grad buffer as Megatron-LM
       accumulates, fp32 main copy + Adam's two moments; ZeRO's accounting has 16 with 16-bit
       grads), the embedding on stage 0;
-    * activations of stage 0 under 1F1B: p microbatches in flight x L/p layers = L layers of
+    * activations of stage 0 under 1F1B: p microbatches in flight x l/p layers = l layers of
       Korthikanti et al.'s per-layer bytes, sbh(10 + 24/t + 5as/ht) with TP, 34sbh/t with SP +
       selective recompute, where flash attention keeps no s x s scores (-5as/ht per layer, +4a/t
       logsumexp bytes per token) and the LayerNorms keep fp32 statistics (+16 per token); plus
