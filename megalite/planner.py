@@ -23,6 +23,9 @@ Step time (one global batch, per GPU, all stages alike):
   bucket (``--overlap-grad-reduce``).
 
 The optimizer step and the data loader are not modelled.
+
+With a calibration (``tools/plan.py --calibrate``: this machine's ranks sharing its cores, gloo)
+``with_calibrated_time`` replaces all of the above with measured terms; see its doc.
 """
 
 from __future__ import annotations
