@@ -1,20 +1,29 @@
 """``tools/plan.py --calibrate``: short benchmarks of this machine that replace the planner's table.
 
-Three measurements (< 60 s on a 2-core CPU), stored as JSON:
+Each term of the planner's step time is measured on its own (about 40 s on a 2-core CPU),
+stored as JSON:
 
 * ``gemm``: [d, TFLOP/s] of a d x d x d matmul in the training dtype, one thread per rank (as
   ``OMP_NUM_THREADS=1`` ranks run). ``peak_tflops`` is the curve's maximum; the planner's GEMM
   efficiency becomes the curve / peak, interpolated in log d (d = min(tokens per microbatch,
   hidden / tp), as the table's ``EFF_MAX * d / (d + EFF_HALF)``).
-* ``allreduce`` / ``allgather`` / ``p2p``: a least-squares line ``t = latency + bytes / bandwidth``
-  over 4 sizes on a live 2-rank gloo group (megalite.testing.run_distributed). For a ring of n
-  ranks the planner takes ``2(n-1)/n * bytes / bw + 2(n-1) * latency``: at n=2 the measured line.
-* ``train_step``: a 1-rank pretrain() of a small model (median of its later iterations); the part
-  the GEMM curve does not explain is ``overhead_s_per_layer_microbatch`` (Python, norms, softmax,
-  the optimizer), which the planner adds per layer x microbatch x pass.
+* ``train``: pretrain() on ONE rank, alone, for a few (layers L, microbatches m) of a small GPT;
+  least squares ``t = L m A + m B + L D + C``. What the GEMM curve does not explain of A (per
+  layer and microbatch) is ``overhead_s_per_layer_pass`` (Python, dispatch, norms, softmax), of B
+  (per microbatch) ``overhead_s_per_microbatch`` (schedule, embedding, loss), and D and C are the
+  step's own work (optimizer, zeroing) per layer and fixed: ``overhead_s_per_layer_step``,
+  ``overhead_s_per_step``.
+* ``concurrency``: [k, slowdown] -- k ranks computing at once, each slower than one alone by the
+  slowdown (k / cores when the ranks outnumber the cores, more when other jobs load the machine,
+  as ``os.sched_getaffinity`` alone cannot say). Measured with the first k ranks of one spawn
+  computing while the rest sleep in a barrier.
+* ``collectives``: {kind, active, group, latency_s, gbps}: the time a collective adds *between
+  compute* (work + collective, minus the same work alone) on groups of ``group`` ranks, with
+  ``active`` ranks running; least squares ``latency + bytes / bandwidth`` over 2 sizes. Between
+  compute, a rank that waits sleeps and must be woken and scheduled again, which costs far more
+  than the same collective in a tight loop when ranks share cores.
 
-``cores``: ranks beyond the cores share them, so the planner divides the peak by
-``max(1, ranks on this machine / cores)``.
+``cores`` is ``len(os.sched_getaffinity(0))``, the cores this process may run on.
 """
 
 from __future__ import annotations
@@ -32,10 +41,31 @@ import torch
 from megalite.errors import MegaliteError
 
 GEMM_SIZES = (32, 64, 128, 256, 512)
-COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
-# The calibration's training step: the shape the planner's overhead term is measured on.
-TRAIN_MODEL = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64, micro_batch_size=2)
-TRAIN_MICROBATCHES = 2
+# The calibration's training runs: a small GPT-2 (the shape the overhead terms are measured on),
+# at these (layers, microbatches); four corners and a centre for the 4-term least squares.
+TRAIN_MODEL = dict(hidden_size=128, num_attention_heads=4, seq_length=64, micro_batch_size=2, vocab_size=300)
+TRAIN_SHAPES = ((1, 1), (3, 1), (1, 4), (3, 4), (2, 2))
+TRAIN_ITERS = 8
+# Collectives between compute: bytes per message (2 sizes fit latency + bandwidth).
+COLLECTIVE_BYTES = (64 << 10, 2 << 20)
+COLLECTIVE_KINDS = ("allreduce", "allgather", "reduce_scatter", "p2p")
+REQUIRED = ("cores", "peak_tflops", "gemm", "train", "concurrency", "collectives")
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def max_ranks(n_cores: int) -> int:
+    """The most ranks calibrated: twice the cores (a power of two, at most 8). More ranks share
+    the cores in proportion (``slowdown`` extrapolates), and cost the calibration time."""
+    k = 1
+    while k < min(8, 2 * n_cores):
+        k *= 2
+    return k
 
 
 def default_path() -> Path:
@@ -52,10 +82,10 @@ def load(path: str | os.PathLike) -> dict:
         raise MegaliteError(
             f"--calibration {path}: cannot read it ({e}); run tools/plan.py --calibrate"
         ) from None
-    missing = {"peak_tflops", "gemm", "allreduce", "p2p", "overhead_s_per_layer_microbatch"} - set(cal)
+    missing = set(REQUIRED) - set(cal)
     if missing:
         raise MegaliteError(
-            f"--calibration {path}: missing {sorted(missing)}; rerun tools/plan.py --calibrate"
+            f"--calibration {path}: missing {sorted(missing)} (an older calibration?); rerun tools/plan.py --calibrate"
         )
     return cal
 
@@ -74,16 +104,50 @@ def efficiency(cal: dict, d: int) -> float:
     return pts[-1][1] / cal["peak_tflops"]
 
 
-def ring_s(cal: dict, kind: str, nbytes: float, n: int) -> float:
-    """A ring collective (``allreduce``; ``allgather`` moves half) of nbytes over n ranks."""
-    if n <= 1:
+def slowdown(cal: dict, k: float) -> float:
+    """How much slower each of k ranks computing at once runs than one alone: linear between the
+    measured k; beyond the largest, in proportion to k (the same cores shared by more ranks)."""
+    pts = sorted(cal["concurrency"])
+    if k <= pts[0][0]:
+        return pts[0][1]
+    for (k0, s0), (k1, s1) in zip(pts, pts[1:]):
+        if k <= k1:
+            return s0 + (k - k0) / (k1 - k0) * (s1 - s0)
+    k1, s1 = pts[-1]
+    return s1 * k / k1
+
+
+def _ring_steps(kind: str, n: int) -> int:
+    if kind == "p2p":
+        return 1
+    return 2 * (n - 1) if kind == "allreduce" else n - 1
+
+
+def _ring_bytes(kind: str, nbytes: float, n: int) -> float:
+    """What one rank sends for a collective whose full buffer is nbytes (p2p: the message)."""
+    if kind == "p2p":
+        return nbytes
+    return (2 if kind == "allreduce" else 1) * (n - 1) / n * nbytes
+
+
+def collective_s(cal: dict, kind: str, nbytes: float, group: int, active: int) -> float:
+    """The time a collective of ``kind`` (nbytes = the full buffer; p2p: one message, one way)
+    over ``group`` ranks adds between compute, with ``active`` ranks running. A measured (active,
+    group) is used as is; otherwise the nearest measured one, its latency per ring step and its
+    bandwidth per byte a rank sends carried over."""
+    if kind != "p2p" and group <= 1:
         return 0.0
-    lat, bw = cal[kind]["latency_s"], cal[kind]["gbps"] * 1e9
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+    rows = [r for r in cal["collectives"] if r["kind"] == kind]
+    if not rows:
+        raise MegaliteError(f"the calibration has no {kind!r} collectives; rerun tools/plan.py --calibrate")
+    n = 2 if kind == "p2p" else group
 
+    def distance(r: dict) -> tuple:
+        return (abs(math.log2(r["active"] / active)), abs(math.log2(r["group"] / n)), -r["active"])
 
-def p2p_s(cal: dict, nbytes: float) -> float:
-    return cal["p2p"]["latency_s"] + nbytes / (cal["p2p"]["gbps"] * 1e9)
+    r = min(rows, key=distance)
+    lat = r["latency_s"] * _ring_steps(kind, n) / _ring_steps(kind, r["group"])
+    return lat + _ring_bytes(kind, nbytes, n) / (r["gbps"] * 1e9)
 
 
 # ---- the benchmarks ----------------------------------------------------------------------------
@@ -104,111 +168,241 @@ def _gemm_curve(dtype: torch.dtype) -> list[list[float]]:
     return out
 
 
-def _fit(points: list[tuple[int, float]]) -> dict:
-    """Least squares t = latency + bytes / bw (latency >= 0)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    slope = max(slope, 1e-15)
-    return {"latency_s": max(my - slope * mx, 0.0), "gbps": 1 / slope / 1e9, "points": points}
+def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares by the normal equations (a handful of unknowns)."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    return torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).tolist()
 
 
-def _collectives() -> dict:
-    """On each of 2 gloo ranks: median times of all-reduce, all-gather and a send/recv ping."""
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency >= 0, seconds per byte > 0) of t = latency + bytes * slope."""
+    lat, slope = _lstsq([[1.0, b] for b, _ in points], [t for _, t in points])
+    return max(lat, 0.0), max(slope, 1e-15)
+
+
+class _Work:
+    """A fixed slice of training-like compute: a 2-layer MLP forward + backward on 128 tokens of
+    width 128 (GEMMs, an activation, autograd's dispatch), about a millisecond on one core."""
+
+    def __init__(self, dtype: torch.dtype):
+        torch.manual_seed(0)
+        self.x = torch.randn(128, 128, dtype=dtype)
+        self.w1 = torch.randn(128, 512, dtype=dtype, requires_grad=True)
+        self.w2 = torch.randn(512, 128, dtype=dtype, requires_grad=True)
+
+    def __call__(self, n: int = 1) -> None:
+        for _ in range(n):
+            y = torch.nn.functional.gelu(self.x @ self.w1) @ self.w2
+            y.sum().backward()
+            self.w1.grad = self.w2.grad = None
+
+
+def _timed(active: bool, inner: int, body) -> float | None:
+    """Every rank enters; the active ones time ``inner`` rounds of body, the rest sleep in the
+    barrier (gloo waits do not spin, so they take no core)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    res: dict[str, list] = {"allreduce": [], "allgather": [], "p2p": []}
-    for nbytes in COLLECTIVE_BYTES:
-        x = torch.zeros(nbytes // 4)
-        outs = [torch.empty_like(x[: x.numel() // 2]) for _ in range(2)]
-        for kind in res:
-            times = []
-            for _ in range(7):
-                dist.barrier()
-                t = time.perf_counter()
-                if kind == "allreduce":
-                    dist.all_reduce(x)
-                elif kind == "allgather":  # each rank's half: the ring moves what all-reduce's half does
-                    dist.all_gather(outs, x[: x.numel() // 2])
-                elif rank == 0:  # one way: half a round trip
-                    dist.send(x, 1)
-                    dist.recv(x, 1)
-                else:
-                    dist.recv(x, 0)
-                    dist.send(x, 0)
-                dt = time.perf_counter() - t
-                times.append(dt / 2 if kind == "p2p" else dt)
-            res[kind].append((nbytes, statistics.median(times[2:])))
+    dist.barrier()
+    out = None
+    if active:
+        t = time.perf_counter()
+        for _ in range(inner):
+            body()
+        out = (time.perf_counter() - t) / inner
+    dist.barrier()
+    return out
+
+
+def _machine(dtype_name: str, reps: int = 7) -> dict:
+    """On each rank of a spawn of max_ranks(): the concurrency slowdowns and the collectives
+    between compute, for every power-of-two number of active ranks and group size."""
+    import torch.distributed as dist
+
+    from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
+
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = _Work(dtype)
+    work(20)
+    ks = [2**i for i in range(world.bit_length()) if 2**i <= world]
+    # new_group is collective over the world: make every group up front, in the same order.
+    groups = {n: [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)] for n in ks if n > 1}
+    res: dict = {"concurrency": {k: [] for k in ks}, "collectives": {}}
+    for _ in range(reps):  # alternate the counts: the machine's other load drifts
+        for k in ks:
+            res["concurrency"][k].append(_timed(rank < k, 10, lambda: work(1)))
+    bufs = {b: torch.zeros(b // 4, dtype=torch.float32) for b in COLLECTIVE_BYTES}
+    for active in ks[1:]:
+        for n in (g for g in ks[1:] if g <= active):
+            group = groups[n][rank // n]
+            me = dist.get_rank(group) if rank < active else 0
+            for kind in COLLECTIVE_KINDS:
+                if kind == "p2p" and n != 2:
+                    continue
+                for nbytes, x in bufs.items():
+                    inner = 10 if nbytes <= 64 << 10 else 4
+                    shard = x[: x.numel() // n]
+
+                    def coll(kind=kind, x=x, shard=shard, group=group, me=me, n=n):
+                        if kind == "allreduce":
+                            dist.all_reduce(x, group=group)
+                        elif kind == "allgather":  # as the SP and ZeRO code calls them
+                            all_gather_flat(x[: shard.numel() * n], shard.clone(), group)
+                        elif kind == "reduce_scatter":
+                            reduce_scatter_flat(shard, x[: shard.numel() * n].clone(), group)
+                        else:  # a round trip: two one-way messages
+                            peer = dist.get_global_rank(group, 1 - me)
+                            if me == 0:
+                                dist.send(x, peer)
+                                dist.recv(x, peer)
+                            else:
+                                dist.recv(x, peer)
+                                dist.send(x, peer)
+
+                    def both(coll=coll):
+                        work(1)
+                        coll()
+
+                    with_, alone = [], []
+                    for _ in range(reps):  # back to back, so each difference sees the same load
+                        with_.append(_timed(rank < active, inner, both))
+                        alone.append(_timed(rank < active, inner, lambda: work(1)))
+                    if rank < active:
+                        key = f"{kind}/{active}/{n}/{nbytes}"
+                        res["collectives"][key] = [with_, alone]
     return res
 
 
-def _train_step(dtype_flag: list[str]) -> float:
+def _train_runs(dtype_flag: list[str]) -> list[float]:
+    """One rank: the median iteration time of each TRAIN_SHAPES run (iterations after the first 2)."""
+    import contextlib
+
     from megalite.training import pretrain
 
     m = TRAIN_MODEL
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "m.jsonl")
-        pretrain(
-            ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
-            + ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"])]
-            + ["--num-attention-heads", str(m["num_attention_heads"]), "--seq-length", str(m["seq_length"])]
-            + ["--micro-batch-size", str(m["micro_batch_size"])]
-            + ["--global-batch-size", str(m["micro_batch_size"] * TRAIN_MICROBATCHES)]
-            + ["--train-iters", "5", "--log-interval", "1", "--lr", "1e-4", "--metrics-file", metrics]
-            + dtype_flag
-        )
-        times = [
-            r["iteration_time_s"]
-            for r in map(json.loads, Path(metrics).read_text().splitlines())
-            if r.get("kind") == "train"
-        ]
-    return statistics.median(times[2:])
+        for i, (layers, mbs_count) in enumerate(TRAIN_SHAPES):
+            metrics = os.path.join(tmp, f"m{i}.jsonl")
+            with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
+                pretrain(
+                    ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m["vocab_size"])]
+                    + ["--num-layers", str(layers), "--hidden-size", str(m["hidden_size"])]
+                    + ["--num-attention-heads", str(m["num_attention_heads"]), "--seq-length", str(m["seq_length"])]
+                    + ["--micro-batch-size", str(m["micro_batch_size"])]
+                    + ["--global-batch-size", str(m["micro_batch_size"] * mbs_count)]
+                    + ["--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--lr", "1e-4"]
+                    + ["--hidden-dropout", "0", "--attention-dropout", "0", "--metrics-file", metrics]
+                    + dtype_flag
+                )  # fmt: skip
+            times = [
+                r["iteration_time_s"]
+                for r in map(json.loads, Path(metrics).read_text().splitlines())
+                if r.get("kind") == "train"
+            ]
+            out.append(statistics.median(times[2:]))
+    return out
+
+
+def train_model_config():
+    from megalite.model.config import ModelConfig
+
+    m = TRAIN_MODEL
+    return ModelConfig.gpt2(
+        num_layers=1, hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
+        vocab_size=m["vocab_size"],
+    )  # fmt: skip
+
+
+def layer_and_head_flops(config, seq: int, padded_vocab: int) -> tuple[float, float]:
+    """Training FLOPs per token (fwd + bwd) of one transformer layer, and of the logits."""
+    from megalite.metrics import model_flops_per_token
+
+    head = 3.0 * 2 * config.hidden_size * padded_vocab
+    return (model_flops_per_token(config, seq, padded_vocab) - head) / config.num_layers, head
+
+
+def gemm_s(cal: dict, flops: float, d: int) -> float:
+    return flops / (cal["peak_tflops"] * 1e12 * efficiency(cal, d))
+
+
+def _train_terms(gemm: list, peak: float, times: list[float]) -> dict:
+    """The 4-term fit of the training runs, less what the GEMM curve explains."""
+    a, b, d, c = _lstsq([[L * m, m, L, 1.0] for L, m in TRAIN_SHAPES], times)
+    cfg = train_model_config()
+    m = TRAIN_MODEL
+    tokens = m["micro_batch_size"] * m["seq_length"]
+    layer, head = layer_and_head_flops(cfg, m["seq_length"], cfg.padded_vocab_size(1))
+    view = {"gemm": gemm, "peak_tflops": peak}
+    layer_gemm = gemm_s(view, layer * tokens, min(tokens, m["hidden_size"]))
+    head_gemm = gemm_s(view, head * tokens, min(tokens, m["hidden_size"]))
+    return {
+        "model": TRAIN_MODEL,
+        "shapes": [list(s) for s in TRAIN_SHAPES],
+        "measured_s": times,
+        "per_layer_microbatch_s": a,
+        "per_microbatch_s": b,
+        "per_layer_step_s": d,
+        "per_step_s": c,
+        "layer_gemm_s": layer_gemm,
+        "head_gemm_s": head_gemm,
+        # forward + backward: two passes of the layer's non-GEMM work
+        "overhead_s_per_layer_pass": max(a - layer_gemm, 0.0) / 2,
+        "overhead_s_per_microbatch": max(b - head_gemm, 0.0),
+        "overhead_s_per_layer_step": max(d, 0.0),
+        "overhead_s_per_step": max(c, 0.0),
+    }
+
+
+def _machine_terms(per_rank: list[dict]) -> dict:
+    """Slowdowns and collective fits from _machine's per-rank timings (the slowest rank counts:
+    a collective ends when its last rank arrives)."""
+    conc = {}
+    for k in per_rank[0]["concurrency"]:
+        reps = zip(*(r["concurrency"][k] for r in per_rank if r["concurrency"][k][0] is not None))
+        conc[int(k)] = statistics.median(max(rep) for rep in reps)
+    base = conc[1]
+    concurrency = [[k, t / base] for k, t in sorted(conc.items())]
+    added: dict[tuple, list] = {}
+    for key in per_rank[0]["collectives"]:
+        kind, active, group, nbytes = key.split("/")
+        ranks = [r["collectives"][key] for r in per_rank if key in r["collectives"]]
+        # the median of paired differences: robust to the machine's other load drifting
+        diffs = [max(w) - max(a) for w, a in zip(zip(*(w for w, _ in ranks)), zip(*(a for _, a in ranks)))]
+        dt = max(statistics.median(diffs), 0.0) / (2 if kind == "p2p" else 1)
+        added.setdefault((kind, int(active), int(group)), []).append((int(nbytes), dt))
+    collectives = []
+    for (kind, active, group), pts in sorted(added.items()):
+        lat, per_byte = _fit_line(pts)
+        sent = _ring_bytes(kind, 1.0, group)  # the line is per full-buffer byte; bandwidth is per byte sent
+        collectives.append(
+            {"kind": kind, "active": active, "group": group, "latency_s": lat, "gbps": sent / per_byte / 1e9,
+             "points": pts}
+        )  # fmt: skip
+    return {"concurrency": concurrency, "collectives": collectives}
 
 
 def calibrate(dtype: torch.dtype = torch.float32) -> dict:
-    """Run the three benchmarks here; return the calibration (JSON-serialisable)."""
-    from megalite.metrics import model_flops_per_token
-    from megalite.model.config import ModelConfig
+    """Run the benchmarks here; return the calibration (JSON-serialisable)."""
     from megalite.testing import run_distributed
 
     start = time.perf_counter()
     gemm = _gemm_curve(dtype)
     peak = max(t for _, t in gemm)
-    coll = run_distributed(_collectives, 2, timeout=120)
-    # The slower rank's view, per size.
-    fits = {
-        k: _fit([(b, max(r[k][i][1] for r in coll)) for i, (b, _) in enumerate(coll[0][k])]) for k in coll[0]
-    }
     flag = ["--bf16"] if dtype == torch.bfloat16 else []
-    step_s = run_distributed(_train_step, 1, flag, timeout=120)[0]
-    m = TRAIN_MODEL
-    cfg = ModelConfig.gpt2(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
-        vocab_size=300,
-    )  # fmt: skip
-    tokens = m["micro_batch_size"] * m["seq_length"]
-    flops = (
-        model_flops_per_token(cfg, m["seq_length"], cfg.padded_vocab_size(1)) * tokens * TRAIN_MICROBATCHES
+    train = _train_terms(gemm, peak, run_distributed(_train_runs, 1, flag, timeout=300)[0])
+    n_cores = cores()
+    machine = _machine_terms(
+        run_distributed(_machine, max_ranks(n_cores), str(dtype).removeprefix("torch."), timeout=300)
     )
-    eff = efficiency({"gemm": gemm, "peak_tflops": peak}, min(tokens, m["hidden_size"]))
-    gemm_s = flops / (peak * 1e12 * eff)
-    passes = 2  # forward + backward, per layer and microbatch
-    overhead = max(step_s - gemm_s, 0.0) / (m["num_layers"] * TRAIN_MICROBATCHES * passes)
     return {
         "device": "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "cores": os.cpu_count() or 1,
+        "cores": n_cores,
         "peak_tflops": peak,
         "gemm": gemm,
-        **fits,
-        "train_step": {
-            "model": TRAIN_MODEL,
-            "microbatches": TRAIN_MICROBATCHES,
-            "measured_s": step_s,
-            "gemm_s": gemm_s,
-        },  # fmt: skip
-        "overhead_s_per_layer_microbatch": overhead,
+        "train": train,
+        **machine,
         "seconds": time.perf_counter() - start,
     }

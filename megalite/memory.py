@@ -557,23 +557,28 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
     """Bytes rank (pp_rank, dp_rank) holds (any tp_rank: TP ranks hold equal shapes)."""
     layout.validate()
     config.validate(layout.tp)
-    B = dtype_bytes(layout.params_dtype)
-    rows = layout.seq_length // layout.tp if layout.sp else layout.seq_length
-    p2p = B * layout.micro_batch_size * rows * config.hidden_size if layout.pp > 1 else 0
     return RankMemory(
         params=param_bytes(config, layout, pp_rank),
         grads=grad_buffer_bytes(config, layout, pp_rank),
         optimizer=optimizer_bytes(config, layout, pp_rank, dp_rank),
         activations=activation_bytes(config, layout, pp_rank),
-        extra={
-            # One activation and one grad [b, s(/t), h] received per exchange; the activation is
-            # counted in `activations` once its forward saves it.
-            "p2p_buffers": 2 * p2p,
-            "recompute_transient": recompute_transient_bytes(config, layout),
-            "params_gathered": gathered_param_bytes(config, layout, pp_rank),
-        },
+        extra=extra_bytes(config, layout, pp_rank),
         host=optimizer_host_bytes(config, layout, pp_rank, dp_rank),
     )
+
+
+def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> dict[str, int]:
+    """What a rank holds beyond the four measured categories (predict_rank's ``extra``)."""
+    B = dtype_bytes(layout.params_dtype)
+    rows = layout.seq_length // layout.tp if layout.sp else layout.seq_length
+    p2p = B * layout.micro_batch_size * rows * config.hidden_size if layout.pp > 1 else 0
+    return {
+        # One activation and one grad [b, s(/t), h] received per exchange; the activation is
+        # counted in `activations` once its forward saves it.
+        "p2p_buffers": 2 * p2p,
+        "recompute_transient": recompute_transient_bytes(config, layout),
+        "params_gathered": gathered_param_bytes(config, layout, pp_rank),
+    }
 
 
 # ---- Korthikanti et al. 2022, for comparison ------------------------------------------------

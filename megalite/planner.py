@@ -23,6 +23,9 @@ Step time (one global batch, per GPU, all stages alike):
   bucket (``--overlap-grad-reduce``).
 
 The optimizer step and the data loader are not modelled.
+
+With a calibration (``tools/plan.py --calibrate``: this machine's ranks sharing its cores, gloo)
+``with_calibrated_time`` replaces all of the above with measured terms; see its doc.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.errors import MegaliteError
-from megalite.memory import MemoryLayout, RankMemory, predict_rank
+from megalite.memory import MemoryLayout, RankMemory, activation_bytes, extra_bytes, predict_rank
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
 
@@ -84,12 +87,13 @@ EFF_MAX = 0.65  # best end-to-end GEMM + kernel efficiency (fraction of peak) at
 EFF_HALF = 256  # GEMM dimension at which efficiency is half of EFF_MAX
 TP_EXPOSED = 0.7  # fraction of TP communication on the critical path
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-# ZeRO strategies the planner enumerates: name -> MemoryLayout fields. Add "optim_grads_params"
-# here (and its DP communication in `with_time`) when data_parallel has it.
+# ZeRO strategies the planner enumerates: name -> MemoryLayout fields (their DP communication is in
+# `with_time` and `with_calibrated_time`).
 SHARDING = {
     "no_shard": {"use_distributed_optimizer": False},
     "optim": {"use_distributed_optimizer": True},
     "optim_grads": {"use_distributed_optimizer": True, "shard_grads": True},
+    "optim_grads_params": {"use_distributed_optimizer": True, "shard_grads": True, "shard_params": True},
 }
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -129,6 +133,11 @@ class Problem:
     params_dtype: torch.dtype = torch.bfloat16
     device_type: str = "cuda"  # the kernels whose saved tensors the memory model counts
     calibration: dict | None = None  # tools/plan.py --calibrate's JSON: replaces the table's constants
+    # What the search may choose (all by default): e.g. the 2021 paper's runs had neither SP nor
+    # ZeRO and always recomputed (bench/planner.py --published compares with them that way too).
+    sequence_parallel_choices: tuple = (False, True)
+    recompute_choices: tuple = RECOMPUTE_CHOICES
+    sharding_choices: tuple = tuple(SHARDING)
 
 
 def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
@@ -152,10 +161,37 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
     )
 
 
+# The bytes of params, grads and optimizer depend on the model split only, not on the micro-batch,
+# SP or recompute: a planner run meets each split many times, and DDP's bucket split on meta
+# tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept.
+_STATE_FIELDS = (
+    "tp", "pp", "dp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
+    "optimizer_cpu_offload", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
+)  # fmt: skip
+_state_cache: dict = {}
+
+
+def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> RankMemory:
+    """``predict_rank(config, layout, pp_rank)`` (equal, field by field: a test checks), with its
+    state bytes cached per model split."""
+    split = dict((f, getattr(layout, f)) for f in _STATE_FIELDS)
+    if not layout.use_distributed_optimizer:
+        split["dp"] = 1  # only the distributed optimizer pads or shards by dp
+    key = (dataclasses.astuple(config), tuple(split.values()), pp_rank)
+    if key not in _state_cache:
+        full = predict_rank(config, layout, pp_rank)
+        _state_cache[key] = (full.params, full.grads, full.optimizer)
+        return full
+    layout.validate()
+    return RankMemory(
+        *_state_cache[key], activation_bytes(config, layout, pp_rank), extra_bytes(config, layout, pp_rank)
+    )
+
+
 def peak_rank_memory(p: Problem, c: Candidate) -> RankMemory:
     """predict_rank on the first and last stage (the peak stages, see the module doc)."""
     layout = memory_layout(p, c)
-    ranks = [predict_rank(p.config, layout, r) for r in sorted({0, c.pp - 1})]
+    ranks = [rank_memory(p.config, layout, r) for r in sorted({0, c.pp - 1})]
     return max(ranks, key=lambda m: sum(m.categories().values()))
 
 
@@ -185,58 +221,157 @@ def bubble_fraction(pp: int, vp: int, m: int) -> float:
 
 
 def recompute_extra(config: ModelConfig, seq: int, recompute: str) -> float:
-    """Extra FLOPs recompute runs, as a fraction of model FLOPs (fwd + bwd = 3 forwards)."""
+    """Extra FLOPs recompute runs, as a fraction of model FLOPs (fwd + bwd = 3 forwards). Full
+    recompute reruns every layer's forward but not the logits: hardware FLOPs are then Narayanan
+    et al.'s eq. (3), 96 B s l h^2 (1 + s/6h + V/16lh)."""
+    per_token = model_flops_per_token(config, seq, config.padded_vocab_size(1))
     if recompute == "full":
-        return 1 / 3
+        head = 3.0 * 2 * config.hidden_size * config.padded_vocab_size(1)
+        return (per_token - head) / 3 / per_token
     if recompute == "selective":  # the attention core's forward: 4 s h_q per layer and token
         hq = config.num_attention_heads * config.head_dim
-        per_token = model_flops_per_token(config, seq, config.padded_vocab_size(1)) / 3
-        return config.num_layers * 4 * seq * hq / per_token / 3
+        return config.num_layers * 4 * seq * hq / per_token
     return 0.0
 
 
+# ---- time on a calibrated machine (CPU ranks sharing cores) ------------------------------------
+def tp_collectives(c: Candidate) -> dict[str, tuple[int, int]]:
+    """TP collectives one rank runs per microbatch: kind -> (per layer, outside the layers).
+
+    Per layer: the attention and MLP blocks each all-reduce their output in forward and their
+    input grad in backward (4; +2 when full recompute reruns the forward); under SP each
+    all-reduce is an all-gather + reduce-scatter. Outside: the vocab-parallel embedding's
+    all-reduce (SP: reduce-scatter), the head's input-grad all-reduce (SP: all-gather forward and
+    reduce-scatter backward) and the cross entropy's max and sum all-reduces of [b, s] floats
+    (counted with the activation's bytes: an upper bound, they are latency-bound anyway)."""
+    if c.tp == 1:
+        return {}
+    per_layer = 4 + (2 if c.recompute == "full" else 0)
+    if c.sequence_parallel:
+        return {"allgather": (per_layer, 1), "reduce_scatter": (per_layer, 2), "allreduce": (0, 2)}
+    return {"allreduce": (per_layer, 4)}
+
+
+def step_collectives(c: Candidate) -> list[int]:
+    """Group sizes of the small all-reduces of every step (a few floats each): the optimizer's
+    found-inf and grad-norm over the model-parallel group (and over DP when the optimizer is
+    sharded), the loss over DP, SP's norm grads over TP, the tied embedding over its 2 stages."""
+    mp, out = c.tp * c.pp, []
+    sharded = c.sharding != "no_shard"
+    out += [mp] * 2 + [c.dp] * (2 + (1 if sharded else 0))
+    if c.sequence_parallel:
+        out.append(c.tp)
+    if c.pp > 1:
+        out.append(2)
+    return [n for n in out if n > 1]
+
+
+def pipeline_makespan(pp: int, vp: int, m: int, slot_s) -> float:
+    """1F1B / interleaved as its fill-and-drain picture: m*vp + pp - 1 slots of one chunk's
+    forward + backward, stage i busy in slots i .. i + m*vp - 1; ``slot_s(k)`` is a slot's length
+    with k stages busy at once (on shared cores fewer busy stages run faster, so the bubble costs
+    less than its (p-1)/(vm+p-1) share of the step)."""
+    busy = [sum(1 for i in range(pp) if 0 <= j - i < m * vp) for j in range(m * vp + pp - 1)]
+    return sum(slot_s(k) for k in busy)
+
+
 def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
-    """Step time from a calibration (megalite/calibration.py) instead of the table's constants:
-    the measured GEMM curve and peak (shared by ``max(1, ranks / cores)``), a measured overhead
-    per layer x microbatch x pass, gloo collectives as ``latency + bytes / bandwidth``. gloo does
-    not overlap: TP, PP p2p and the DP all-reduce are all exposed."""
-    from megalite import calibration as cal_mod
+    """Step time on a calibrated machine (megalite/calibration.py): every rank of the job on its
+    cores, each term measured on its own.
+
+    * compute, one rank alone: the GEMMs at the measured curve, plus the measured overheads per
+      layer and pass, per microbatch, and per step (the optimizer: per layer held, / dp when
+      sharded);
+    * ranks sharing cores: k ranks computing at once each run ``slowdown(k)`` times slower, k
+      counted per pipeline slot (a stage waiting in the bubble sleeps and frees its core);
+    * communication: each collective at what it adds *between compute* with that many ranks
+      running (gloo blocks: nothing is hidden): TP per layer and microbatch, PP p2p per chunk and
+      microbatch (one message each way), the DP gradient reduction after the last backward
+      (ZeRO-1: reduce-scatter + all-gather; ZeRO-2: a reduce-scatter per microbatch), and the
+      step's small all-reduces."""
+    from megalite import calibration as cm
 
     cal, cfg, s = p.calibration, p.config, p.seq_length
-    n = p.cluster.num_gpus
+    R = p.cluster.num_gpus
     B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
-    tokens_mb = c.micro_batch_size * s
-    share = max(1.0, n / cal["cores"])
-    peak = cal["peak_tflops"] * 1e12 / share
-    flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
-    model_flops_gpu = flops_tok * p.global_batch_size * s / n
-    extra = recompute_extra(cfg, s, c.recompute)
-    eff = cal_mod.efficiency(cal, min(tokens_mb, cfg.hidden_size // c.tp))
-    layers_per_rank = cfg.num_layers / c.pp
+    tokens = c.micro_batch_size * s
+    layers = cfg.num_layers // c.pp  # per rank, all its chunks
+    d = min(tokens, cfg.hidden_size // c.tp)
+    train = cal["train"]
+    layer_f, head_f = cm.layer_and_head_flops(cfg, s, cfg.padded_vocab_size(c.tp))
+    hq = cfg.num_attention_heads * cfg.head_dim
+    rerun = {"full": layer_f / 3, "selective": 4 * s * hq, "none": 0.0}[c.recompute]
     passes = 2 + (1 if c.recompute == "full" else 0)
-    overhead = cal["overhead_s_per_layer_microbatch"] * share * layers_per_rank * m * passes
-    compute = model_flops_gpu * (1 + extra) / (peak * eff) + overhead
-    act = B * tokens_mb * cfg.hidden_size
-    n_collectives = 4 + (2 if c.recompute == "full" else 0)
-    tp = m * layers_per_rank * n_collectives * cal_mod.ring_s(cal, "allreduce", act, c.tp)
+    layer_s = (
+        cm.gemm_s(cal, (layer_f + rerun) * tokens / c.tp, d) + passes * train["overhead_s_per_layer_pass"]
+    )
+    head_s = cm.gemm_s(cal, head_f * tokens / c.tp, d) + train["overhead_s_per_microbatch"]
+    compute_mb = layers * layer_s + head_s  # one microbatch through this rank's chunks
+
+    act = B * tokens * cfg.hidden_size
     p2p_bytes = act / c.tp if c.sequence_parallel else act
-    pp = 0.0 if c.pp == 1 else 2 * m * c.vp * cal_mod.p2p_s(cal, p2p_bytes)
-    busy = compute + tp + pp
-    bubble = busy * bubble_fraction(c.pp, c.vp, m) / (1 - bubble_fraction(c.pp, c.vp, m))
-    grad_bytes = peak_rank_memory(p, c).grads  # under ZeRO-2 this rank's 1/dp shard of the buffer
-    if c.sharding == "optim_grads":  # m reduce-scatters of the whole buffer + one param all-gather
-        dp = cal_mod.ring_s(cal, "allreduce", grad_bytes * c.dp, c.dp) * (m + 1) / 2
-    else:
-        dp = cal_mod.ring_s(cal, "allreduce", grad_bytes, c.dp)
-    step = busy + bubble + dp
-    parts = (("compute", compute), ("tp", tp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
+
+    def comm_mb(active: float) -> tuple[float, float]:
+        tp = sum(
+            (layers * n_layer + n_out) * cm.collective_s(cal, kind, act, c.tp, active)
+            for kind, (n_layer, n_out) in tp_collectives(c).items()
+        )
+        pp = 0.0 if c.pp == 1 else 2 * c.vp * cm.collective_s(cal, "p2p", p2p_bytes, 2, active)
+        return tp, pp
+
+    ranks_per_stage = R // c.pp
+
+    def slot_s(k: int) -> float:
+        active = k * ranks_per_stage
+        tp, pp = comm_mb(active)
+        return (compute_mb * cm.slowdown(cal, active) + tp + pp) / c.vp
+
+    makespan = pipeline_makespan(c.pp, c.vp, m, slot_s)
+    tp_mb, pp_mb = comm_mb(R)
+    busy = m * (compute_mb * cm.slowdown(cal, R) + tp_mb + pp_mb)  # the steady state, all stages busy
+    compute = m * compute_mb * cm.slowdown(cal, R)
+    bubble = makespan - busy
+
+    mem = peak_rank_memory(p, c)
+    grads = mem.grads  # ZeRO-2: this rank's shard of the buffer
+    if c.sharding == "no_shard":
+        dp = cm.collective_s(cal, "allreduce", grads, c.dp, R)
+    elif c.sharding == "optim":  # reduce-scatter the grads, all-gather the updated params
+        dp = cm.collective_s(cal, "reduce_scatter", grads, c.dp, R) + cm.collective_s(
+            cal, "allgather", mem.params, c.dp, R
+        )
+    elif c.sharding == "optim_grads":  # a reduce-scatter of the whole buffer after every microbatch
+        dp = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R) + cm.collective_s(
+            cal, "allgather", mem.params, c.dp, R
+        )
+    else:  # ZeRO-3: ZeRO-2's reduce-scatters; the params (mem.params is the shard) all-gathered
+        # before each microbatch's forward and again before its backward, none after the step
+        dp = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R) + 2 * m * cm.collective_s(
+            cal, "allgather", mem.params * c.dp, c.dp, R
+        )
+    optimizer_layers = layers / (c.dp if c.sharding != "no_shard" else 1)
+    step = (
+        train["overhead_s_per_layer_step"] * optimizer_layers + train["overhead_s_per_step"]
+    ) * cm.slowdown(cal, R) + sum(cm.collective_s(cal, "allreduce", 4, n, R) for n in step_collectives(c))
+    total = makespan + dp + step
+    flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
+    model_flops_gpu = flops_tok * p.global_batch_size * s / R
+    extra = recompute_extra(cfg, s, c.recompute)
+    parts = (
+        ("compute", compute),
+        ("tp", m * tp_mb),
+        ("pp_p2p", m * pp_mb),
+        ("bubble", bubble),
+        ("dp", dp),
+        ("step", step),
+    )
     return dataclasses.replace(
         c,
-        step_time_s=step,
-        mfu=model_flops_gpu / step / peak,
-        tokens_per_sec=p.global_batch_size * s / step,
-        tflops_per_gpu=model_flops_gpu * (1 + extra) / step / 1e12,
+        step_time_s=total,
+        mfu=model_flops_gpu / total / (cal["peak_tflops"] * 1e12),
+        tokens_per_sec=p.global_batch_size * s / total,
+        tflops_per_gpu=model_flops_gpu * (1 + extra) / total / 1e12,
         parts=parts,
     )
 
@@ -280,7 +415,16 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
             # and all-gathers the params once; all but the last microbatch's hide behind compute.
             full_dp = full_dp * (m + 1) / 2
             last_backward += compute * (m - 1) / m
-        dp = max(full_dp - last_backward, full_dp / n_buckets)
+        gathers = 0.0
+        if c.sharding == "optim_grads_params":
+            # ZeRO-3: ZeRO-2's m reduce-scatters (half an all-reduce each), hidden the same way, plus
+            # 2m all-gathers of the B-byte params (forward, backward; half an all-reduce of B/4 the
+            # bytes each), synchronous in the unit hooks, so exposed (the planner's flags do not ask
+            # for --overlap-param-gather's prefetch).
+            gathers = m * full_dp * B / 4
+            full_dp = full_dp * m / 2
+            last_backward += compute * (m - 1) / m
+        dp = max(full_dp - last_backward, full_dp / n_buckets) + gathers
     step = busy + bubble + dp
     tokens_per_sec = p.global_batch_size * s / step
     mfu = model_flops_gpu / step / (gpu.peak_tflops * 1e12)
@@ -312,8 +456,11 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
     for tp in divisors(n):
         if cfg.num_attention_heads % tp or cfg.query_groups % tp or cfg.ffn_size % tp:
             continue
-        if tp > p.cluster.gpus_per_node and not cross_node_tp:
+        gpn = p.cluster.gpus_per_node
+        if tp > gpn and not cross_node_tp:
             continue
+        if (gpn % tp if tp <= gpn else tp % gpn) and n > gpn:
+            continue  # a TP group must be whole nodes or fit in one: none may straddle two
         for pp in divisors(n // tp):
             if cfg.num_layers % pp:
                 continue
@@ -326,9 +473,14 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                 if pp > 1 and m % pp == 0:
                     vps += [v for v in divisors(cfg.num_layers // pp) if 1 < v <= 8]
                 for vp in vps:
-                    for sp in (False, True) if tp > 1 and p.seq_length % tp == 0 else (False,):
-                        for rc in RECOMPUTE_CHOICES:
-                            for sharding in SHARDING:
+                    sps = [
+                        sp
+                        for sp in p.sequence_parallel_choices
+                        if not sp or (tp > 1 and p.seq_length % tp == 0)
+                    ]
+                    for sp in sps:
+                        for rc in p.recompute_choices:
+                            for sharding in p.sharding_choices:
                                 if sharding != "no_shard" and dp == 1:
                                     continue
                                 yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding)
@@ -351,6 +503,8 @@ def plan(p: Problem) -> list[Candidate]:
     found = list(_fitting(p, None, False))
     if not found and p.cluster.num_gpus > p.cluster.gpus_per_node:
         found = list(_fitting(p, None, True))
+    if not found and next(layouts(p, None, True), None) is None:
+        raise PlanError(no_layout_message(p))
     if not found:
         raise PlanError(no_fit_message(p))
     ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
@@ -368,6 +522,17 @@ def smallest_gpu_count(p: Problem, limit: int = 1 << 16) -> int | None:
         if next(_fitting(p, n, n > gpn), None) is not None:
             return n
     return None
+
+
+def no_layout_message(p: Problem) -> str:
+    """No tp x pp x dp of the GPU count divides the model and the batch, whatever the memory."""
+    cfg, n = p.config, p.cluster.num_gpus
+    return (
+        f"no layout of --num-gpus {n} exists for --num-layers {cfg.num_layers}, --num-attention-heads "
+        f"{cfg.num_attention_heads} and --global-batch-size {p.global_batch_size}: tp must divide the heads "
+        f"(and --gpus-per-node {p.cluster.gpus_per_node}), pp the layers, and micro-batch x dp the global "
+        "batch; change --num-gpus or --global-batch-size"
+    )
 
 
 def no_fit_message(p: Problem) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,24 @@ def test_ranking_keeps_tp_inside_a_node_unless_nothing_else_fits():
 def test_too_big_names_the_smallest_gpu_count():
     with pytest.raises(planner.PlanError, match=r"--num-gpus 1 .*the smallest that fits is --num-gpus \d+"):
         planner.plan(_small(gpus=1, memory=2.05, gbs=8))
+    # ... and that count does fit, the one below it does not
+    n = planner.smallest_gpu_count(_small(gpus=1, memory=2.05, gbs=8))
+    assert planner.plan(_small(gpus=n, memory=2.05, gbs=8))
+    below = max(k for k in (1, 2, 4, 8) if k < n) if n <= 8 else n - 8
+    with pytest.raises(planner.PlanError):
+        planner.plan(_small(gpus=below, memory=2.05, gbs=8))
+
+
+def test_tool_prints_the_smallest_gpu_count_and_names_impossible_flags():
+    out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "2.05",
+                "--global-batch-size", "8")  # fmt: skip
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert re.search(r"the smallest that fits is --num-gpus \d+", out.stderr), out.stderr
+    # 3 layers, a batch of 1 on 16 GPUs: dp = 1, tp <= 8, so pp would have to be 2+ and divide 3
+    flags = ["--num-layers", "3", *SMALL_FLAGS[2:-4], "--num-gpus", "16", "--gpus-per-node", "8"]
+    out = _tool(*flags, "--global-batch-size", "1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--num-layers 3" in out.stderr and "--global-batch-size 1" in out.stderr, out.stderr
 
 
 def _tool(*argv):
@@ -204,8 +223,13 @@ def test_bad_flags_are_one_line(extra, flag):
 
 CAL = {
     "cores": 2, "peak_tflops": 0.1, "gemm": [[32, 0.02], [128, 0.06], [512, 0.1]],
-    "allreduce": {"latency_s": 5e-4, "gbps": 1.0}, "allgather": {"latency_s": 5e-4, "gbps": 1.0},
-    "p2p": {"latency_s": 5e-5, "gbps": 3.0}, "overhead_s_per_layer_microbatch": 1e-3,
+    "train": {"overhead_s_per_layer_pass": 1e-3, "overhead_s_per_microbatch": 2e-3,
+              "overhead_s_per_layer_step": 5e-4, "overhead_s_per_step": 1e-3},
+    "concurrency": [[1, 1.0], [2, 1.0], [4, 2.0]],
+    "collectives": [
+        {"kind": k, "active": a, "group": g, "latency_s": lat, "gbps": 1.0}
+        for k in ("allreduce", "allgather", "reduce_scatter") for a, g, lat in ((2, 2, 1e-3), (4, 2, 2e-3), (4, 4, 6e-3))
+    ] + [{"kind": "p2p", "active": a, "group": 2, "latency_s": 5e-4 * a, "gbps": 3.0} for a in (2, 4)],
 }  # fmt: skip
 
 
@@ -224,11 +248,114 @@ def test_calibration_replaces_the_table(tmp_path):
     )
     with pytest.raises(calibration.MegaliteError, match="--calibration"):
         calibration.load(tmp_path / "missing.json")
+    (tmp_path / "old.json").write_text(json.dumps({"peak_tflops": 1.0}))
+    with pytest.raises(calibration.MegaliteError, match="rerun tools/plan.py --calibrate"):
+        calibration.load(tmp_path / "old.json")
     (tmp_path / "c.json").write_text(json.dumps(CAL))
     out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "16",
                 "--calibration", str(tmp_path / "c.json"), "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["candidates"][0]["step_time_s"] > 0
+
+
+def test_calibrated_terms_are_the_measured_ones():
+    """The calibrated model's pieces, by hand: slowdown and collectives read off the measured
+    points (and carried over per ring step / in proportion beyond them), the pipeline's slots
+    cost by how many stages are busy."""
+    from megalite import calibration
+
+    assert calibration.slowdown(CAL, 3) == pytest.approx(1.5) and calibration.slowdown(CAL, 8) == 4.0
+    # measured (active 4, group 4): latency + 2(n-1)/n bytes / bandwidth
+    assert calibration.collective_s(CAL, "allreduce", 1e6, 4, 4) == pytest.approx(6e-3 + 1.5e6 / 1e9)
+    # group 8 at 4 active: group 4's latency per ring step (14 / 6 steps), its bandwidth
+    assert calibration.collective_s(CAL, "allreduce", 1e6, 8, 4) == pytest.approx(
+        6e-3 * 14 / 6 + 1.75e6 / 1e9
+    )
+    assert calibration.collective_s(CAL, "p2p", 3e6, 2, 4) == pytest.approx(2e-3 + 1e-3)
+    assert calibration.collective_s(CAL, "allreduce", 1e6, 1, 4) == 0.0
+    # 1F1B, 2 stages, 4 microbatches: 5 slots, the first and last with one stage busy
+    assert planner.pipeline_makespan(2, 1, 4, lambda k: float(k)) == 1 + 2 * 3 + 1
+    assert planner.pipeline_makespan(2, 2, 4, lambda k: 1.0) == 4 * 2 + 1  # interleaved: v m + p - 1
+    # with dedicated cores (slot time independent of k) the bubble is (p - 1) / (v m + p - 1)
+    p, v, m = 4, 2, 8
+    assert 1 - m * v / planner.pipeline_makespan(p, v, m, lambda k: 1.0) == pytest.approx(
+        planner.bubble_fraction(p, v, m)
+    )
+
+
+# ---- published configurations: Narayanan et al. 2021, Korthikanti et al. 2022 ------------------
+GPT3 = dict(
+    num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200, max_position_embeddings=2048
+)
+
+
+def _gpt3(**kw) -> ModelConfig:
+    return ModelConfig.gpt2(**{**GPT3, **kw})
+
+
+def test_gpt3_parameters_and_flops_are_narayanans_equations():
+    """Eq. (2): P = 12 l h^2 (1 + 13/12h + (V + s)/12lh) (+ the final LayerNorm's 2h, which the
+    paper drops); eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step with full recompute,
+    the hardware FLOPs the paper's TFLOP/s count: the planner's tflops_per_gpu numerator."""
+    from megalite.metrics import model_flops_per_token
+
+    cfg, s = _gpt3(), 2048
+    L, h, V = 96, 12288, 51200
+    layout = MemoryLayout(seq_length=s, params_dtype=torch.float16, device_type="cuda")
+    params = predict_rank(cfg, layout, 0).params // 2
+    assert params == 12 * L * h**2 + 13 * L * h + (V + s) * h + 2 * h  # eq. (2) multiplied out
+    assert params - 2 * h == pytest.approx(
+        12 * L * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * L * h)), rel=1e-12
+    )
+    assert 174.5e9 < params < 174.7e9  # "175B"
+    eq3 = 96 * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))  # per sequence
+    hardware = model_flops_per_token(cfg, s, V) * s * (1 + planner.recompute_extra(cfg, s, "full"))
+    assert hardware == pytest.approx(eq3, rel=1e-12)
+
+
+@pytest.mark.parametrize("t,p", [(8, 12), (8, 8)])
+def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
+    """GPT-3 175B per rank, 16-bit, CUDA kernels (1-byte dropout masks, flash attention):
+
+    * states: (2 + 4 + 12) bytes per parameter held (fp16 weight, fp32 grad buffer as Megatron-LM
+      accumulates, fp32 main copy + Adam's two moments; ZeRO's accounting has 16 with 16-bit
+      grads), the embedding on stage 0;
+    * activations of stage 0 under 1F1B: p microbatches in flight x l/p layers = l layers of
+      Korthikanti et al.'s per-layer bytes, sbh(10 + 24/t + 5as/ht) with TP, 34sbh/t with SP +
+      selective recompute, where flash attention keeps no s x s scores (-5as/ht per layer, +4a/t
+      logsumexp bytes per token) and the LayerNorms keep fp32 statistics (+16 per token); plus
+      the embedding's own (its dropout mask and ids) -- within 1%."""
+    cfg, s, b, h, a, L = _gpt3(hidden_dropout=0.1, attention_dropout=0.1), 2048, 1, 12288, 96, 96
+    m = 4 * p
+    base = dict(tp=t, pp=p, seq_length=s, micro_batch_size=b, num_microbatches=m,
+                params_dtype=torch.float16, device_type="cuda")  # fmt: skip
+    mem = predict_rank(cfg, MemoryLayout(**base), 0)
+    held = mem.params // 2
+    # per layer: 12h^2/t weights, the column-parallel biases 7h/t, the row-parallel biases and two
+    # LayerNorms 6h replicated; stage 0 adds the vocab-parallel embedding and the positions
+    assert held == L // p * (12 * h * h // t + 7 * h // t + 6 * h) + 51200 * h // t + s * h
+    assert mem.grads == 4 * held  # the fp32 buffer, unpadded without the distributed optimizer
+    assert 0 <= mem.optimizer - 12 * held < 1e4  # + Adam's 4-byte step per param tensor
+    paper = L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    flash = L * s * b * (-5 * a * s / t + 4 * a / t + 16)
+    assert relative_error(mem.activations, paper + flash) < 0.01
+    sp = predict_rank(cfg, MemoryLayout(**base, sequence_parallel=True, recompute_granularity="selective"), 0)
+    assert relative_error(sp.activations, L * s * b * h * 34 / t) < 0.01
+    # the planner reports this same prediction for the layout
+    problem = planner.Problem(cfg, planner.Cluster(t * p, 8, planner.GPUS["A100-80GB"]), s, m, torch.float16)
+    got = planner.with_memory(problem, planner.Candidate(t, p, 1, 1, b, False, "none", "no_shard"))
+    assert got.memory_per_rank_gb * planner.GIB == max(
+        sum(predict_rank(cfg, MemoryLayout(**base), r).categories().values()) for r in (0, p - 1)
+    )
+
+
+def test_rank_memory_is_predict_rank_with_cached_state_bytes():
+    p = _small()
+    for c in list(planner.layouts(p))[::53]:
+        layout = planner.memory_layout(p, c)
+        for r in range(c.pp):
+            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)
+            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)  # cached
 
 
 # ---- pretrain_gpt.py's start-up check (issue #15) -----------------------------------------------

@@ -105,11 +105,21 @@ def plan(argv=None) -> int:
         cal = calibration.calibrate(torch.bfloat16 if args.bf16 else torch.float32)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cal, indent=1))
+        t, ar = (
+            cal["train"],
+            {(r["active"], r["group"]): r for r in cal["collectives"] if r["kind"] == "allreduce"},
+        )
+        ar2 = ar.get((2, 2))
         print(
             f"calibrated in {cal['seconds']:.0f} s -> {path}: peak {cal['peak_tflops'] * 1e3:.1f} GFLOP/s per thread, "
-            f"all-reduce {cal['allreduce']['gbps']:.2f} GB/s + {cal['allreduce']['latency_s'] * 1e6:.0f} us, "
-            f"p2p {cal['p2p']['gbps']:.2f} GB/s + {cal['p2p']['latency_s'] * 1e6:.0f} us, "
-            f"overhead {cal['overhead_s_per_layer_microbatch'] * 1e3:.2f} ms per layer x microbatch x pass"
+            f"overhead {t['overhead_s_per_layer_pass'] * 1e3:.2f} ms per layer x pass, "
+            f"{t['overhead_s_per_microbatch'] * 1e3:.2f} ms per microbatch, {t['overhead_s_per_step'] * 1e3:.1f} ms per step; "
+            + ", ".join(f"{k} ranks at once {s:.2f}x slower" for k, s in cal["concurrency"][1:])
+            + (
+                f"; all-reduce of 2 between compute {ar2['latency_s'] * 1e6:.0f} us + bytes at {ar2['gbps']:.2f} GB/s"
+                if ar2
+                else ""
+            )
         )
         if args.num_gpus is None:
             return 0
