@@ -285,7 +285,10 @@ class SelfAttention(nn.Module):
             gqa = {"enable_gqa": True}
         dropout_p = self.attention_dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
-        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+        # Without dropout SDPA draws nothing, so no fork: the RNG swap is a graph break under
+        # --torch-compile, and skipping it leaves the streams exactly where the fork would.
+        fork = self.rng is not None and dropout_p > 0.0
+        with self.rng.fork() if fork else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
 
 
@@ -630,6 +633,12 @@ class GPTModel(nn.Module):
         hidden = self.decoder(hidden, rope)  # [b, s, h] ([b, s/t, h])
         if not self.post_process:
             return hidden
+        return self.output(hidden, labels)
+
+    def output(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Last stage: final-normed hidden [b, s, h] ([b, s/t, h] under SP) -> logits
+        [b, s, V_pad/tp] (no labels) or the per-token loss [b, s] (a region of its own for
+        :func:`compile_layers`)."""
         # Column-parallel head (tied on one stage: the embedding matrix itself); SP gathers the
         # sequence first. The input's grad is summed (reduce-scattered) over TP in backward.
         head = self.output_layer if self.output_layer is not None else self.embedding.word_embeddings
@@ -692,9 +701,15 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
+    mode = None if mode == "default" else mode
     for chunk in chunks:
         for layer in chunk.decoder.layers.values():
-            layer.compile(mode=None if mode == "default" else mode)
+            layer.compile(mode=mode)
+        if chunk.embedding is not None:
+            chunk.embedding.compile(mode=mode)
+        if chunk.post_process:
+            chunk.decoder.final_norm.compile(mode=mode)
+            chunk.output = torch.compile(chunk.output, mode=mode)
 
 
 __all__ = [
