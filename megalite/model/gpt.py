@@ -196,6 +196,11 @@ def _sdpa_has_enable_gqa() -> bool:
 
 SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
 
+# Selective recompute inside a compiled layer (--torch-compile): dynamo cannot trace a checkpoint
+# whose context_fn swaps the TP RNG stream, so the recomputed attention core runs eagerly, between
+# the layer's two compiled graphs (a graph break on purpose; the core is one SDPA kernel anyway).
+_recompute_outside_dynamo = torch.compiler.disable(tp_random.recompute)
+
 
 def repeats_kv(q_per_group: int, enable_gqa: bool = SDPA_ENABLE_GQA) -> bool:
     """Whether core_attention copies each k/v head per query head (``repeat_interleave``) before
@@ -267,7 +272,7 @@ class SelfAttention(nn.Module):
         if self.selective_recompute and torch.is_grad_enabled():
             # Megatron's selective recompute: keep q, k, v; rerun the core (the part whose
             # memory grows with s^2) in backward, with the same dropout masks.
-            out = tp_random.recompute(self.core_attention, self.rng, q, k, v)
+            out = _recompute_outside_dynamo(self.core_attention, self.rng, q, k, v)
         else:
             out = self.core_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * d)  # [b, s, heads/tp * d]
