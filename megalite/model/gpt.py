@@ -686,16 +686,24 @@ def build_model_chunks(
 
 
 def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
-    """``--torch-compile``: compile each transformer layer of ``chunks`` separately, in place.
+    """``--torch-compile``: compile each transformer layer of ``chunks`` separately, in place,
+    and the regions around them: the embedding, the final norm and the output layer + loss.
 
     Regional compilation (torchtitan's): one small graph per layer keeps compile time
     bounded (identical layers reuse the compiled code) and composes with pipeline chunks,
-    interleaving and recompute, which call layers one by one. ``nn.Module.compile`` keeps
-    the module tree, so parameter names, ``state_dict`` keys and checkpoints are unchanged.
+    interleaving and recompute, which call layers one by one. The output layer and the
+    vocab-parallel cross entropy form one more region: with a large vocabulary their
+    elementwise passes over ``[b, s, V/tp]`` (max, exp, sum, softmax, its gradient) cost more
+    than the layers' and fuse into two loops. ``nn.Module.compile`` keeps the module tree, so
+    parameter names, ``state_dict`` keys and checkpoints are unchanged.
+
     Dropout keeps drawing from torch's RNG as in eager (``fallback_random``), so the RNG
-    streams, recompute's replay and resume behave exactly as without compile. TP collectives
-    inside a layer (in the autograd functions of ``mappings``) are left to dynamo, which
-    graph-breaks around them: the breaks sit at the TP boundaries (see docs/performance.md).
+    streams, recompute's replay and resume behave exactly as without compile. The TP
+    collectives of ``parallel/mappings.py`` (``dist.all_reduce`` & co. inside autograd
+    functions) stay inside the graphs: dynamo rewrites them into traceable functional
+    collectives, forward and backward. The graph breaks are on purpose: the TP RNG fork
+    (attention dropout, dropout under sequence parallelism; dynamo cannot swap RNG states) and
+    selective recompute's checkpoint (see ``_recompute_outside_dynamo``).
     """
     from megalite.errors import MegaliteError
 
