@@ -85,7 +85,11 @@ def timed_first_step(model, tokens) -> float:
 def bench(flavour: str, vocab: int, repeats: int, steps: int, b: int = 2, s: int = 256) -> dict:
     from megalite.model.gpt import compile_layers
 
-    models = {"eager": build(flavour, vocab), "layers": build(flavour, vocab), "compiled": build(flavour, vocab)}
+    models = {
+        "eager": build(flavour, vocab),
+        "layers": build(flavour, vocab),
+        "compiled": build(flavour, vocab),
+    }
     for layer in models["layers"].decoder.layers.values():
         layer.compile()
     compile_layers([models["compiled"]])
@@ -184,9 +188,9 @@ def tp2pp2_rank(iters: int, tmp: str) -> dict:
         for name, extra in variants.items():
             path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
             steps: list[float] = []
-            with breaks_at_collectives() if name == "breaks" else contextlib.nullcontext():
-                with cpu_time_per_step(steps):
-                    pretrain(tp2pp2_argv(iters, path) + extra)
+            breaks = breaks_at_collectives() if name == "breaks" else contextlib.nullcontext()
+            with breaks, cpu_time_per_step(steps):
+                pretrain(tp2pp2_argv(iters, path) + extra)
             dist.barrier()
             cpu[name] += steps[1:]
             if os.path.exists(path):  # the logging rank's
