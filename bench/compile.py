@@ -1,26 +1,47 @@
-"""Compiled (--torch-compile: each layer compiled) vs eager tokens/s, GPT-2 and Llama, one process.
+"""--torch-compile vs eager: tokens/s, compile time, TP collectives in the graph vs graph breaks, cache.
 
-    python bench/compile.py [--repeats 5] [--steps 3]
+    python bench/compile.py [--repeats 7] [--steps 3] [--vocab-size 1024]   # one process
+    python bench/compile.py --tp2pp2 [--iters 8]                           # one spawn, 4 ranks
+    python bench/compile.py --cache                                        # second start vs first
 
-Hidden 256, seq 256, 4 layers, micro batch 2, fp32, forward + backward. Eager and compiled
-models (same weights) alternate step blocks, ``--repeats`` times; the median tokens/s of each is
-reported, with the compile time (the first compiled step minus an eager step). The machine
-is shared and noisy: compare the two columns of one run, not figures across runs. JSON on stdout.
+One process: GPT-2 and Llama, 4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32,
+forward + backward, built as pretrain() builds them (with the TP RNG streams). Three copies of
+the model alternate step blocks ``--repeats`` times: eager, only the transformer layers compiled,
+and what ``--torch-compile`` compiles (layers + embedding + final norm + output layer and
+loss). Median tokens/s of each, per second of this process's CPU time (one thread: the wall
+clock when the core is not shared, while other processes' load does not count), and the
+wall-clock ratio too; compile time = the first step minus an eager step (wall clock).
+
+``--tp2pp2``: pretrain() at tp2 x pp2 (4 ranks, one spawn, same model, global batch 8), eager,
+compiled with the TP collectives traced into the graphs (dynamo turns ``dist.all_reduce`` & co.
+into functional collectives), and compiled with a graph break at each TP collective (the
+collectives wrapped in ``torch.compiler.disable``); two rounds, the second on warm caches.
+Medians over the non-first iterations of both rounds: the CPU-seconds of an iteration summed
+over the 4 ranks (the work; 4 ranks share 2 cores here, so the wall clock mostly measures the
+contention) and the logging rank's wall-clock iteration time.
+
+``--cache``: three fresh processes compile the same model: with an empty inductor cache dir
+(``TORCHINDUCTOR_CACHE_DIR``), again with that (now warm) dir, and with another empty dir after
+loading the first process's ``torch.compiler.save_cache_artifacts()`` ("mega-cache"). Compile
+time of the first step, wall clock and CPU seconds (with the C++ compiler's).
+
+The machine is shared and noisy: compare the columns of one run, not figures across runs.
+JSON on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
-
-from megalite.model import ModelConfig
-from megalite.model.gpt import GPTModel, compile_layers
-from megalite.parallel.mesh import Mesh
 
 FLAVOURS = {
     "gpt2": {},
@@ -33,6 +54,21 @@ FLAVOURS = {
         num_query_groups=2,
     ),
 }
+SHAPE = "4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32, fwd+bwd"
+
+
+def build(flavour: str, vocab: int, s: int = 256):
+    from megalite.model import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.mesh import Mesh
+    from megalite.parallel.random import set_random_seed
+
+    config = ModelConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=vocab, max_position_embeddings=s,
+        hidden_dropout=0.0, attention_dropout=0.0, **FLAVOURS[flavour],
+    )  # fmt: skip
+    mesh = Mesh.single()
+    return GPTModel(config, mesh, rng=set_random_seed(1234, mesh, "cpu"))
 
 
 def step(model, tokens) -> None:
@@ -40,36 +76,207 @@ def step(model, tokens) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def bench(flavour: str, repeats: int, steps: int, b: int = 2, s: int = 256) -> dict:
-    config = ModelConfig(
-        num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024, max_position_embeddings=s,
-        hidden_dropout=0.0, attention_dropout=0.0, **FLAVOURS[flavour],
-    )  # fmt: skip
-    eager = GPTModel(config, Mesh.single())
-    compiled = copy.deepcopy(eager)
-    compile_layers([compiled])
-    tokens = torch.randint(0, config.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+def timed_first_step(model, tokens) -> float:
     t0 = time.perf_counter()
-    step(eager, tokens)
-    eager_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    step(compiled, tokens)
-    compile_s = time.perf_counter() - t0 - eager_first
-    rates = {"eager": [], "compiled": []}
+    step(model, tokens)
+    return time.perf_counter() - t0
+
+
+def bench(flavour: str, vocab: int, repeats: int, steps: int, b: int = 2, s: int = 256) -> dict:
+    from megalite.model.gpt import compile_layers
+
+    models = {
+        "eager": build(flavour, vocab),
+        "layers": build(flavour, vocab),
+        "compiled": build(flavour, vocab),
+    }
+    for layer in models["layers"].decoder.layers.values():
+        layer.compile()
+    compile_layers([models["compiled"]])
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    first = {name: timed_first_step(m, tokens) for name, m in models.items()}
+    rates = {name: [] for name in models}  # tokens per second of this process's CPU time
+    wall = {name: [] for name in models}
     for _ in range(repeats):
-        for name, model in (("eager", eager), ("compiled", compiled)):
-            t0 = time.perf_counter()
+        for name, model in models.items():
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step(model, tokens)
-            rates[name].append(steps * b * s / (time.perf_counter() - t0))
-    e, c = statistics.median(rates["eager"]), statistics.median(rates["compiled"])
+            rates[name].append(steps * b * s / (time.process_time() - c0))
+            wall[name].append(steps * b * s / (time.perf_counter() - t0))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    med_wall = {k: statistics.median(v) for k, v in wall.items()}
     return {
         "flavour": flavour,
-        "eager_tokens_per_s": round(e),
-        "compiled_tokens_per_s": round(c),
-        "speedup": round(c / e, 3),
-        "compile_s": round(compile_s, 1),
+        "vocab": vocab,
+        "eager_tokens_per_s": round(med["eager"]),
+        "layers_only_tokens_per_s": round(med["layers"]),
+        "compiled_tokens_per_s": round(med["compiled"]),
+        "speedup_layers_only": round(med["layers"] / med["eager"], 3),
+        "speedup": round(med["compiled"] / med["eager"], 3),
+        "speedup_wall_clock": round(med_wall["compiled"] / med_wall["eager"], 3),
+        "compile_s": round(first["compiled"] - first["eager"], 1),
         "samples": {k: [round(x) for x in v] for k, v in rates.items()},
+    }
+
+
+# ---- tp2 x pp2 -----------------------------------------------------------------------------
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+                "reduce_scatter_single", "all_gather")  # fmt: skip
+
+
+@contextlib.contextmanager
+def breaks_at_collectives():
+    """Dynamo traces ``dist.all_reduce`` & co. as functional collectives; wrapped in
+    ``torch.compiler.disable`` they break the graph instead (the autograd functions of
+    ``parallel/mappings.py`` then run eagerly, between compiled pieces)."""
+    import torch.distributed as dist
+
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    for n, f in saved.items():
+        setattr(dist, n, torch.compiler.disable(f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def tp2pp2_argv(iters: int, metrics_file: str) -> list[str]:
+    return [
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023",
+        "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "1e-4",
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--log-interval", "1",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--metrics-file", metrics_file,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def cpu_time_per_step(out: list[float]):
+    """Record this process's CPU time of each train_step (gloo waits block, they do not spin)."""
+    import megalite.training as training
+
+    orig = training.train_step
+
+    def timed(*args, **kwargs):
+        c0 = time.process_time()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            out.append(time.process_time() - c0)
+
+    training.train_step = timed
+    try:
+        yield
+    finally:
+        training.train_step = orig
+
+
+def tp2pp2_rank(iters: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
+    from megalite.training import pretrain
+
+    variants = {"eager": [], "compiled": ["--torch-compile"], "breaks": ["--torch-compile"]}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    first: dict[str, list[float]] = {v: [] for v in variants}
+    for rnd in range(2):
+        for name, extra in variants.items():
+            path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
+            steps: list[float] = []
+            breaks = breaks_at_collectives() if name == "breaks" else contextlib.nullcontext()
+            with breaks, cpu_time_per_step(steps):
+                pretrain(tp2pp2_argv(iters, path) + extra)
+            dist.barrier()
+            cpu[name] += steps[1:]
+            if os.path.exists(path):  # the logging rank's
+                with open(path) as f:
+                    its = [json.loads(x) for x in f]
+                its = [x["iteration_time_s"] for x in its if x["kind"] == "train"]
+                first[name].append(its[0])
+                wall[name] += its[1:]
+    return {"wall": wall, "cpu": cpu, "first": first}
+
+
+def tp2pp2(iters: int) -> dict:
+    from megalite.testing import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = run_distributed(tp2pp2_rank, 4, iters, tmp, timeout=1800)
+    logger = next(r for r in ranks if r["first"]["eager"])
+    wall = {k: statistics.median(v) for k, v in logger["wall"].items()}
+    # CPU-seconds of one iteration summed over the 4 ranks: the work, whatever else runs.
+    cpu = {k: statistics.median(map(sum, zip(*(r["cpu"][k] for r in ranks)))) for k in wall}
+    tokens = 8 * 256
+    return {
+        "layout": "tp2 x pp2 (4 ranks, dp1), global batch 8 (4 microbatches of 2), " + SHAPE,
+        "cpu_s_per_iteration_all_ranks": {k: round(v, 3) for k, v in cpu.items()},
+        "speedup_traced_collectives": round(cpu["eager"] / cpu["compiled"], 3),
+        "speedup_graph_breaks": round(cpu["eager"] / cpu["breaks"], 3),
+        "wall_tokens_per_s": {k: round(tokens / v) for k, v in wall.items()},
+        "wall_speedup_traced_collectives": round(wall["eager"] / wall["compiled"], 3),
+        "wall_speedup_graph_breaks": round(wall["eager"] / wall["breaks"], 3),
+        "first_iteration_s": {k: [round(x, 1) for x in v] for k, v in logger["first"].items()},
+    }
+
+
+# ---- compile cache -------------------------------------------------------------------------
+def cache_child(flavour: str, vocab: int, load: str | None, save: str | None) -> None:
+    """One fresh process: compile and time the first step (minus an eager one)."""
+    from megalite.model.gpt import compile_layers
+
+    if load:
+        with open(load, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
+    import resource
+
+    def cpu() -> float:  # this process and its finished children (the C++ compiler)
+        r, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+
+    tokens = torch.randint(0, vocab, (2, 257), generator=torch.Generator().manual_seed(0))
+    c0 = cpu()
+    eager_s = timed_first_step(build(flavour, vocab), tokens)
+    eager_cpu = cpu() - c0
+    model = build(flavour, vocab)
+    compile_layers([model])
+    c0 = cpu()
+    compile_s = timed_first_step(model, tokens) - eager_s
+    compile_cpu = cpu() - c0 - eager_cpu
+    if save:
+        artifacts = torch.compiler.save_cache_artifacts()
+        with open(save, "wb") as f:
+            f.write(artifacts[0] if artifacts else b"")
+    print(json.dumps({"compile_s": compile_s, "compile_cpu_s": compile_cpu}))
+
+
+def cache(flavour: str, vocab: int) -> dict:
+    def child(cache_dir: str, load=None, save=None) -> float:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+        cmd = [sys.executable, __file__, "--cache-child", flavour, "--vocab-size", str(vocab)]
+        cmd += ["--load", load] if load else []
+        cmd += ["--save", save] if save else []
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        return {"wall_s": round(r["compile_s"], 1), "cpu_s": round(r["compile_cpu_s"], 1)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        blob = os.path.join(tmp, "mega-cache.bin")
+        a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+        cold = child(a, save=blob)
+        warm = child(a)
+        mega = child(b, load=blob)
+        size = os.path.getsize(blob)
+    return {
+        "flavour": flavour,
+        "first_start": cold,
+        "second_start_same_cache_dir": warm,
+        "fresh_dir_with_mega_cache": mega,
+        "mega_cache_bytes": size,
     }
 
 
@@ -77,14 +284,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--flavours", nargs="+", default=list(FLAVOURS), choices=list(FLAVOURS))
+    p.add_argument("--tp2pp2", action="store_true", help="pretrain() at tp2 x pp2 instead (4 ranks)")
+    p.add_argument("--iters", type=int, default=8, help="with --tp2pp2: iterations per run")
+    p.add_argument("--cache", action="store_true", help="compile time: first vs second start")
+    p.add_argument("--cache-child", choices=list(FLAVOURS), help=argparse.SUPPRESS)
+    p.add_argument("--load", help=argparse.SUPPRESS)
+    p.add_argument("--save", help=argparse.SUPPRESS)
     a = p.parse_args()
-    out = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "shape": "4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32, fwd+bwd",
-        "results": [bench(f, a.repeats, a.steps) for f in a.flavours],
-    }
+    if a.cache_child:
+        return cache_child(a.cache_child, a.vocab_size, a.load, a.save)
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "shape": SHAPE}
+    if a.tp2pp2:
+        out["tp2pp2"] = tp2pp2(a.iters)
+    elif a.cache:
+        out["cache"] = [cache(f, a.vocab_size) for f in a.flavours]
+    else:
+        out["results"] = [bench(f, a.vocab_size, a.repeats, a.steps) for f in a.flavours]
     print(json.dumps(out, indent=1))
 
 

@@ -1,42 +1,80 @@
-"""--torch-compile (regional, per transformer layer): same losses as eager at tp2 x pp2 x dp2 (1F1B).
+"""--torch-compile: the same losses as eager at tp2 x pp2 x dp2, for both flavours, and exact resume.
 
-One spawn, two runs of 3 iterations in fp32, WITH dropout: eager, then compiled with full
-recompute. Compiled dropout draws from torch's RNG as eager does, and recompute replays a
-compiled layer with the same masks, so the losses agree up to float reordering.
+One spawn of 8 ranks runs every pretrain() in turn, 10 iterations each in fp32. Each compiled
+run has an eager twin with the same flags; their losses agree within rtol 1e-5 (compile only
+reorders float math):
+
+* GPT-2 WITH dropout and full recompute (compiled dropout draws from torch's RNG as eager does,
+  and recompute replays a compiled layer with the same masks);
+* Llama (GQA, RoPE, SwiGLU) with sequence parallelism and selective recompute (the recomputed
+  attention core runs between the layer's compiled graphs);
+
+each with the 1F1B schedule and interleaved (one layer per virtual stage).
+
+The compiled GPT-2 1F1B run saves at iteration 5; a fresh compiled pretrain() resumes there and
+its iterations 6..10 equal the uninterrupted compiled run's bitwise. Compiled runs of one
+configuration share inductor's graph cache, so the resume costs dynamo tracing only.
 """
 
 import pytest
 import torch
-from conftest import COMMON, GPT2_DROPOUT, layout, metrics, pretrain_runs
+from conftest import COMMON, GPT2_DROPOUT, LLAMA, layout, metrics, pretrain_runs
 
 from megalite.errors import MegaliteError
 from megalite.model.gpt import compile_layers
 from megalite.testing import run_distributed
 
-ITERS = 3
+ITERS = 10
+BASE = [x if x != "20" else str(ITERS) for x in COMMON] + layout(2, 2)
+COMPILE = ["--torch-compile"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+SELECTIVE = ["--recompute-granularity", "selective"]
+INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]
+SP = ["--sequence-parallel"]
+# 1F1B and interleaved of one flavour share their flags, so they compile the same layer graphs
+# (inductor's cache then serves the second schedule): GPT-2 with dropout and full recompute,
+# Llama with sequence parallelism and selective recompute.
+GPT2 = BASE + GPT2_DROPOUT + FULL
+LLAMA_SP = BASE + LLAMA + SP + SELECTIVE
+CONFIGS = {
+    "gpt2-1f1b": GPT2,
+    "gpt2-interleaved": GPT2 + INTERLEAVED,
+    "llama-1f1b": LLAMA_SP,
+    "llama-interleaved": LLAMA_SP + INTERLEAVED,
+}
 
 
-def test_compile_matches_eager_3d_with_dropout_and_recompute(tmp_path):
-    base = [x if x != "20" else str(ITERS) for x in COMMON] + layout(2, 2) + GPT2_DROPOUT
-    eager, compiled = tmp_path / "eager.jsonl", tmp_path / "compiled.jsonl"
-    recompute = [
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "uniform",
-        "--recompute-num-layers",
-        "1",
-    ]
-    runs = [
-        base + ["--metrics-file", str(eager)],
-        base + ["--torch-compile", *recompute, "--metrics-file", str(compiled)],
-    ]
-    run_distributed(pretrain_runs, 8, runs, timeout=240)
-    e, c = metrics(eager), metrics(compiled)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: [(iteration, loss)]} for every run; one spawn for all of them."""
+    d = tmp_path_factory.mktemp("compile")
+    out = lambda name: ["--metrics-file", str(d / f"{name}.jsonl")]  # noqa: E731
+    argvs = []
+    for name, argv in CONFIGS.items():
+        argvs.append(argv + out(f"{name}-eager"))
+        save = ["--save", str(d / "ckpt"), "--save-interval", "5"] if name == "gpt2-1f1b" else []
+        argvs.append(argv + COMPILE + save + out(f"{name}-compiled"))
+    resume = GPT2 + COMPILE + ["--load", str(d / "ckpt"), "--ckpt-step", "5"]
+    argvs.append(resume + out("resume-compiled"))
+    # One compile worker per rank: 8 ranks share 2 cores, and a worker pool each only adds processes.
+    run_distributed(pretrain_runs, 8, argvs, timeout=600, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    return {p.stem: metrics(p) for p in d.glob("*.jsonl")}
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_losses_match_eager(runs, name):
+    e, c = runs[f"{name}-eager"], runs[f"{name}-compiled"]
     assert [i for i, _ in e] == [i for i, _ in c] == list(range(1, ITERS + 1))
+    assert e[-1][1] < e[0][1]  # it trains
     torch.testing.assert_close(
         torch.tensor([x for _, x in c]), torch.tensor([x for _, x in e]), rtol=1e-5, atol=0
     )
+
+
+def test_compiled_resume_is_exact(runs):
+    ref, got = runs["gpt2-1f1b-compiled"], runs["resume-compiled"]
+    assert got == ref[5:], f"compiled resume is not bitwise identical:\n{got}\n{ref[5:]}"
 
 
 def test_compile_keeps_parameter_names():

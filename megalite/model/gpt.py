@@ -243,6 +243,11 @@ def _sdpa_has_enable_gqa() -> bool:
 
 SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
 
+# Selective recompute inside a compiled layer (--torch-compile): dynamo cannot trace a checkpoint
+# whose context_fn swaps the TP RNG stream, so the recomputed attention core runs eagerly, between
+# the layer's two compiled graphs (a graph break on purpose; the core is one SDPA kernel anyway).
+_recompute_outside_dynamo = torch.compiler.disable(tp_random.recompute)
+
 
 def repeats_kv(q_per_group: int, enable_gqa: bool = SDPA_ENABLE_GQA) -> bool:
     """Whether core_attention copies each k/v head per query head (``repeat_interleave``) before
@@ -314,7 +319,7 @@ class SelfAttention(nn.Module):
         if self.selective_recompute and torch.is_grad_enabled():
             # Megatron's selective recompute: keep q, k, v; rerun the core (the part whose
             # memory grows with s^2) in backward, with the same dropout masks.
-            out = tp_random.recompute(self.core_attention, self.rng, q, k, v)
+            out = _recompute_outside_dynamo(self.core_attention, self.rng, q, k, v)
         else:
             out = self.core_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * d)  # [b, s, heads/tp * d]
@@ -332,7 +337,10 @@ class SelfAttention(nn.Module):
             gqa = {"enable_gqa": True}
         dropout_p = self.attention_dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (by head): each rank needs its own dropout stream.
-        with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
+        # Without dropout SDPA draws nothing, so no fork: the RNG swap is a graph break under
+        # --torch-compile, and skipping it leaves the streams exactly where the fork would.
+        fork = self.rng is not None and dropout_p > 0.0
+        with self.rng.fork() if fork else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
 
 
@@ -677,6 +685,12 @@ class GPTModel(nn.Module):
         hidden = self.decoder(hidden, rope)  # [b, s, h] ([b, s/t, h])
         if not self.post_process:
             return hidden
+        return self.output(hidden, labels)
+
+    def output(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Last stage: final-normed hidden [b, s, h] ([b, s/t, h] under SP) -> logits
+        [b, s, V_pad/tp] (no labels) or the per-token loss [b, s] (a region of its own for
+        :func:`compile_layers`)."""
         # Column-parallel head (tied on one stage: the embedding matrix itself); SP gathers the
         # sequence first. The input's grad is summed (reduce-scattered) over TP in backward.
         head = self.output_layer if self.output_layer is not None else self.embedding.word_embeddings
@@ -719,16 +733,24 @@ def build_model_chunks(
 
 
 def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
-    """``--torch-compile``: compile each transformer layer of ``chunks`` separately, in place.
+    """``--torch-compile``: compile each transformer layer of ``chunks`` separately, in place,
+    and the regions around them: the embedding, the final norm and the output layer + loss.
 
     Regional compilation (torchtitan's): one small graph per layer keeps compile time
     bounded (identical layers reuse the compiled code) and composes with pipeline chunks,
-    interleaving and recompute, which call layers one by one. ``nn.Module.compile`` keeps
-    the module tree, so parameter names, ``state_dict`` keys and checkpoints are unchanged.
+    interleaving and recompute, which call layers one by one. The output layer and the
+    vocab-parallel cross entropy form one more region: with a large vocabulary their
+    elementwise passes over ``[b, s, V/tp]`` (max, exp, sum, softmax, its gradient) cost more
+    than the layers' and fuse into two loops. ``nn.Module.compile`` keeps the module tree, so
+    parameter names, ``state_dict`` keys and checkpoints are unchanged.
+
     Dropout keeps drawing from torch's RNG as in eager (``fallback_random``), so the RNG
-    streams, recompute's replay and resume behave exactly as without compile. TP collectives
-    inside a layer (in the autograd functions of ``mappings``) are left to dynamo, which
-    graph-breaks around them: the breaks sit at the TP boundaries (see docs/performance.md).
+    streams, recompute's replay and resume behave exactly as without compile. The TP
+    collectives of ``parallel/mappings.py`` (``dist.all_reduce`` & co. inside autograd
+    functions) stay inside the graphs: dynamo rewrites them into traceable functional
+    collectives, forward and backward. The graph breaks are on purpose: the TP RNG fork
+    (attention dropout, dropout under sequence parallelism; dynamo cannot swap RNG states) and
+    selective recompute's checkpoint (see ``_recompute_outside_dynamo``).
     """
     from megalite.errors import MegaliteError
 
@@ -739,9 +761,15 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
+    mode = None if mode == "default" else mode
     for chunk in chunks:
         for layer in chunk.decoder.layers.values():
-            layer.compile(mode=None if mode == "default" else mode)
+            layer.compile(mode=mode)
+        if chunk.embedding is not None:
+            chunk.embedding.compile(mode=mode)
+        if chunk.post_process:
+            chunk.decoder.final_norm.compile(mode=mode)
+            chunk.output = torch.compile(chunk.output, mode=mode)
 
 
 __all__ = [
