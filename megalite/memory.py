@@ -345,7 +345,9 @@ def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
     return sum(16 * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
 
 
-def _main_params(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int) -> list[tuple[int, bool]]:
+def _main_params(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int
+) -> list[tuple[int, bool]]:
     """``(elements, offloaded)`` of each main param of rank (pp_rank, dp_rank), as the optimizers
     make them and split them (the optimizers' own functions, on meta tensors)."""
     from megalite.optim.base import effective_offload_fraction, offload_split  # optim imports parallel only

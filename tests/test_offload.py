@@ -40,6 +40,7 @@ STRATEGIES = {
 LAYOUTS = {"dp2": (1, 1, 2), "tp2-pp2-dp2": (2, 2, 8)}
 MODES = {"offload": OFFLOAD, "overlap": OVERLAP}
 HALF = ["--optimizer-offload-fraction", "0.5"]
+HALF_KW = {"optimizer_offload_fraction": 0.5}
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 # --optimizer-offload-fraction runs: name -> (world, argv without --metrics-file).
 FRACTION = {
@@ -242,8 +243,8 @@ def _toy(dtype, grad_reduce_dtype=torch.float32, **kw):
 )
 def test_one_process_pipelined_step(dtype, grad_dtype):
     """The pipelined step (one chunk per main param) equals the one-chunk step bitwise and no
-    offload within rtol 1e-5; the grad buffers are allocated once; the model params hold the
-    main params cast to their dtype after every step."""
+    offload within rtol 1e-5, and so does fraction 0.5 (0.0: no offload bitwise); the grad buffers
+    are allocated once; the model params hold the main params cast to their dtype after every step."""
     from test_optimizer import train_step
 
     got = {}
@@ -251,11 +252,23 @@ def test_one_process_pipelined_step(dtype, grad_dtype):
         "none": {},
         "offload": {"optimizer_cpu_offload": True},
         "overlap": {"optimizer_cpu_offload": True, "overlap_cpu_optimizer_d2h_h2d": True},
+        "half": {"optimizer_cpu_offload": True, "overlap_cpu_optimizer_d2h_h2d": True, **HALF_KW},
+        "zero": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.0},
     }.items():
         ddp, opt = _toy(dtype, grad_dtype, **kw)
         buffers = [g.data_ptr() for g in opt._host_grads] if opt.offload else []
         got[mode] = [train_step(ddp, opt, step % 4)[0] for step in range(10)]
-        if opt.offload:
+        if mode == "half":  # some main params on each side; the device ones as without offload
+            host = [m for m in opt.main_params if m.offloaded]
+            assert 0 < len(host) < len(opt.main_params) and len(opt._chunks) == len(host)
+            for m in opt.main_params:
+                assert torch.equal(m.model, m.main.detach().to(m.model.dtype))
+                assert m.is_copy == (m.offloaded or dtype != torch.float32)
+            copy = 4 if dtype != torch.float32 else 0
+            device = [m.main.numel() for m in opt.main_params if not m.offloaded]
+            assert opt.optimizer_state_bytes() == sum((8 + copy) * n + 4 for n in device)
+            assert opt.host_bytes() == sum(16 * m.main.numel() + 4 for m in host)
+        elif opt.offload:
             assert [g.data_ptr() for g in opt._host_grads] == buffers  # persistent: no allocation per step
             n = len(opt.main_params)
             assert len(opt._chunks) == (n if mode == "overlap" else 1) and n > 1
@@ -268,8 +281,10 @@ def test_one_process_pipelined_step(dtype, grad_dtype):
             assert opt.host_bytes() == 16 * elements + 4 * n
             assert opt.optimizer_state_bytes() == 0
     assert got["overlap"] == got["offload"]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(got["none"], got["overlap"]))
-    assert worst <= 1e-5, (got["none"], got["overlap"])
+    assert got["zero"] == got["none"]  # fraction 0.0: nothing offloaded, the same step
+    for mode in ("overlap", "half"):
+        worst = max(abs(a - b) / abs(a) for a, b in zip(got["none"], got[mode]))
+        assert worst <= 1e-5, (mode, got["none"], got[mode])
 
 
 def test_one_process_load_state_dict_reaches_the_model():
@@ -362,3 +377,50 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
         assert d2h[i]["ts"] + d2h[i]["dur"] <= adamw[i]["ts"] + slack, i  # (a) grads landed first
         assert adamw[i]["ts"] + adamw[i]["dur"] <= h2d[i]["ts"] + slack, i  # H2D after its update
     assert h2d[0]["ts"] < adamw[-1]["ts"] + adamw[-1]["dur"]  # the pipeline: copies overlap AdamW
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
+    """On a GPU with --optimizer-offload-fraction 0.5: the offloaded main params and their moments in
+    pinned host memory, the others (fp32 views of the model params) and theirs on the GPU; after a
+    few steps the params equal no offload's within rtol 1e-5 (CUDA's and the CPU's AdamW kernels)."""
+    from torch import nn
+
+    from megalite.optim import build_optimizer
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = Mesh.single(device)
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(device)
+        ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
+        opt = build_optimizer([ddp], mesh, lr=1e-3, weight_decay=0.01, clip_grad=1.0, **kw)
+        for seed in range(3):
+            opt.zero_grad()
+            x = torch.randn(8, 64, device=device, generator=torch.Generator(device=device).manual_seed(seed))
+            ddp(x).pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    want, _ = run()
+    got, opt = run(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=overlap
+    )
+    host = [m for m in opt.main_params if m.offloaded]
+    assert 0 < len(host) < len(opt.main_params)
+    for m in opt.main_params:
+        where = "cpu" if m.offloaded else "cuda"
+        assert m.main.device.type == where
+        assert opt.inner.state[m.main]["exp_avg"].device.type == where
+        if m.offloaded:
+            assert m.main.is_pinned() and torch.equal(m.model.detach().cpu(), m.main.detach())
+        else:
+            assert m.main.data_ptr() == m.model.data_ptr()  # fp32: the model param itself
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

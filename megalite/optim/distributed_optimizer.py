@@ -60,7 +60,9 @@ def shard_main_params(bucket: Bucket, dp_rank: int, offload: list[bool] | None =
     return out
 
 
-def dp_offload_split(buckets: list[Bucket], dp_rank: int, fraction: float, decoupled: bool) -> list[list[bool]]:
+def dp_offload_split(
+    buckets: list[Bucket], dp_rank: int, fraction: float, decoupled: bool
+) -> list[list[bool]]:
     """Per bucket, which of DP rank ``dp_rank``'s main params ``--optimizer-offload-fraction`` offloads:
     :func:`~megalite.optim.base.offload_split` over the pieces this rank's optimizer owns (its ZeRO
     shard of every bucket; Megatron's HybridDeviceOptimizer inside the distributed optimizer splits

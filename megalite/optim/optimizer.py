@@ -19,8 +19,8 @@ from megalite.optim.base import (
     MainParam,
     MixedPrecisionOptimizer,
     as_ddp_chunks,
-    make_main_param,
     effective_offload_fraction,
+    make_main_param,
     offload_split,
 )
 from megalite.optim.distributed_optimizer import DistributedOptimizer
