@@ -202,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-offload-fraction",
         type=float,
         default=1.0,
-        help="Fraction of the optimizer state offloaded with --optimizer-cpu-offload (only 1.0 is built).",
+        help="Share of each rank's optimizer state offloaded with --optimizer-cpu-offload, in [0, 1]: "
+        "whole main params in param-group order (decayed, not decayed, --decoupled-lr's) until the "
+        "share is reached, Megatron's rule; the rest stays and steps on the device. Under ZeRO, of "
+        "the rank's own shard. No effect without --optimizer-cpu-offload (as in Megatron).",
     )
     g.add_argument(
         "--ddp-bucket-size", type=int, default=40_000_000, help="Elements per gradient all-reduce bucket."
@@ -1001,10 +1004,10 @@ def resolve_sharding_strategy(args: argparse.Namespace) -> str:
             f"{named} (ZeRO-3) with --torch-compile is not supported; drop --torch-compile or use "
             "--data-parallel-sharding-strategy optim_grads (ZeRO-2)"
         )
-    if args.optimizer_cpu_offload and args.optimizer_offload_fraction != 1.0:
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
         raise ArgumentError(
-            f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: only 1.0 (the whole "
-            "optimizer state) is built for --optimizer-cpu-offload"
+            f"--optimizer-offload-fraction {args.optimizer_offload_fraction} must be in [0, 1] (the share "
+            "of the optimizer state --optimizer-cpu-offload keeps in host memory)"
         )
     args.data_parallel_sharding_strategy = strategy
     args.use_distributed_optimizer = strategy != "no_shard"

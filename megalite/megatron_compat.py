@@ -173,8 +173,8 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag(
         "--use-torch-optimizer-for-cpu-offload",
         0,
-        "megalite's optimizer is always torch's AdamW (fused where torch has the kernel), and with "
-        "--optimizer-offload-fraction 1.0 no part of it stays on the GPU for the flag to choose",
+        "megalite's optimizer is always torch's AdamW (fused where torch has the kernel), on the CPU "
+        "and for what --optimizer-offload-fraction leaves on the GPU alike: nothing for the flag to choose",
     ),
 )
 

@@ -13,7 +13,8 @@ Prediction (pure arithmetic on shapes, no processes, no tensors allocated):
   (``split_into_buckets`` / ``padded_bucket_numel``), run on meta tensors.
 * **optimizer**: AdamW's two fp32 moments and its ``step`` scalar per main param, plus the fp32
   main copy when params are bf16 / fp16; under the distributed optimizer only this DP rank's
-  pieces of each bucket (``shard_main_params``, run on meta tensors).
+  pieces of each bucket (``shard_pieces``, run on meta tensors); the main params that
+  ``--optimizer-offload-fraction`` puts in host memory (``offload_split``) count as host bytes.
 * **activations**: the bytes autograd saves for backward at the schedule's peak. One
   microbatch's bytes per model chunk (:func:`chunk_activation_bytes`: embedding, layers for
   this recompute / SP setting, head and loss), then the schedule's own plan
@@ -90,7 +91,9 @@ class MemoryLayout:
     shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads), and ZeRO-3
     shard_params: bool = False  # ZeRO-3 (optim_grads_params; needs shard_grads)
     overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
-    optimizer_cpu_offload: bool = False  # optimizer state in host memory: 0 bytes on the device
+    optimizer_cpu_offload: bool = False  # optimizer state in host memory, not on the device
+    optimizer_offload_fraction: float = 1.0  # the share offloaded (with optimizer_cpu_offload)
+    decoupled_lr: bool = False  # --decoupled-lr: a third AdamW param group (the offload split's order)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     ddp_bucket_size: int = 40_000_000
@@ -127,6 +130,8 @@ class MemoryLayout:
             shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
             overlap_param_gather=args.overlap_param_gather,
             optimizer_cpu_offload=args.optimizer_cpu_offload,
+            optimizer_offload_fraction=args.optimizer_offload_fraction,
+            decoupled_lr=args.decoupled_lr is not None,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
             ddp_bucket_size=args.ddp_bucket_size,
@@ -238,6 +243,9 @@ def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.
         p = torch.nn.Parameter(torch.empty(s.shape, dtype=dtype, device="meta"))
         if s.shared_embedding:
             mark_shared_embedding(p)
+        # GPTModel's attribute (--decoupled-lr's param group, which orders the offload split).
+        if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            p.is_embedding_or_output_parameter = True
         params.append(p)
     return params
 
@@ -328,40 +336,44 @@ def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
 
 
 def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
-    """AdamW state (exp_avg, exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies.
+    """AdamW state (exp_avg, exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies,
+    of the main params on the device.
 
     Main params are whole model params (replicated optimizer) or this DP rank's pieces of each
     bucket (distributed optimizer: its shard of the padded bucket, padding holds no param).
-    fp32 models use the params themselves as main params: no copy. Offloaded
-    (``--optimizer-cpu-offload``): 0 on the device (the state, with fp32 copies, is in host memory).
+    fp32 models use the params themselves as main params: no copy. Offloaded main params
+    (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction`` of them) hold nothing on the
+    device: see :func:`optimizer_host_bytes`.
     """
-    if layout.optimizer_cpu_offload:
-        return 0
     copy = 4 if layout.params_dtype != torch.float32 else 0
-    return sum((8 + copy) * n + 4 for n in _main_param_numels(config, layout, pp_rank, dp_rank))
+    return sum((8 + copy) * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if not host)
 
 
 def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
-    """Host bytes of ``--optimizer-cpu-offload`` (0 without it): per main-param element the fp32 main
-    copy (always a copy there), the two moments and the pinned fp32 buffer the grad's D2H lands
-    in (16 bytes), plus AdamW's 4-byte ``step`` per main param."""
-    if not layout.optimizer_cpu_offload:
-        return 0
-    return sum(16 * n + 4 for n in _main_param_numels(config, layout, pp_rank, dp_rank))
+    """Host bytes of ``--optimizer-cpu-offload`` (0 without it): per offloaded main-param element the
+    fp32 main copy (always a copy there), the two moments and the pinned fp32 buffer the grad's D2H
+    lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param."""
+    return sum(16 * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
 
 
-def _main_param_numels(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int) -> list[int]:
-    """Elements of each main param of rank (pp_rank, dp_rank), as the optimizers make them."""
-    from megalite.optim.distributed_optimizer import shard_main_params  # optim imports parallel only
+def _main_params(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int
+) -> list[tuple[int, bool]]:
+    """``(elements, offloaded)`` of each main param of rank (pp_rank, dp_rank), as the optimizers
+    make them and split them (the optimizers' own functions, on meta tensors)."""
+    from megalite.optim.base import effective_offload_fraction, offload_split  # optim imports parallel only
+    from megalite.optim.distributed_optimizer import shard_pieces
 
-    out = []
+    pieces = []
     for c in stage_chunks(config, layout)[pp_rank]:
         for bucket in _buckets(config, layout, c):
             if layout.use_distributed_optimizer:
-                out += [m.main.numel() for m in shard_main_params(bucket, dp_rank)]
+                pieces += [(p, hi - lo) for p, lo, hi in shard_pieces(bucket, dp_rank)]
             else:
-                out += [p.numel() for p in bucket.params]
-    return out
+                pieces += [(p, p.numel()) for p in bucket.params]
+    fraction = effective_offload_fraction(layout.optimizer_cpu_offload, layout.optimizer_offload_fraction)
+    host = offload_split(pieces, fraction, layout.decoupled_lr)
+    return [(n, h) for (_, n), h in zip(pieces, host)]
 
 
 # ---------------------------------------------------------------------------------------------

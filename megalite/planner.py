@@ -166,7 +166,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 # tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept.
 _STATE_FIELDS = (
     "tp", "pp", "dp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
-    "optimizer_cpu_offload", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
+    "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
 )  # fmt: skip
 _state_cache: dict = {}
 

@@ -167,6 +167,7 @@ def setup(args: argparse.Namespace) -> TrainState:
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
         optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
     )
     optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad

@@ -6,6 +6,12 @@ losses bit for bit as the one-chunk step, and the same as no offload within rtol
 tp2 x pp2 x dp2, without ZeRO and under ZeRO-1 and ZeRO-2 (pretrain() with --mock-data, fp32,
 dropout 0, 10 iterations, one spawn per world size). A checkpoint saved with offload + overlap
 resumes bitwise, and the host bytes (state + pinned grad buffers) equal the memory model's.
+
+``--optimizer-offload-fraction 0.5`` (Megatron's split: whole main params, param-group order, of the
+state each rank owns; the rest steps on the device): the same losses within rtol 1e-5 of one
+process at dp2 and tp2 x pp2 x dp2 without ZeRO and under ZeRO-1, at dp2 under ZeRO-2 / ZeRO-3;
+0.0 is no offload bit for bit; a checkpoint saved with 0.5 resumes bitwise, and under 1.0 and
+without offload (checkpoints are logical); device optimizer and host bytes as predicted.
 The test marked for CUDA checks, where a GPU is lent, that the state is in pinned host memory and
 that the copies run on side streams, overlapping the CPU's AdamW.
 """
@@ -33,6 +39,20 @@ STRATEGIES = {
 }
 LAYOUTS = {"dp2": (1, 1, 2), "tp2-pp2-dp2": (2, 2, 8)}
 MODES = {"offload": OFFLOAD, "overlap": OVERLAP}
+HALF = ["--optimizer-offload-fraction", "0.5"]
+HALF_KW = {"optimizer_offload_fraction": 0.5}
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+# --optimizer-offload-fraction runs: name -> (world, argv without --metrics-file).
+FRACTION = {
+    "dp2-noshard-half": (2, STRATEGIES["noshard"] + OFFLOAD + HALF),
+    "dp2-z1-half": (2, STRATEGIES["z1"] + OVERLAP + HALF),
+    "dp2-z2-half": (2, STRATEGIES["z2"] + OVERLAP + HALF),
+    "dp2-z3-half": (2, ZERO3 + OFFLOAD + HALF),
+    "dp2-z1-zero": (2, STRATEGIES["z1"] + OVERLAP + ["--optimizer-offload-fraction", "0"]),
+    "dp2-z1-none": (2, STRATEGIES["z1"]),
+    "tp2-pp2-dp2-noshard-half": (8, layout(2, 2) + STRATEGIES["noshard"] + OVERLAP + HALF),
+    "tp2-pp2-dp2-z1-half": (8, layout(2, 2) + STRATEGIES["z1"] + OFFLOAD + HALF),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +72,13 @@ def runs(tmp_path_factory):
     by_world[2].append(BASE + STRATEGIES["z2"] + OVERLAP + ckpt + out("saved"))
     resume = ["--load", str(d / "ckpt"), "--ckpt-step", "5"]
     by_world[2].append(BASE + STRATEGIES["z2"] + OVERLAP + resume + out("resumed"))
+    for name, (world, argv) in FRACTION.items():
+        save = ["--save", str(d / "ckpt-half"), "--save-interval", "5"] if name == "dp2-z1-half" else []
+        by_world[world].append(BASE + argv + save + out(name))
+    # The fraction-0.5 checkpoint, resumed with 0.5 (bitwise), with 1.0 and without offload.
+    resume = ["--load", str(d / "ckpt-half"), "--ckpt-step", "5"]
+    for name, extra in {"half": OVERLAP + HALF, "whole": OVERLAP, "none": []}.items():
+        by_world[2].append(BASE + STRATEGIES["z1"] + extra + resume + out(f"resumed-half-{name}"))
     for world in (1, 2, 8):
         run_distributed(pretrain_runs, world, by_world[world], timeout=300)
     return d
@@ -99,6 +126,95 @@ def test_host_bytes_match_the_memory_model(runs, name, z):
     assert one["host"] == {"measured": 0, "predicted": 0}
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", [n for n in FRACTION if n.endswith("-half")])
+def test_offload_fraction_matches_one_process(runs, name):
+    ref = losses(runs / "ref.jsonl")
+    got = losses(runs / f"{name}.jsonl")
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    assert len(got) == ITERS and worst <= 1e-5, f"{name}: {worst:.2e}\n{ref}\n{got}"
+    print(f"{name}: offload fraction 0.5 vs one process: max relative difference {worst:.2e}")
+
+
+def test_offload_fraction_zero_is_no_offload(runs):
+    assert metrics(runs / "dp2-z1-zero.jsonl") == metrics(runs / "dp2-z1-none.jsonl")
+    for r in _memory_records(runs / "dp2-z1-zero.jsonl"):
+        assert r["host"] == {"measured": 0, "predicted": 0}
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_with_offload_fraction_resumes_under_any_fraction(runs):
+    """Saved at iteration 5 with fraction 0.5 (ZeRO-1, dp2): resumed with 0.5 bitwise, with the
+    whole state offloaded and with none within rtol 1e-5 (the checkpoint holds logical tensors)."""
+    saved = metrics(runs / "dp2-z1-half.jsonl")[5:]
+    assert metrics(runs / "resumed-half-half.jsonl") == saved
+    for name in ("whole", "none"):
+        got = metrics(runs / f"resumed-half-{name}.jsonl")
+        assert [it for it, _ in got] == [it for it, _ in saved]
+        worst = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(saved, got))
+        assert worst <= 1e-5, (name, worst, saved, got)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", [n for n in FRACTION if n.endswith("-half")])
+def test_offload_fraction_bytes_match_the_memory_model(runs, name):
+    """Every rank: device optimizer bytes and host bytes as predicted; both sides hold some of the
+    state, less than the whole of it (no offload: all on the device; fraction 1.0: all on the host)."""
+    records = _memory_records(runs / f"{name}.jsonl")
+    assert len(records) == FRACTION[name][0]
+    base = name.removesuffix("-half")
+    # The same layout with the whole state offloaded, and (dp2 ZeRO-1) with none.
+    whole, none = ({r["rank"]: r for r in _memory_records(runs / f"{base}-{mode}.jsonl")}
+                   if (runs / f"{base}-{mode}.jsonl").exists() else {} for mode in ("overlap", "none"))  # fmt: skip
+    assert whole or name == "dp2-z3-half"
+    for r in records:
+        assert r["host"]["measured"] == r["host"]["predicted"] > 0, r["host"]
+        assert r["measured"]["optimizer"] == r["predicted"]["optimizer"] > 0, r
+        if whole:
+            assert r["host"]["measured"] < whole[r["rank"]]["host"]["measured"]
+        if none:
+            assert r["measured"]["optimizer"] < none[r["rank"]]["measured"]["optimizer"]
+
+
+def test_offload_fraction_split_follows_the_fraction():
+    """The split (the optimizers' own offload_split, through the memory model on meta tensors): per
+    rank, the offloaded elements are at least the fraction and exceed it by less than one main
+    param; the same rule on every DP rank's own shard; 0.0 and 1.0 are none and all."""
+    from megalite.memory import MemoryLayout, _main_params
+    from megalite.model.config import ModelConfig
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
+    for dp, zero in ((1, False), (2, True), (4, True)):
+        for f in (0.0, 0.25, 0.5, 0.9, 1.0):
+            lay = MemoryLayout(dp=dp, use_distributed_optimizer=zero, optimizer_cpu_offload=True,
+                               optimizer_offload_fraction=f)  # fmt: skip
+            for dp_rank in range(dp):
+                mains = _main_params(config, lay, 0, dp_rank)
+                total = sum(n for n, _ in mains)
+                host = sum(n for n, h in mains if h)
+                assert f * total <= host < f * total + max(n for n, _ in mains), (f, dp_rank, host, total)
+                assert (host == 0) == (f == 0.0) and (host == total or f < 1.0)
+            off = MemoryLayout(dp=dp, use_distributed_optimizer=zero, optimizer_offload_fraction=f)
+            assert not any(h for n, h in _main_params(config, off, 0, 0))  # no --optimizer-cpu-offload
+
+
+@pytest.mark.parametrize("fraction", ["-0.1", "1.5"])
+def test_offload_fraction_outside_zero_one_stops(fraction):
+    from megalite.errors import MegaliteError
+
+    with pytest.raises(MegaliteError) as e:
+        validate_args(parse_args(BASE + OFFLOAD + ["--optimizer-offload-fraction", fraction]), 2)
+    msg = str(e.value)
+    assert "\n" not in msg and f"--optimizer-offload-fraction {float(fraction)}" in msg and "[0, 1]" in msg
+
+
+def test_offload_fraction_without_offload_is_ignored_as_in_megatron():
+    """Megatron reads --optimizer-offload-fraction only with --optimizer-cpu-offload; so do we."""
+    args = validate_args(parse_args(BASE + HALF), 2)
+    _, opt = _toy(torch.float32, optimizer_offload_fraction=args.optimizer_offload_fraction)
+    assert not opt.offload and opt.host_bytes() == 0
+
+
 def test_overlap_flag_is_megatrons():
     args = validate_args(parse_args(BASE + OVERLAP), 2)
     assert args.optimizer_cpu_offload and args.overlap_cpu_optimizer_d2h_h2d
@@ -127,8 +243,8 @@ def _toy(dtype, grad_reduce_dtype=torch.float32, **kw):
 )
 def test_one_process_pipelined_step(dtype, grad_dtype):
     """The pipelined step (one chunk per main param) equals the one-chunk step bitwise and no
-    offload within rtol 1e-5; the grad buffers are allocated once; the model params hold the
-    main params cast to their dtype after every step."""
+    offload within rtol 1e-5, and so does fraction 0.5 (0.0: no offload bitwise); the grad buffers
+    are allocated once; the model params hold the main params cast to their dtype after every step."""
     from test_optimizer import train_step
 
     got = {}
@@ -136,11 +252,23 @@ def test_one_process_pipelined_step(dtype, grad_dtype):
         "none": {},
         "offload": {"optimizer_cpu_offload": True},
         "overlap": {"optimizer_cpu_offload": True, "overlap_cpu_optimizer_d2h_h2d": True},
+        "half": {"optimizer_cpu_offload": True, "overlap_cpu_optimizer_d2h_h2d": True, **HALF_KW},
+        "zero": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.0},
     }.items():
         ddp, opt = _toy(dtype, grad_dtype, **kw)
         buffers = [g.data_ptr() for g in opt._host_grads] if opt.offload else []
         got[mode] = [train_step(ddp, opt, step % 4)[0] for step in range(10)]
-        if opt.offload:
+        if mode == "half":  # some main params on each side; the device ones as without offload
+            host = [m for m in opt.main_params if m.offloaded]
+            assert 0 < len(host) < len(opt.main_params) and len(opt._chunks) == len(host)
+            for m in opt.main_params:
+                assert torch.equal(m.model, m.main.detach().to(m.model.dtype))
+                assert m.is_copy == (m.offloaded or dtype != torch.float32)
+            copy = 4 if dtype != torch.float32 else 0
+            device = [m.main.numel() for m in opt.main_params if not m.offloaded]
+            assert opt.optimizer_state_bytes() == sum((8 + copy) * n + 4 for n in device)
+            assert opt.host_bytes() == sum(16 * m.main.numel() + 4 for m in host)
+        elif opt.offload:
             assert [g.data_ptr() for g in opt._host_grads] == buffers  # persistent: no allocation per step
             n = len(opt.main_params)
             assert len(opt._chunks) == (n if mode == "overlap" else 1) and n > 1
@@ -153,8 +281,10 @@ def test_one_process_pipelined_step(dtype, grad_dtype):
             assert opt.host_bytes() == 16 * elements + 4 * n
             assert opt.optimizer_state_bytes() == 0
     assert got["overlap"] == got["offload"]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(got["none"], got["overlap"]))
-    assert worst <= 1e-5, (got["none"], got["overlap"])
+    assert got["zero"] == got["none"]  # fraction 0.0: nothing offloaded, the same step
+    for mode in ("overlap", "half"):
+        worst = max(abs(a - b) / abs(a) for a, b in zip(got["none"], got[mode]))
+        assert worst <= 1e-5, (mode, got["none"], got[mode])
 
 
 def test_one_process_load_state_dict_reaches_the_model():
@@ -247,3 +377,50 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
         assert d2h[i]["ts"] + d2h[i]["dur"] <= adamw[i]["ts"] + slack, i  # (a) grads landed first
         assert adamw[i]["ts"] + adamw[i]["dur"] <= h2d[i]["ts"] + slack, i  # H2D after its update
     assert h2d[0]["ts"] < adamw[-1]["ts"] + adamw[-1]["dur"]  # the pipeline: copies overlap AdamW
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
+    """On a GPU with --optimizer-offload-fraction 0.5: the offloaded main params and their moments in
+    pinned host memory, the others (fp32 views of the model params) and theirs on the GPU; after a
+    few steps the params equal no offload's within rtol 1e-5 (CUDA's and the CPU's AdamW kernels)."""
+    from torch import nn
+
+    from megalite.optim import build_optimizer
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = Mesh.single(device)
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(device)
+        ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
+        opt = build_optimizer([ddp], mesh, lr=1e-3, weight_decay=0.01, clip_grad=1.0, **kw)
+        for seed in range(3):
+            opt.zero_grad()
+            x = torch.randn(8, 64, device=device, generator=torch.Generator(device=device).manual_seed(seed))
+            ddp(x).pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    want, _ = run()
+    got, opt = run(
+        optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=overlap
+    )
+    host = [m for m in opt.main_params if m.offloaded]
+    assert 0 < len(host) < len(opt.main_params)
+    for m in opt.main_params:
+        where = "cpu" if m.offloaded else "cuda"
+        assert m.main.device.type == where
+        assert opt.inner.state[m.main]["exp_avg"].device.type == where
+        if m.offloaded:
+            assert m.main.is_pinned() and torch.equal(m.model.detach().cpu(), m.main.detach())
+        else:
+            assert m.main.data_ptr() == m.model.data_ptr()  # fp32: the model param itself
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

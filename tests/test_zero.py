@@ -262,8 +262,8 @@ def test_sharding_flags():
         ),
         (["--use-torch-fsdp2", *Z2], ["--use-torch-fsdp2", "optim_grads", "contradicts"]),
         (
-            ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
-            ["--optimizer-offload-fraction 0.5"],
+            ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"],
+            ["--optimizer-offload-fraction 1.5", "[0, 1]"],
         ),
         (["--data-parallel-sharding-strategy", "zero2"], ["--data-parallel-sharding-strategy", "zero2"]),
     ],

@@ -21,6 +21,9 @@ device grads, as without offload; then the final grads go D2H into persistent pi
 AdamW steps on the CPU, and the updated values go H2D into the device tensors the main params
 mirror (:attr:`MainParam.home`). ``--overlap-cpu-optimizer-d2h-h2d`` pipelines that over the
 main params (:class:`HostCopies`), as Megatron's HybridDeviceOptimizer does.
+``--optimizer-offload-fraction f`` offloads only some main params (:func:`offload_split`, Megatron's
+rule); the others stay on the device and step there, as without offload: one AdamW step either way
+(AdamW is elementwise, each main param's update reads only its own grad, moments and value).
 
 Subclasses decide which main params exist (``_main_params``) and how updated
 values reach the model (``_copy_main_params_to_model_params``).
@@ -73,6 +76,7 @@ class MainParam:
     model_range: tuple[int, int]
     is_copy: bool
     shard: torch.Tensor | None = None
+    offloaded: bool = False  # in host memory, stepped on the CPU (--optimizer-cpu-offload)
 
     @property
     def home(self) -> torch.Tensor:
@@ -109,7 +113,47 @@ def make_main_param(
     else:
         main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
     copy_parallel_attributes(model, main)  # grad-norm rules read them
-    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard)
+    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard, offload)
+
+
+def param_group_index(model: nn.Parameter, decoupled: bool) -> int:
+    """Which AdamW param group a main param of ``model`` is in: 0 decayed, 1 not decayed, 2 its own
+    learning rate (``--decoupled-lr``). Megatron's rule: no weight decay on biases and norm weights,
+    i.e. any 1-D param; ``--decoupled-lr`` gives the input embedding and output layer (2-D, decayed)
+    a group of their own, whose max_lr / min_lr the LR scheduler reads instead of --lr / --min-lr."""
+    if model.dim() <= 1:
+        return 1
+    return 2 if decoupled and getattr(model, "is_embedding_or_output_parameter", False) else 0
+
+
+def offload_split(pieces: list[tuple[nn.Parameter, int]], fraction: float, decoupled: bool) -> list[bool]:
+    """Which of this rank's main params ``--optimizer-offload-fraction`` puts on the CPU, Megatron's
+    rule (HybridDeviceOptimizer._get_sub_optimizer_param_groups): walk the param groups in order
+    (:func:`param_group_index`), each group's params in order, and offload whole main params while
+    fewer than ``fraction`` of all the elements are offloaded. So the main param crossing the
+    threshold goes whole (the host share is at least ``fraction``, by less than one main param);
+    0.0 offloads nothing, 1.0 everything.
+
+    ``pieces``: ``(model param, elements)`` of each main param in the optimizer's order. Under ZeRO
+    the main params are this rank's pieces of its shards, so the split is of the state this rank
+    owns: every rank applies the same rule to its own pieces (no communication; deterministic).
+    """
+    threshold = fraction * sum(n for _, n in pieces)
+    order = sorted(range(len(pieces)), key=lambda i: param_group_index(pieces[i][0], decoupled))
+    out = [False] * len(pieces)
+    offloaded = 0
+    for i in order:  # sorted() is stable: within a group, the optimizer's order
+        if offloaded >= threshold:
+            break
+        out[i] = True
+        offloaded += pieces[i][1]
+    return out
+
+
+def effective_offload_fraction(optimizer_cpu_offload: bool, fraction: float) -> float:
+    """The share of the optimizer state on the CPU: ``--optimizer-offload-fraction`` with
+    ``--optimizer-cpu-offload``, none without (Megatron ignores the fraction then, and so do we)."""
+    return fraction if optimizer_cpu_offload else 0.0
 
 
 def as_ddp_chunks(model_chunks) -> list[DistributedDataParallel]:
@@ -245,70 +289,80 @@ class MixedPrecisionOptimizer(ABC):
         grad_scaler,
         decoupled_lr: float | None = None,
         decoupled_min_lr: float | None = None,
-        offload: bool = False,
         overlap_d2h_h2d: bool = False,
     ):
-        self.offload = offload  # main params / moments / step on the CPU
+        # Main params on the CPU (--optimizer-cpu-offload; with --optimizer-offload-fraction, some).
+        self.offload = any(m.offloaded for m in main_params)
         self.model_chunks = model_chunks
         self.mesh = mesh
         self.main_params = main_params
         self.weight_decay = weight_decay  # the scheduler's default start/end weight decay
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
-        # Megatron's rule: no weight decay on biases and norm weights, i.e. any 1-D param.
-        # --decoupled-lr: the input embedding and output layer (2-D, decayed) get their own
-        # group, whose max_lr / min_lr the LR scheduler reads instead of --lr / --min-lr.
         decoupled = decoupled_lr is not None
-
-        def own_lr(m: MainParam) -> bool:
-            return decoupled and getattr(m.model, "is_embedding_or_output_parameter", False)
-
-        decay = [m.main for m in main_params if m.model.dim() > 1 and not own_lr(m)]
-        no_decay = [m.main for m in main_params if m.model.dim() <= 1]
+        members: list[list[nn.Parameter]] = [[], [], []]
+        for m in main_params:
+            members[param_group_index(m.model, decoupled)].append(m.main)
         groups = [
-            {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay},
-            {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0},
+            {"params": members[0], "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": weight_decay},
+            {"params": members[1], "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0},
         ]
         if decoupled:
-            group = {"params": [m.main for m in main_params if own_lr(m)], "wd_mult": 1.0, "lr_mult": 1.0}
+            group = {"params": members[2], "wd_mult": 1.0, "lr_mult": 1.0}
             group.update(weight_decay=weight_decay, max_lr=decoupled_lr)
             if decoupled_min_lr is not None:
                 group["min_lr"] = decoupled_min_lr
             groups.append(group)
-        device = (
-            main_params[0].main.device if main_params else (torch.device("cpu") if offload else mesh.device)
-        )
-        kernel, self.adamw_kernel_reason = adamw_kernel(device)
+        # torch's AdamW implementation per side: the training device's for the main params that stay
+        # there, the CPU's for the offloaded ones; the inner optimizer is built with the first that
+        # has main params, and _step_only switches to the other where they differ (torch < 2.4).
+        on_device = [m for m in main_params if not m.offloaded]
+        sides = []
+        if on_device or not self.offload:
+            sides.append(("", on_device[0].main.device if on_device else mesh.device))
+        if self.offload:
+            sides.append(("offloaded: " if on_device else "", torch.device("cpu")))
+        kernels = [adamw_kernel(device) for _, device in sides]
+        kernel = kernels[0][0]
+        self.adamw_kernel_reason = "; ".join(label + why for (label, _), (_, why) in zip(sides, kernels))
         self.adamw_kernel = next(iter(kernel))  # "fused" or "foreach"
+        self._host_kernel = kernels[-1][0] if self.offload and kernels[-1][0] != kernel else None
         self.inner = torch.optim.AdamW(
             groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel
         )
-        if offload:
+        if self.offload:
             self._init_offload(overlap_d2h_h2d)
 
     def _init_offload(self, overlap: bool) -> None:
         """Pinned host grad buffers (allocated once: the D2H lands there every step) and the
-        pipeline's chunks: one per main param with ``overlap`` (Megatron's granularity: the CPU
-        steps a param as soon as its grad landed, while the next grads come down and the last
-        updates go up), else one chunk of all (copy everything, step, copy everything back)."""
+        pipeline's chunks: one per offloaded main param with ``overlap`` (Megatron's granularity:
+        the CPU steps a param as soon as its grad landed, while the next grads come down and the
+        last updates go up), else one chunk of all (copy everything, step, copy everything back).
+        Chunks hold indices into ``main_params``; ``_host_grads[j]`` is the buffer of the j-th
+        offloaded main param."""
         device = self.model_chunks[0].grad_buffer.device
         self._copies = HostCopies(device, overlap)
         pin = device.type == "cuda"
+        host = [i for i, m in enumerate(self.main_params) if m.offloaded]
         self._host_grads = [
-            torch.empty(m.main.shape, dtype=torch.float32, pin_memory=pin) for m in self.main_params
+            torch.empty(self.main_params[i].main.shape, dtype=torch.float32, pin_memory=pin) for i in host
         ]
-        n = len(self.main_params)
-        self._chunks = [[i] for i in range(n)] if overlap else ([list(range(n))] if n else [])
-        # Per chunk, per param group: the group's params in the chunk (what AdamW steps for it).
-        group_of = {id(p): g for g, group in enumerate(self.inner.param_groups) for p in group["params"]}
-        self._chunk_groups = []
-        for chunk in self._chunks:
-            per_group = [[] for _ in self.inner.param_groups]
-            for i in chunk:
-                main = self.main_params[i].main
-                per_group[group_of[id(main)]].append(main)
-            self._chunk_groups.append(per_group)
+        self._host_grad_of = dict(zip(host, self._host_grads))
+        self._chunks = [[i] for i in host] if overlap else [host]
+        self._chunk_groups = [self._per_group(chunk) for chunk in self._chunks]
+        # The main params that stay on the device, per param group: one AdamW step there.
+        device_params = [i for i, m in enumerate(self.main_params) if not m.offloaded]
+        self._device_groups = self._per_group(device_params) if device_params else None
         self._h2d_events = [None] * len(self._chunks)  # the last H2D of each chunk's main params
+
+    def _per_group(self, indices: list[int]) -> list[list[nn.Parameter]]:
+        """Per param group of ``inner``: the main params ``indices`` it holds (what AdamW steps for it)."""
+        group_of = {id(p): g for g, group in enumerate(self.inner.param_groups) for p in group["params"]}
+        per_group = [[] for _ in self.inner.param_groups]
+        for i in indices:
+            main = self.main_params[i].main
+            per_group[group_of[id(main)]].append(main)
+        return per_group
 
     # What the training loop uses ------------------------------------------------------
     @property
@@ -385,21 +439,28 @@ class MixedPrecisionOptimizer(ABC):
 
     def optimizer_state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer on its training device: Adam moments (+ step) and fp32
-        main-param copies; 0 when offloaded (see :meth:`optimizer_host_bytes`)."""
-        return 0 if self.offload else self.optimizer_host_bytes()
+        main-param copies of the main params not offloaded (see :meth:`host_bytes` for the others)."""
+        return self._state_bytes([m for m in self.main_params if not m.offloaded])
 
     def optimizer_host_bytes(self) -> int:
-        """Bytes of optimizer state wherever it lives (the CPU's share under offload)."""
-        state = sum(t.nbytes for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t))
-        copies = sum(m.main.nbytes for m in self.main_params if m.is_copy)
-        return state + copies
+        """Bytes of optimizer state wherever it lives (device and host together)."""
+        return self._state_bytes(self.main_params)
 
     def host_bytes(self) -> int:
-        """Bytes this rank's optimizer holds in host memory: offloaded, the optimizer state, the fp32
-        main params and the pinned grad buffers the D2H lands in; 0 otherwise."""
+        """Bytes this rank's optimizer holds in host memory: of the offloaded main params, the
+        optimizer state, the fp32 main params and the pinned grad buffers the D2H lands in; 0 without."""
         if not self.offload:
             return 0
-        return self.optimizer_host_bytes() + sum(g.nbytes for g in self._host_grads)
+        return self._state_bytes([m for m in self.main_params if m.offloaded]) + sum(
+            g.nbytes for g in self._host_grads
+        )
+
+    def _state_bytes(self, mains: list[MainParam]) -> int:
+        """Adam moments and ``step`` of ``mains``, and their fp32 copies (not views of model params)."""
+        state = sum(
+            t.nbytes for m in mains for t in self.inner.state.get(m.main, {}).values() if torch.is_tensor(t)
+        )
+        return state + sum(m.main.nbytes for m in mains if m.is_copy)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (AdamW state of its main params, loss scaler, fp32 copies)."""
@@ -477,7 +538,7 @@ class MixedPrecisionOptimizer(ABC):
         grads = []
         for m in self.main_params:
             g = m.grad if m.grad.dtype == torch.float32 else m.grad.float()
-            if self.offload:
+            if m.offloaded:
                 m.main.main_grad = g
             else:
                 m.main.grad = g
@@ -487,24 +548,27 @@ class MixedPrecisionOptimizer(ABC):
     def _release_main_grads(self) -> None:
         for m in self.main_params:
             m.main.grad = None
-            if self.offload:
+            if m.offloaded:
                 m.main.main_grad = None  # a transient fp32 cast is freed: its D2H has finished
 
     def _offloaded_adamw(self) -> None:
-        """D2H of the final grads, AdamW on the CPU, H2D of the updated main params, chunk by chunk:
-        all D2H are queued at once (in chunk order, on one stream), then chunk k steps as soon as
-        its grads landed while the later D2H and the earlier H2D run."""
+        """D2H of the offloaded main params' final grads, AdamW on the CPU, H2D of their updated
+        values, chunk by chunk: all D2H are queued at once (in chunk order, on one stream); the main
+        params that stay on the device step there meanwhile (Megatron steps its GPU optimizer first
+        too); then chunk k steps as soon as its grads landed while the later D2H and the earlier H2D run."""
         copies, mains = self._copies, self.main_params
         landed = [
-            copies.d2h([self._host_grads[i] for i in chunk], [mains[i].main.main_grad for i in chunk])
+            copies.d2h([self._host_grad_of[i] for i in chunk], [mains[i].main.main_grad for i in chunk])
             for chunk in self._chunks
         ]
+        if self._device_groups is not None:
+            self._step_only(self._device_groups)
         for k, chunk in enumerate(self._chunks):
             copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
             copies.host_waits(landed[k])  # their grads are in the host buffers
             for i in chunk:
-                mains[i].main.grad = self._host_grads[i]
-            self._step_only(self._chunk_groups[k])
+                mains[i].main.grad = self._host_grad_of[i]
+            self._step_only(self._chunk_groups[k], self._host_kernel)
             self._upload_chunk(k)
         copies.device_waits(self._h2d_events)
 
@@ -513,18 +577,21 @@ class MixedPrecisionOptimizer(ABC):
         mains = [self.main_params[i] for i in self._chunks[k]]
         self._h2d_events[k] = self._copies.h2d([m.home for m in mains], [m.main for m in mains])
 
-    def _step_only(self, per_group: list[list[nn.Parameter]]) -> None:
+    def _step_only(self, per_group: list[list[nn.Parameter]], kernel: dict | None = None) -> None:
         """``inner.step()`` on these params of each group only (AdamW is elementwise: stepping the
-        params in pieces gives the same values as one step; each keeps its own ``step`` count)."""
+        params in pieces gives the same values as one step; each keeps its own ``step`` count), with
+        torch's ``kernel`` (e.g. ``{"foreach": True}``) instead of the inner optimizer's if given."""
         groups = self.inner.param_groups
-        saved = [g["params"] for g in groups]
+        saved = [{"params": g["params"], **{k: g.get(k) for k in _KERNEL_KEYS[:2]}} for g in groups]
         try:
             for g, params in zip(groups, per_group):
                 g["params"] = params
+                if kernel is not None:
+                    g.update({k: kernel.get(k, False) for k in _KERNEL_KEYS[:2]})
             self.inner.step()
         finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
+            for g, old in zip(groups, saved):
+                g.update(old)
 
     def _finish_host_copies(self) -> None:
         """Before the CPU writes main params outside a step: every H2D reading them has finished."""

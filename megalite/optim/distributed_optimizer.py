@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param
+from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param, offload_split
 from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
@@ -34,18 +34,45 @@ from megalite.parallel.param_gather import ParamGather, finish_param_sync
 from megalite.profiling import named_range
 
 
-def shard_main_params(bucket: Bucket, dp_rank: int, offload: bool = False) -> list[MainParam]:
-    """Main params for the pieces of ``bucket``'s params inside DP rank ``dp_rank``'s shard."""
-    shard_lo = bucket.shard_range(dp_rank)[0]
-    shard = bucket.shard_view(dp_rank)
+def shard_pieces(bucket: Bucket, dp_rank: int) -> list[tuple[nn.Parameter, int, int]]:
+    """``(param, lo, hi)``: the pieces ``[lo, hi)`` (bucket coordinates) of ``bucket``'s params
+    inside DP rank ``dp_rank``'s shard, in the bucket's order (params not in the shard left out)."""
     out = []
-    for p, (p_lo, _) in bucket.param_ranges.items():
+    for p in bucket.param_ranges:
         lo, hi = bucket.param_shard_piece(p, dp_rank)
         if lo < hi:  # this param overlaps the shard
-            start = shard_lo + lo - p_lo
-            # ZeRO-3: the param's values live in the bucket's param shard (same coordinates as the grad's).
-            values = bucket.param_shard[lo:hi] if bucket.param_shard is not None else None
-            out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, offload, values))
+            out.append((p, lo, hi))
+    return out
+
+
+def shard_main_params(bucket: Bucket, dp_rank: int, offload: list[bool] | None = None) -> list[MainParam]:
+    """Main params for the pieces of ``bucket``'s params inside DP rank ``dp_rank``'s shard
+    (:func:`shard_pieces`); ``offload[i]``: the i-th piece's main param goes to host memory."""
+    shard_lo = bucket.shard_range(dp_rank)[0]
+    shard = bucket.shard_view(dp_rank)
+    pieces = shard_pieces(bucket, dp_rank)
+    out = []
+    for (p, lo, hi), host in zip(pieces, offload or [False] * len(pieces)):
+        start = shard_lo + lo - bucket.param_ranges[p][0]
+        # ZeRO-3: the param's values live in the bucket's param shard (same coordinates as the grad's).
+        values = bucket.param_shard[lo:hi] if bucket.param_shard is not None else None
+        out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, host, values))
+    return out
+
+
+def dp_offload_split(
+    buckets: list[Bucket], dp_rank: int, fraction: float, decoupled: bool
+) -> list[list[bool]]:
+    """Per bucket, which of DP rank ``dp_rank``'s main params ``--optimizer-offload-fraction`` offloads:
+    :func:`~megalite.optim.base.offload_split` over the pieces this rank's optimizer owns (its ZeRO
+    shard of every bucket; Megatron's HybridDeviceOptimizer inside the distributed optimizer splits
+    its shard params the same way), so each DP rank offloads ``fraction`` of its own shard."""
+    per_bucket = [shard_pieces(b, dp_rank) for b in buckets]
+    flat = offload_split([(p, hi - lo) for ps in per_bucket for p, lo, hi in ps], fraction, decoupled)
+    out, i = [], 0
+    for ps in per_bucket:
+        out.append(flat[i : i + len(ps)])
+        i += len(ps)
     return out
 
 
@@ -54,13 +81,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     dp_sharded = True
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload=False, **kwargs):
+    def __init__(
+        self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload_fraction=0.0, **kwargs
+    ):
         self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
+        decoupled = kwargs.get("decoupled_lr") is not None
+        offload = dp_offload_split(self._buckets, mesh.dp_rank, offload_fraction, decoupled)
         self._bucket_main_params = [
-            shard_main_params(b, mesh.dp_rank, offload=offload) for b in self._buckets
+            shard_main_params(b, mesh.dp_rank, host) for b, host in zip(self._buckets, offload)
         ]
         main_params = [m for ms in self._bucket_main_params for m in ms]
-        super().__init__(model_chunks, mesh, main_params, offload=offload, **kwargs)
+        super().__init__(model_chunks, mesh, main_params, **kwargs)
         self._param_gathers: list[ParamGather] = []
 
     def overlap_param_gather(self, launch_all: bool = False) -> None:
@@ -95,7 +126,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Where main param ``m``'s updated value is read for the all-gather: the main param itself,
         or, offloaded, its home in the model param (the step's H2D put it there, cast to the
         model dtype as the pack would: the same values, and no host memory in the collective)."""
-        return m.home if self.offload else m.main
+        return m.home if m.offloaded else m.main
 
     def _pack_shard(
         self,
@@ -148,13 +179,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_main_params_to_param_shards(self) -> None:
         """ZeRO-3: the updated main params go into this rank's param shards, no all-gather (each
         unit's next forward gathers it). fp32 main params are views of the shards: nothing to do;
-        offloaded, the step's H2D wrote them (each main param's home is its shard piece)."""
+        offloaded ones, the step's H2D wrote (each main param's home is its shard piece)."""
         for chunk in self.model_chunks:
             chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
-        if self.offload:
-            return
         for m in self.main_params:
-            if m.is_copy:
+            if m.is_copy and not m.offloaded:
                 m.shard.copy_(m.main.detach().view(-1))
 
     @torch.no_grad()

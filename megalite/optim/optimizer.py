@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from megalite.optim.base import MainParam, MixedPrecisionOptimizer, as_ddp_chunks, make_main_param
+from megalite.optim.base import (
+    MainParam,
+    MixedPrecisionOptimizer,
+    as_ddp_chunks,
+    effective_offload_fraction,
+    make_main_param,
+    offload_split,
+)
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.parallel.data_parallel import DistributedDataParallel
@@ -28,20 +35,23 @@ _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class ReplicatedOptimizer(MixedPrecisionOptimizer):
     """AdamW with a full fp32 main copy of the model on every DP rank."""
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload=False, **kwargs):
-        main_params: list[MainParam] = []
-        for chunk in model_chunks:
-            for bucket in chunk.buckets:
-                for p in bucket.params:
-                    main_params.append(make_main_param(p, grad_of(p), 0, p.numel(), offload))
-        super().__init__(model_chunks, mesh, main_params, offload=offload, **kwargs)
+    def __init__(
+        self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload_fraction=0.0, **kwargs
+    ):
+        params = [p for chunk in model_chunks for bucket in chunk.buckets for p in bucket.params]
+        decoupled = kwargs.get("decoupled_lr") is not None
+        offload = offload_split([(p, p.numel()) for p in params], offload_fraction, decoupled)
+        main_params: list[MainParam] = [
+            make_main_param(p, grad_of(p), 0, p.numel(), host) for p, host in zip(params, offload)
+        ]
+        super().__init__(model_chunks, mesh, main_params, **kwargs)
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        if self.offload:
-            return  # the offloaded step's H2D wrote them (each main param's home is its model param)
         for m in self.main_params:
-            if m.is_copy:  # fp32 main params ARE the model params' storage
+            # fp32 main params ARE the model params' storage; offloaded ones, the step's H2D wrote
+            # (each main param's home is its model param).
+            if m.is_copy and not m.offloaded:
                 m.model.copy_(m.main)
 
 
@@ -65,6 +75,7 @@ def build_optimizer(
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
     optimizer_cpu_offload: bool = False,
+    optimizer_offload_fraction: float = 1.0,
     overlap_cpu_optimizer_d2h_h2d: bool = False,
 ) -> MixedPrecisionOptimizer:
     """AdamW over DDP-wrapped ``model_chunks`` (one per virtual pipeline stage, or a single one).
@@ -72,7 +83,8 @@ def build_optimizer(
     Megatron flags: ``--lr --weight-decay --adam-beta1 --adam-beta2 --adam-eps
     --clip-grad --fp16/--bf16 --use-distributed-optimizer --loss-scale
     --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis --decoupled-lr
-    --decoupled-min-lr --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d``. The ZeRO-2 grad sharding is DDP's (``shard_grads``);
+    --decoupled-min-lr --optimizer-cpu-offload --optimizer-offload-fraction
+    --overlap-cpu-optimizer-d2h-h2d``. The ZeRO-2 grad sharding is DDP's (``shard_grads``);
     the distributed optimizer reads the shards the same way under ZeRO-1 and ZeRO-2.
     ``clip_grad <= 0`` disables clipping (and the grad-norm report). A constant
     ``loss_scale`` applies in any precision; without it, fp16 gets a dynamic scaler
@@ -83,6 +95,8 @@ def build_optimizer(
         raise ValueError(
             f"params_dtype must be float32, bfloat16 (--bf16) or float16 (--fp16), got {params_dtype}"
         )
+    if not 0.0 <= optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {optimizer_offload_fraction}")
     for c in chunks:
         if c.use_distributed_optimizer != use_distributed_optimizer:
             raise ValueError(
@@ -113,6 +127,6 @@ def build_optimizer(
         grad_scaler=grad_scaler,
         decoupled_lr=decoupled_lr,
         decoupled_min_lr=decoupled_min_lr,
-        offload=optimizer_cpu_offload,
+        offload_fraction=effective_offload_fraction(optimizer_cpu_offload, optimizer_offload_fraction),
         overlap_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
     )
