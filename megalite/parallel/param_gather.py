@@ -175,5 +175,15 @@ def wait_for_params(*tensors: torch.Tensor | None) -> None:
     """Make these parameters final before a read outside their own module's forward (cheap otherwise)."""
     for t in tensors:
         gather = getattr(t, _ATTR, None) if t is not None else None
-        if gather is not None and gather.pending:
-            gather.wait_for(t)
+        if gather is not None:
+            _wait_for(gather, t)
+
+
+# Outside any compiled graph: --torch-compile compiles the output region (GPTModel.output), which
+# reads the output weight (or the tied embedding) here; traced, the wait would be guarded on
+# counters that change every step or dropped. Only params of an --overlap-param-gather chunk get
+# here, so without that flag the compiled regions see no break.
+@torch.compiler.disable
+def _wait_for(gather: ParamGather, t: torch.Tensor) -> None:
+    if gather.pending:
+        gather.wait_for(t)
