@@ -76,19 +76,23 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-c
        "--fp8-param-gather"]  # fmt: skip
 
 
+# MODEL_ARGS of both Llama-3 8B scripts (examples/llama and examples/megatron_fsdp): the same lines.
+LLAMA3_8B_MODEL = [
+    "--use-mcore-models", "--num-layers", "2",  # 32
+    "--hidden-size", "64", "--ffn-hidden-size", "128",  # 4096, 14336
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",  # 32, 8
+    "--kv-channels", "16",  # 128
+    "--seq-length", "32", "--max-position-embeddings", "32",  # 8192
+    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
+    "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+]  # fmt: skip
+
+
 def llama3_8b(d: Path, fp8: bool = True) -> list[str]:
     """examples/llama/train_llama3_8b_h100_fp8.sh (its MOCK data branch)."""
-    model = [
-        "--use-mcore-models", "--num-layers", "2",  # 32
-        "--hidden-size", "64", "--ffn-hidden-size", "128",  # 4096, 14336
-        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",  # 32, 8
-        "--kv-channels", "16",  # 128
-        "--seq-length", "32", "--max-position-embeddings", "32",  # 8192
-        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
-        "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
-        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    ]  # fmt: skip
+    model = list(LLAMA3_8B_MODEL)
     training = [
         "--micro-batch-size", "1", "--global-batch-size", "4",  # 128
         "--train-samples", "8", "--lr-decay-samples", "6", "--lr-warmup-samples", "2",
@@ -118,17 +122,7 @@ def llama3_8b(d: Path, fp8: bool = True) -> list[str]:
 def llama3_8b_fsdp(d: Path, fp8: bool = True) -> list[str]:
     """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its defaults (USE_MEGATRON_FSDP=1,
     SHARDING_STRATEGY optim_grads_params, DTYPE fp8, NSYS_PROFILE=0) and its MOCK data branch."""
-    model = [
-        "--use-mcore-models", "--num-layers", "2",  # 32
-        "--hidden-size", "64", "--ffn-hidden-size", "128",  # 4096, 14336
-        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",  # 32, 8
-        "--kv-channels", "16",  # 128
-        "--seq-length", "32", "--max-position-embeddings", "32",  # 8192
-        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
-        "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
-        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    ]  # fmt: skip
+    model = list(LLAMA3_8B_MODEL)
     training = [
         "--micro-batch-size", "1", "--global-batch-size", "4",  # 128
         "--train-samples", "8", "--lr-decay-samples", "6", "--lr-warmup-samples", "2",  # 1953125000, ...
