@@ -1,14 +1,15 @@
 """--torch-compile vs eager: tokens/s, compile time, TP collectives in the graph vs graph breaks, cache.
 
-    python bench/compile.py [--repeats 7] [--steps 3] [--vocab-size 1024]   # one process
+    python bench/compile.py [--repeats 7] [--steps 3] [--vocab-size 1024|own] [--dtype bf16]   # one process
     python bench/compile.py --tp2pp2 [--iters 8]                           # one spawn, 4 ranks
     python bench/compile.py --cache                                        # second start vs first
 
-One process: GPT-2 and Llama, 4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32,
-forward + backward, built as pretrain() builds them (with the TP RNG streams). Three copies of
+One process: GPT-2 and Llama, 4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32 (or
+``--dtype bf16``: bf16 params and activations, as ``--bf16`` trains), forward + backward, built as pretrain() builds them (with the TP RNG streams). Three copies of
 the model alternate step blocks ``--repeats`` times: eager, only the transformer layers compiled,
 and what ``--torch-compile`` compiles (layers + embedding + final norm + output layer and
-loss). Median tokens/s of each, per second of this process's CPU time (one thread: the wall
+loss). ``--vocab-size own`` gives each flavour its own vocabulary (GPT-2 50257, Llama 32000).
+Median tokens/s of each, per second of this process's CPU time (one thread: the wall
 clock when the core is not shared, while other processes' load does not count), and the
 wall-clock ratio too; compile time = the first step minus an eager step (wall clock).
 
@@ -54,10 +55,12 @@ FLAVOURS = {
         num_query_groups=2,
     ),
 }
-SHAPE = "4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32, fwd+bwd"
+OWN_VOCAB = {"gpt2": 50257, "llama": 32000}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPE = "4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fwd+bwd"
 
 
-def build(flavour: str, vocab: int, s: int = 256):
+def build(flavour: str, vocab: int, s: int = 256, dtype: str = "fp32"):
     from megalite.model import ModelConfig
     from megalite.model.gpt import GPTModel
     from megalite.parallel.mesh import Mesh
@@ -68,7 +71,7 @@ def build(flavour: str, vocab: int, s: int = 256):
         hidden_dropout=0.0, attention_dropout=0.0, **FLAVOURS[flavour],
     )  # fmt: skip
     mesh = Mesh.single()
-    return GPTModel(config, mesh, rng=set_random_seed(1234, mesh, "cpu"))
+    return GPTModel(config, mesh, rng=set_random_seed(1234, mesh, "cpu"), dtype=DTYPES[dtype])
 
 
 def step(model, tokens) -> None:
@@ -82,14 +85,10 @@ def timed_first_step(model, tokens) -> float:
     return time.perf_counter() - t0
 
 
-def bench(flavour: str, vocab: int, repeats: int, steps: int, b: int = 2, s: int = 256) -> dict:
+def bench(flavour: str, vocab: int, repeats: int, steps: int, dtype: str, b: int = 2, s: int = 256) -> dict:
     from megalite.model.gpt import compile_layers
 
-    models = {
-        "eager": build(flavour, vocab),
-        "layers": build(flavour, vocab),
-        "compiled": build(flavour, vocab),
-    }
+    models = {name: build(flavour, vocab, s, dtype) for name in ("eager", "layers", "compiled")}
     for layer in models["layers"].decoder.layers.values():
         layer.compile()
     compile_layers([models["compiled"]])
@@ -109,6 +108,7 @@ def bench(flavour: str, vocab: int, repeats: int, steps: int, b: int = 2, s: int
     return {
         "flavour": flavour,
         "vocab": vocab,
+        "dtype": dtype,
         "eager_tokens_per_s": round(med["eager"]),
         "layers_only_tokens_per_s": round(med["layers"]),
         "compiled_tokens_per_s": round(med["compiled"]),
@@ -142,8 +142,8 @@ def breaks_at_collectives():
             setattr(dist, n, f)
 
 
-def tp2pp2_argv(iters: int, metrics_file: str) -> list[str]:
-    return [
+def tp2pp2_argv(iters: int, metrics_file: str, dtype: str) -> list[str]:
+    return (["--bf16"] if dtype == "bf16" else []) + [
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023",
         "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
         "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
@@ -175,7 +175,7 @@ def cpu_time_per_step(out: list[float]):
         training.train_step = orig
 
 
-def tp2pp2_rank(iters: int, tmp: str) -> dict:
+def tp2pp2_rank(iters: int, tmp: str, dtype: str) -> dict:
     import torch.distributed as dist
 
     from megalite.training import pretrain
@@ -190,7 +190,7 @@ def tp2pp2_rank(iters: int, tmp: str) -> dict:
             steps: list[float] = []
             breaks = breaks_at_collectives() if name == "breaks" else contextlib.nullcontext()
             with breaks, cpu_time_per_step(steps):
-                pretrain(tp2pp2_argv(iters, path) + extra)
+                pretrain(tp2pp2_argv(iters, path, dtype) + extra)
             dist.barrier()
             cpu[name] += steps[1:]
             if os.path.exists(path):  # the logging rank's
@@ -202,18 +202,18 @@ def tp2pp2_rank(iters: int, tmp: str) -> dict:
     return {"wall": wall, "cpu": cpu, "first": first}
 
 
-def tp2pp2(iters: int) -> dict:
+def tp2pp2(iters: int, dtype: str) -> dict:
     from megalite.testing import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = run_distributed(tp2pp2_rank, 4, iters, tmp, timeout=1800)
+        ranks = run_distributed(tp2pp2_rank, 4, iters, tmp, dtype, timeout=1800)
     logger = next(r for r in ranks if r["first"]["eager"])
     wall = {k: statistics.median(v) for k, v in logger["wall"].items()}
     # CPU-seconds of one iteration summed over the 4 ranks: the work, whatever else runs.
     cpu = {k: statistics.median(map(sum, zip(*(r["cpu"][k] for r in ranks)))) for k in wall}
     tokens = 8 * 256
     return {
-        "layout": "tp2 x pp2 (4 ranks, dp1), global batch 8 (4 microbatches of 2), " + SHAPE,
+        "layout": f"tp2 x pp2 (4 ranks, dp1), global batch 8 (4 microbatches of 2), {SHAPE}, {dtype}",
         "cpu_s_per_iteration_all_ranks": {k: round(v, 3) for k, v in cpu.items()},
         "speedup_traced_collectives": round(cpu["eager"] / cpu["compiled"], 3),
         "speedup_graph_breaks": round(cpu["eager"] / cpu["breaks"], 3),
@@ -284,7 +284,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--vocab-size", default="1024", help="an int, or 'own': each flavour's own vocabulary")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="params and activations")
     p.add_argument("--flavours", nargs="+", default=list(FLAVOURS), choices=list(FLAVOURS))
     p.add_argument("--tp2pp2", action="store_true", help="pretrain() at tp2 x pp2 instead (4 ranks)")
     p.add_argument("--iters", type=int, default=8, help="with --tp2pp2: iterations per run")
@@ -293,15 +294,21 @@ def main() -> None:
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.vocab_size != "own" and not a.vocab_size.isdigit():
+        p.error(f"--vocab-size {a.vocab_size!r}: give an integer or 'own'")
+
+    def vocab(flavour: str) -> int:
+        return OWN_VOCAB[flavour] if a.vocab_size == "own" else int(a.vocab_size)
+
     if a.cache_child:
-        return cache_child(a.cache_child, a.vocab_size, a.load, a.save)
+        return cache_child(a.cache_child, vocab(a.cache_child), a.load, a.save)
     out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "shape": SHAPE}
     if a.tp2pp2:
-        out["tp2pp2"] = tp2pp2(a.iters)
+        out["tp2pp2"] = tp2pp2(a.iters, a.dtype)
     elif a.cache:
-        out["cache"] = [cache(f, a.vocab_size) for f in a.flavours]
+        out["cache"] = [cache(f, vocab(f)) for f in a.flavours]
     else:
-        out["results"] = [bench(f, a.vocab_size, a.repeats, a.steps) for f in a.flavours]
+        out["results"] = [bench(f, vocab(f), a.repeats, a.steps, a.dtype) for f in a.flavours]
     print(json.dumps(out, indent=1))
 
 

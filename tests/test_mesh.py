@@ -1,5 +1,6 @@
 """Mesh: every factorisation of world sizes 1..8 gives each rank the right groups."""
 
+import datetime
 import itertools
 
 import pytest
@@ -106,6 +107,18 @@ def _check_groups(world, sizes):
         assert mesh.next_rank == mesh.pp_ranks[(p + 1) % pp]
         assert mesh.prev_rank == mesh.pp_ranks[(p - 1) % pp]
         out.append((tp, pp, mesh.tp_rank, mesh.dp_rank, mesh.pp_rank))
+    # A second mesh of a layout already built (pretrain() called again in this process) gets
+    # the same groups back: compiled graphs name them, so new ones would compile everything again.
+    tp, pp = sizes[-1]
+    again = initialize_model_parallel(tp, pp)
+    assert again.tp_group is mesh.tp_group and again.dp_group is mesh.dp_group
+    assert again.pp_group is mesh.pp_group and again.embedding_group is mesh.embedding_group
+    # Another timeout is another group; it works like the first.
+    other = initialize_model_parallel(tp, pp, timeout=datetime.timedelta(seconds=77))
+    assert other.tp_group is not mesh.tp_group
+    got = [torch.zeros(1, dtype=torch.long) for _ in other.tp_ranks]
+    dist.all_gather(got, torch.tensor([other.rank]), group=other.tp_group)
+    assert [int(x) for x in got] == other.tp_ranks
     return out
 
 

@@ -174,6 +174,27 @@ def default_group_timeout() -> datetime.timedelta | None:
         return None
 
 
+_made_groups: dict = {"world": None, "groups": {}}
+
+
+def _groups_of_this_world() -> dict:
+    """The groups earlier calls made in this process, ``{(ranks, timeout): group}``.
+
+    A second :func:`initialize_model_parallel` of the same world (pretrain() called again in one
+    process: tests, benchmarks, a notebook) gets the same group objects back, not new ones.
+    Besides saving the collective ``new_group`` calls, this keeps compiled graphs valid: torch
+    names a group by a process-wide counter, inductor bakes that name into the graph of every TP
+    collective it traces, and a new name for the same group would miss the compile cache and
+    compile every layer again. Every rank reaches this cache in the same call order, so every
+    rank hits or misses it together, as ``new_group`` requires. A new default group (a new
+    world) starts an empty cache.
+    """
+    world = dist.distributed_c10d._get_default_group()
+    if _made_groups["world"] is not world:
+        _made_groups.update(world=world, groups={})
+    return _made_groups["groups"]
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -202,13 +223,16 @@ def initialize_model_parallel(
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
     timeout = timeout or default_group_timeout()
+    made = _groups_of_this_world()
 
     def build(groups: list[list[int]]):
         mine = None
         for g in groups:  # every rank creates every group, in the same order
-            pg = dist.new_group(g, timeout=timeout)
+            key = (tuple(g), timeout)
+            if key not in made:
+                made[key] = dist.new_group(g, timeout=timeout)
             if rank in g:
-                mine = pg
+                mine = made[key]
         return mine
 
     tp_group = build(layout.tp_groups)
