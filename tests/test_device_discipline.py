@@ -4,7 +4,9 @@ On this CPU-only machine the run declares its mesh device as ``cpu:0``, and
 ``megalite.testing.device_discipline`` tracks which tensors a GPU run would have left on the
 host (see its comment); the wrapped collectives refuse those. A 3D run (tp2 x pp2 x dp2,
 ZeRO-1, fp32) passes under it, and the same run with count_parameters' old plain
-``torch.tensor([...])`` fails.
+``torch.tensor([...])`` fails. So do the same layout's runs with ZeRO-2 + sequence parallelism +
+interleaving + bf16 + a save, ZeRO-3 with prefetch + fp16, and ZeRO-1 with
+``--overlap-param-gather`` + half the optimizer offloaded + a resume.
 """
 
 import pytest
@@ -22,6 +24,25 @@ ARGV = [
     "--use-distributed-optimizer", "--log-num-zeros-in-grad",
     "--eval-interval", "2", "--eval-iters", "1",
 ]  # fmt: skip
+
+
+# Runs of the same 3D layout with the features that bring collectives or host copies of their
+# own (run in this order: the third resumes the first's checkpoint).
+FEATURES = {
+    "zero2-sp-interleaved-bf16-save": [
+        "--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce", "--sequence-parallel",
+        "--num-layers-per-virtual-pipeline-stage", "1", "--bf16", "--save", "{tmp}/ckpt", "--save-interval", "2",
+    ],
+    "zero3-prefetch-fp16": [
+        "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--fp16",
+    ],
+    "zero1-param-gather-offload-load": [
+        "--overlap-grad-reduce", "--overlap-param-gather", "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d", "--bf16",
+        "--load", "{tmp}/ckpt", "--ckpt-step", "2",
+    ],
+}  # fmt: skip
 
 
 def _old_count_parameters(model_chunks, mesh):
@@ -79,12 +100,31 @@ def _runs(tmp):
         out["old"] = str(e)
     finally:
         training.count_parameters = real_count
+    # 4. The memory and speed features, each of which adds collectives of its own.
+    out["features"] = {}
+    for name, extra in FEATURES.items():
+        try:
+            with device_discipline():
+                training.pretrain(ARGV + [a.replace("{tmp}", tmp) for a in extra])
+            out["features"][name] = "ok"
+        except DeviceDisciplineError as e:
+            out["features"][name] = str(e)
     return out
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_runs, 8, str(tmp_path_factory.mktemp("dd")), timeout=240)
+
+
 @pytest.mark.timeout(300)
-def test_collectives_get_only_mesh_device_tensors_in_a_3d_run(tmp_path):
-    results = run_distributed(_runs, 8, str(tmp_path), timeout=240)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_keep_collectives_on_the_mesh_device(results, feature):
+    assert [r["features"][feature] for r in results] == ["ok"] * 8
+
+
+@pytest.mark.timeout(300)
+def test_collectives_get_only_mesh_device_tensors_in_a_3d_run(results):
     for rank, r in enumerate(results):
         assert "got a tensor on the host" in r["planted"], (rank, r["planted"])
         assert "got a tensor on the host" in r["old"], (rank, r["old"])
