@@ -485,6 +485,20 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
         default="default",
         help="torch.compile mode for --torch-compile.",
     )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="Fuse the cross entropy's passes over the logits: torch.compile the last stage's output "
+        "layer + vocab-parallel loss as one region (Megatron's native fusion compiles its loss "
+        "too). --torch-compile includes it.",
+    )
+    g.add_argument(
+        "--cross-entropy-fusion-impl",
+        choices=("native", "te"),
+        default="native",
+        help="Megatron's kernel choice for --cross-entropy-loss-fusion. megalite has no Transformer "
+        "Engine kernel: te runs the native (compiled) fusion, the same math.",
+    )
 
 
 def validate_sequence_parallel_and_recompute(args: argparse.Namespace) -> None:

@@ -63,8 +63,6 @@ IGNORED: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("--use-flash-attn", 0, "SDPA already uses flash attention where the GPU supports it"),
     CompatFlag("--no-gradient-accumulation-fusion", 0, _FUSION),
-    CompatFlag("--cross-entropy-loss-fusion", 0, _FUSION),
-    CompatFlag("--cross-entropy-fusion-impl", 1, _FUSION, choices=("native", "te")),
     CompatFlag("--no-masked-softmax-fusion", 0, _FUSION),
     CompatFlag("--no-bias-gelu-fusion", 0, _FUSION),
     CompatFlag("--no-bias-swiglu-fusion", 0, _FUSION),

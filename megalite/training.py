@@ -35,7 +35,7 @@ from megalite.metrics import (
     peak_memory_mb,
 )
 from megalite.model import ModelConfig, build_model_chunks
-from megalite.model.gpt import compile_layers
+from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import OptimizerParamScheduler, build_optimizer
 from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -132,6 +132,8 @@ def setup(args: argparse.Namespace) -> TrainState:
     )
     if args.torch_compile:
         compile_layers(chunks, args.torch_compile_mode)
+    elif args.cross_entropy_loss_fusion:
+        fuse_cross_entropy(chunks)
     model = [
         DistributedDataParallel(
             c,

@@ -752,24 +752,44 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     (attention dropout, dropout under sequence parallelism; dynamo cannot swap RNG states) and
     selective recompute's checkpoint (see ``_recompute_outside_dynamo``).
     """
+    _require_compile("--torch-compile")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
+    torch_mode = None if mode == "default" else mode
+    for chunk in chunks:
+        for layer in chunk.decoder.layers.values():
+            layer.compile(mode=torch_mode)
+        if chunk.embedding is not None:
+            chunk.embedding.compile(mode=torch_mode)
+        if chunk.post_process:
+            chunk.decoder.final_norm.compile(mode=torch_mode)
+    fuse_cross_entropy(chunks, mode)
+
+
+def fuse_cross_entropy(chunks: list[nn.Module], mode: str = "default") -> None:
+    """``--cross-entropy-loss-fusion``: compile the last stage's output layer + vocab-parallel
+    cross entropy (:meth:`GPTModel.output`) into one region, as Megatron's native fusion
+    compiles its cross entropy.
+
+    The loss's elementwise passes over the ``[b, s, V/tp]`` logits (max, exp, sum, the softmax
+    and its gradient) become one fused loop each way, around the head's matmuls; the TP
+    all-reduces of the max and the sums stay in the graph as traced functional collectives. No
+    dropout or RNG in this region, so the math is eager's up to float reordering.
+    """
+    _require_compile("--cross-entropy-loss-fusion")
+    for chunk in chunks:
+        if chunk.post_process:
+            chunk.output = torch.compile(chunk.output, mode=None if mode == "default" else mode)
+
+
+def _require_compile(flag: str) -> None:
     from megalite.errors import MegaliteError
 
     if not callable(getattr(torch, "compile", None)) or not hasattr(nn.Module, "compile"):
         raise MegaliteError(
-            f"--torch-compile needs torch >= 2.2 (torch.compile, nn.Module.compile); this is torch {torch.__version__}"
+            f"{flag} needs torch >= 2.2 (torch.compile, nn.Module.compile); this is torch {torch.__version__}"
         )
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
-    mode = None if mode == "default" else mode
-    for chunk in chunks:
-        for layer in chunk.decoder.layers.values():
-            layer.compile(mode=mode)
-        if chunk.embedding is not None:
-            chunk.embedding.compile(mode=mode)
-        if chunk.post_process:
-            chunk.decoder.final_norm.compile(mode=mode)
-            chunk.output = torch.compile(chunk.output, mode=mode)
 
 
 __all__ = [
@@ -777,6 +797,7 @@ __all__ = [
     "apply_rotary",
     "build_model_chunks",
     "compile_layers",
+    "fuse_cross_entropy",
     "recompute_units",
     "rotary_cos_sin",
 ]
