@@ -163,8 +163,14 @@ def run_distributed(
 # every tensor "lives": a factory without ``device=``, ``device="cpu"``, ``.cpu()`` or
 # ``torch.from_numpy`` makes a host tensor; ``device=cpu:0`` / ``.to(cpu:0)`` a device one; any
 # other op's result is on the host only when all its tensor inputs are (as on a GPU).
-# ``Tensor.device`` answers accordingly, and the wrapped collectives refuse host tensors.
+# ``Tensor.device`` answers accordingly, the wrapped collectives refuse host tensors, and an op
+# that mixes a host tensor (not 0-dim) with device ones raises, as CUDA would.
 _SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
+
+
+# Ops that CUDA lets take host and device tensors together (beyond 0-dim host tensors, which
+# every op takes as scalars): copies and moves across devices, and indexing by host indices.
+_MAY_MIX = ("copy_", "to", "cpu", "cuda", "__getitem__", "__setitem__", "index_put_", "__get__", "__set__")
 
 
 class DeviceDisciplineError(AssertionError):
@@ -184,6 +190,15 @@ def _tensors(obj):
             yield from _tensors(x)
     elif hasattr(obj, "tensor") and hasattr(obj, "op"):  # a P2POp
         yield obj.tensor
+
+
+def _calling_site() -> str:
+    """``file:line`` of the innermost megalite frame (outside this file) on the stack."""
+    return next(
+        (f"{f.filename.split('megalite/')[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack())
+         if "/megalite/" in f.filename and not f.filename.endswith("testing.py")),
+        "?",
+    )  # fmt: skip
 
 
 def on_host(t) -> bool:
@@ -218,13 +233,16 @@ def _make_tracker():
                 return torch.device("cpu") if on_host(args[0]) else declared
             if name in _SYNCS and args and isinstance(args[0], torch.Tensor) and not on_host(args[0]):
                 Tracker.host_syncs += 1
-                site = next(
-                    (f"{f.filename.split('megalite/')[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack())
-                     if "/megalite/" in f.filename and not f.filename.endswith("testing.py")),
-                    "?",
-                )  # fmt: skip
+                site = _calling_site()
                 Tracker.sync_sites[site] = Tracker.sync_sites.get(site, 0) + 1
             inputs = list(_tensors(list(args) + list(kwargs.values())))
+            if name not in _MAY_MIX:
+                host_in = next((t for t in inputs if on_host(t) and t.dim() > 0), None)
+                if host_in is not None and not all(map(on_host, inputs)):
+                    raise DeviceDisciplineError(
+                        f"{name} at {_calling_site()} mixes a host tensor (shape {tuple(host_in.shape)}, {host_in.dtype}) "
+                        f"with tensors on the mesh's device {declared}: CUDA refuses that; make it on the mesh device"
+                    )
             dev = explicit_device(func, args, kwargs)
             host = (dev != declared) if dev is not None else (all(map(on_host, inputs)) if inputs else True)
             out = func(*args, **kwargs)

@@ -2,11 +2,12 @@
 
 On this CPU-only machine the run declares its mesh device as ``cpu:0``, and
 ``megalite.testing.device_discipline`` tracks which tensors a GPU run would have left on the
-host (see its comment); the wrapped collectives refuse those. A 3D run (tp2 x pp2 x dp2,
-ZeRO-1, fp32) passes under it, and the same run with count_parameters' old plain
-``torch.tensor([...])`` fails. So do the same layout's runs with ZeRO-2 + sequence parallelism +
-interleaving + bf16 + a save, ZeRO-3 with prefetch + fp16, and ZeRO-1 with
-``--overlap-param-gather`` + half the optimizer offloaded + a resume.
+host (see its comment); the wrapped collectives refuse those, and so does any op that mixes a
+host tensor with a device one (as CUDA does). A 3D run (tp2 x pp2 x dp2, ZeRO-1, fp32) passes
+under it, and the same run with count_parameters' old plain ``torch.tensor([...])`` fails. The
+same layout's runs with ZeRO-2 + sequence parallelism + interleaving + bf16 + a save, ZeRO-3 with
+prefetch + fp16, and ZeRO-1 with ``--overlap-param-gather`` + half the optimizer offloaded + a
+resume pass too.
 """
 
 import pytest
@@ -72,6 +73,14 @@ def _runs(tmp):
             out["planted"] = "passed"
         except DeviceDisciplineError as e:
             out["planted"] = str(e)
+        # An op mixing a host tensor with a device one fails too (CUDA refuses it), unless the host
+        # tensor is 0-dim (a scalar to CUDA) or the op is a copy between devices.
+        mesh.tensor([1.0, 2.0]).mul(torch.tensor(2.0)).copy_(torch.tensor([3.0, 4.0]))
+        try:
+            mesh.tensor([1.0, 2.0]).add(torch.tensor([1.0, 2.0]))
+            out["mixed"] = "passed"
+        except DeviceDisciplineError as e:
+            out["mixed"] = str(e)
     # 2. The 3D run passes; count the host syncs of each training step.
     real_step = training.train_step
     with device_discipline() as tracker:
@@ -128,6 +137,7 @@ def test_collectives_get_only_mesh_device_tensors_in_a_3d_run(results):
     for rank, r in enumerate(results):
         assert "got a tensor on the host" in r["planted"], (rank, r["planted"])
         assert "got a tensor on the host" in r["old"], (rank, r["old"])
+        assert "add at" in r["mixed"] and "mixes a host tensor (shape (2,)" in r["mixed"], (rank, r["mixed"])
         assert len(r["syncs"]) == 3
     print("host syncs per step, by rank:", [r["syncs"] for r in results])
     print("sites (rank 0, rank 7):", results[0]["sites"], results[7]["sites"])
