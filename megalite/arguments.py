@@ -1008,16 +1008,6 @@ def resolve_sharding_strategy(args: argparse.Namespace) -> str:
                 "--use-distributed-optimizer shards the optimizer, which contradicts "
                 "--data-parallel-sharding-strategy no_shard; drop one"
             )
-    if strategy == "optim_grads_params" and getattr(args, "torch_compile", False):
-        named = (
-            fsdp[0] if fsdp and explicit is None else "--data-parallel-sharding-strategy optim_grads_params"
-        )
-        # ZeRO-3 frees and re-gathers each layer's param storage in module hooks around the layer,
-        # which regional compile would trace into; not combined.
-        raise ArgumentError(
-            f"{named} (ZeRO-3) with --torch-compile is not supported; drop --torch-compile or use "
-            "--data-parallel-sharding-strategy optim_grads (ZeRO-2)"
-        )
     if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
         raise ArgumentError(
             f"--optimizer-offload-fraction {args.optimizer_offload_fraction} must be in [0, 1] (the share "

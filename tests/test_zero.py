@@ -255,11 +255,6 @@ def test_sharding_flags():
             ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"],
             ["--use-distributed-optimizer", "contradicts"],
         ),
-        (["--use-torch-fsdp2", "--torch-compile"], ["--use-torch-fsdp2", "--torch-compile"]),
-        (
-            [*Z3, "--torch-compile"],
-            ["--data-parallel-sharding-strategy optim_grads_params", "--torch-compile"],
-        ),
         (["--use-torch-fsdp2", *Z2], ["--use-torch-fsdp2", "optim_grads", "contradicts"]),
         (
             ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"],

@@ -744,8 +744,10 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     than the layers' and fuse into two loops. The embedding stays eager: inductor's
     decomposition of its backward (a dense ``[V, h]`` fp32 buffer, scatter-added, then cast)
     measured 2-8% slower per step than eager's kernel at 32000-50257 words, for a forward
-    that has little to fuse (``bench/compile.py``). ``nn.Module.compile`` keeps the module
-    tree, so parameter names, ``state_dict`` keys and checkpoints are unchanged.
+    that has little to fuse (``bench/compile.py``). Each region's ``forward`` is compiled in
+    place (:func:`megalite.compiled.compile_forward`): the module tree stays, so parameter
+    names, ``state_dict`` keys and checkpoints are unchanged, and the module's hooks (ZeRO-3's
+    gather and free, ``--overlap-param-gather``'s waits) run eagerly around the graph.
 
     Dropout keeps drawing from torch's RNG as in eager (``fallback_random``), so the RNG
     streams, recompute's replay and resume behave exactly as without compile. The TP
@@ -758,13 +760,15 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     _require_compile("--torch-compile")
     import torch._inductor.config as inductor_config
 
+    from megalite.compiled import compile_forward
+
     inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
     torch_mode = None if mode == "default" else mode
     for chunk in chunks:
         for layer in chunk.decoder.layers.values():
-            layer.compile(mode=torch_mode)
+            compile_forward(layer, torch_mode)
         if chunk.post_process:
-            chunk.decoder.final_norm.compile(mode=torch_mode)
+            compile_forward(chunk.decoder.final_norm, torch_mode)
     fuse_cross_entropy(chunks, mode)
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megalite.compiled import has_compiled_forward
 from megalite.parallel.mappings import all_gather_flat
 from megalite.profiling import named_range
 
@@ -76,7 +77,7 @@ class ParamGather:
         for module in ddp.module.modules():  # parents before children
             if module in inside_compiled:
                 continue
-            if getattr(module, "_compiled_call_impl", None) is not None:
+            if has_compiled_forward(module):
                 # --torch-compile: one wait for the whole compiled module, before its graph runs
                 # (a hook inside would be traced); nothing inside it needs wait_for_params then.
                 inside_compiled.update(module.modules())
