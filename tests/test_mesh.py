@@ -106,6 +106,10 @@ def _check_groups(world, sizes):
             assert [int(x) for x in got] == mesh.embedding_ranks
         assert mesh.next_rank == mesh.pp_ranks[(p + 1) % pp]
         assert mesh.prev_rank == mesh.pp_ranks[(p - 1) % pp]
+        # Each role has a group of its own, even where two roles have the same ranks.
+        roles = [mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.mp_group, mesh.embedding_group]
+        roles = [g for g in roles if g is not None]
+        assert len({id(g) for g in roles}) == len(roles)
         out.append((tp, pp, mesh.tp_rank, mesh.dp_rank, mesh.pp_rank))
     # A second mesh of a layout already built (pretrain() called again in this process) gets
     # the same groups back: compiled graphs name them, so new ones would compile everything again.

@@ -178,7 +178,7 @@ _made_groups: dict = {"world": None, "groups": {}}
 
 
 def _groups_of_this_world() -> dict:
-    """The groups earlier calls made in this process, ``{(ranks, timeout): group}``.
+    """The groups earlier calls made in this process, ``{(role, ranks, timeout): group}``.
 
     A second :func:`initialize_model_parallel` of the same world (pretrain() called again in one
     process: tests, benchmarks, a notebook) gets the same group objects back, not new ones.
@@ -225,27 +225,29 @@ def initialize_model_parallel(
     timeout = timeout or default_group_timeout()
     made = _groups_of_this_world()
 
-    def build(groups: list[list[int]]):
+    def build(role: str, groups: list[list[int]]):
         mine = None
         for g in groups:  # every rank creates every group, in the same order
-            key = (tuple(g), timeout)
+            # One group per role even where two roles have the same ranks (pp and embedding at
+            # pp2 x tp1): each role's collectives keep a communicator of their own, as before.
+            key = (role, tuple(g), timeout)
             if key not in made:
                 made[key] = dist.new_group(g, timeout=timeout)
             if rank in g:
                 mine = made[key]
         return mine
 
-    tp_group = build(layout.tp_groups)
-    dp_group = build(layout.dp_groups)
-    pp_group = build(layout.pp_groups)
-    mp_group = build(layout.mp_groups)
+    tp_group = build("tp", layout.tp_groups)
+    dp_group = build("dp", layout.dp_groups)
+    pp_group = build("pp", layout.pp_groups)
+    mp_group = build("mp", layout.mp_groups)
     # Embedding groups of different pipelines may coincide (pp == 1): dedupe
     # while keeping the creation order identical on every rank.
     unique_emb: list[list[int]] = []
     for g in layout.embedding_groups:
         if g not in unique_emb:
             unique_emb.append(g)
-    emb_group = build(unique_emb)
+    emb_group = build("embedding", unique_emb)
 
     tp_ranks = _group_of(layout.tp_groups, rank)
     dp_ranks = _group_of(layout.dp_groups, rank)
