@@ -826,4 +826,13 @@ MUTANTS = [
         ("tests/test_device_discipline.py",),
         "the checker lets an op mix host and device tensors, which CUDA refuses",
     ),
+    Mutant(
+        "mesh-groups-shared-across-roles",
+        "megalite/parallel/mesh.py",
+        "            key = (role, tuple(g), timeout)\n",
+        "            key = (tuple(g), timeout)\n",
+        (MESH,),
+        "pp and embedding groups with the same ranks become one communicator: p2p and the embedding "
+        "all-reduce share it, and the byte meter cannot tell them apart",
+    ),
 ]
