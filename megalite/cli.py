@@ -70,6 +70,9 @@ def print_error(prog: str, message: str) -> None:
 def _shutdown_distributed() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
+        from megalite.parallel.mesh import destroy_model_parallel
+
+        destroy_model_parallel()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 

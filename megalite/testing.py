@@ -78,6 +78,9 @@ def _worker(fn, rank, world_size, init_file, timeout_s, env, args, kwargs, resul
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            from megalite.parallel.mesh import destroy_model_parallel
+
+            destroy_model_parallel()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 

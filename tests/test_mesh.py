@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.mesh import Mesh, ParallelConfigError, initialize_model_parallel, rank_layout
+from megalite.parallel.mesh import (
+    Mesh,
+    ParallelConfigError,
+    destroy_model_parallel,
+    initialize_model_parallel,
+    rank_layout,
+)
 from megalite.testing import run_distributed
 
 
@@ -123,6 +129,10 @@ def _check_groups(world, sizes):
     got = [torch.zeros(1, dtype=torch.long) for _ in other.tp_ranks]
     dist.all_gather(got, torch.tensor([other.rank]), group=other.tp_group)
     assert [int(x) for x in got] == other.tp_ranks
+    # destroy_model_parallel() forgets them (before the world is destroyed): the next call makes new ones.
+    destroy_model_parallel()
+    fresh = initialize_model_parallel(tp, pp)
+    assert fresh.tp_group is not mesh.tp_group and fresh.dp_group is not mesh.dp_group
     return out
 
 

@@ -195,6 +195,13 @@ def _groups_of_this_world() -> dict:
     return _made_groups["groups"]
 
 
+def destroy_model_parallel() -> None:
+    """Drop the groups kept by :func:`initialize_model_parallel` (Megatron's name), before the
+    world is destroyed: a group referenced from here would outlive ``destroy_process_group`` and
+    be torn down at interpreter exit, after a failed peer, where gloo's threads may abort."""
+    _made_groups.update(world=None, groups={})
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
