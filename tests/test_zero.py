@@ -270,6 +270,22 @@ def test_bad_sharding_flags(flags, words):
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
+def one_process_zero3(config, prefetch: bool = False, **gpt_kwargs):
+    """A GPT on one process (dp=1, no collectives) wrapped for ZeRO-3, prefetching or not."""
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.data_parallel import DistributedDataParallel
+    from megalite.parallel.mesh import Mesh
+
+    return DistributedDataParallel(
+        GPTModel(config, Mesh.single(), **gpt_kwargs),
+        Mesh.single(),
+        use_distributed_optimizer=True,
+        shard_grads=True,
+        shard_params=True,
+        prefetch_params=prefetch,
+    )
+
+
 @pytest.mark.parametrize("recompute", [None, "full"])
 def test_zero3_one_process_gathers_just_in_time(recompute):
     """One process (dp=1, no collectives): params are freed outside their unit's forward and
@@ -278,20 +294,13 @@ def test_zero3_one_process_gathers_just_in_time(recompute):
 
     from megalite.model.config import ModelConfig
     from megalite.model.gpt import GPTModel
-    from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
 
     config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=40)
     kwargs = dict(recompute_granularity=recompute, recompute_method="uniform" if recompute else None)
     kwargs["recompute_num_layers"] = 2 if recompute else None
     ref = GPTModel(config, Mesh.single(), **kwargs)
-    ddp = DistributedDataParallel(
-        GPTModel(config, Mesh.single(), **kwargs),
-        Mesh.single(),
-        use_distributed_optimizer=True,
-        shard_grads=True,
-        shard_params=True,
-    )
+    ddp = one_process_zero3(config, **kwargs)
     params = dict(ddp.module.named_parameters())
 
     def freed():
@@ -329,10 +338,7 @@ def test_zero3_prefetch_one_process(recompute):
 
     from megalite.memory import MemoryLayout, gathered_param_bytes
     from megalite.model.config import ModelConfig
-    from megalite.model.gpt import GPTModel
     from megalite.parallel import zero3
-    from megalite.parallel.data_parallel import DistributedDataParallel
-    from megalite.parallel.mesh import Mesh
 
     config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
     method, n = recompute or (None, None)
@@ -342,14 +348,7 @@ def test_zero3_prefetch_one_process(recompute):
     seen = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        ddp = DistributedDataParallel(
-            GPTModel(config, Mesh.single(), **kwargs),
-            Mesh.single(),
-            use_distributed_optimizer=True,
-            shard_grads=True,
-            shard_params=True,
-            prefetch_params=prefetch,
-        )
+        ddp = one_process_zero3(config, prefetch, **kwargs)
         sharding = ddp.param_sharding
         events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
 
