@@ -9,21 +9,34 @@ The flag reference in docs/flags.md is generated from ``build_parser()``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import sys
 
+import torch
 import yaml
 
 from megalite import megatron_compat as compat
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
-from megalite.data.tokenizers import add_tokenizer_args
+from megalite.configs import (
+    DataConfig,
+    DataParallelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    RunConfig,
+    SchedulerConfig,
+    ShardingStrategy,
+    TrainingConfig,
+)
+from megalite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs
 from megalite.errors import MegaliteError
 from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
 
 
 class ArgumentError(MegaliteError, ValueError):
@@ -1069,4 +1082,68 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         init_method_std=args.init_method_std,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         seed=args.seed,
+    )
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The model's dtype: ``--bf16`` / ``--fp16``, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _from_flags(cls, args: argparse.Namespace, **values):
+    """``cls`` with each field read from the flag of its name, unless given in ``values``."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in values]
+    return cls(**{k: getattr(args, k) for k in names}, **values)
+
+
+def build_configs(args: argparse.Namespace) -> RunConfig:
+    """The run's typed configs, from flags :func:`validate_args` has checked and completed.
+
+    The one place the flag namespace becomes configs: everything below the training setup
+    takes these objects.
+    """
+    strategy = ShardingStrategy(args.data_parallel_sharding_strategy)
+    dtype = params_dtype(args)
+    return RunConfig(
+        parallel=_from_flags(ParallelConfig, args, context_parallel_size=1),
+        recompute=RecomputeConfig(
+            args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+        ),
+        data_parallel=DataParallelConfig(
+            sharding_strategy=strategy,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
+            bucket_size=args.ddp_bucket_size,
+            grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+        ),
+        optimizer=_from_flags(
+            OptimizerConfig,
+            args,
+            params_dtype=dtype,
+            use_distributed_optimizer=strategy.shards_optimizer,
+        ),
+        scheduler=SchedulerConfig(
+            max_lr=args.lr,
+            min_lr=args.min_lr,
+            init_lr=args.lr_warmup_init,
+            lr_warmup_steps=args.lr_warmup_steps,
+            lr_decay_steps=args.lr_decay_steps,
+            lr_decay_style=args.lr_decay_style,
+            start_wd=args.start_weight_decay,
+            end_wd=args.end_weight_decay,
+            wd_incr_steps=args.wd_incr_steps,  # Megatron: over the whole run
+            wd_incr_style=args.weight_decay_incr_style,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+        ),
+        training=_from_flags(TrainingConfig, args, params_dtype=dtype),
+        data=DataConfig(
+            data_path=tuple(args.data_path or ()),
+            split=args.split,
+            data_cache_path=args.data_cache_path,
+            mock_data=args.mock_data,
+            eod_mask_loss=args.eod_mask_loss,
+            tokenizer=tokenizer_kwargs(args),
+        ),
     )

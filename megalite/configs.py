@@ -1,0 +1,221 @@
+"""Typed, frozen configs: what each component needs of the run, built once from the flags.
+
+In the spirit of Megatron-Core's ``ModelParallelConfig`` / ``DistributedDataParallelConfig`` /
+``OptimizerConfig``: ``megalite.arguments.build_configs(args)`` turns the validated flag namespace
+into a :class:`RunConfig`; builders below the training setup take these objects, never the
+namespace. Field names are Megatron-LM's flag names (``--ddp-bucket-size`` -> ``bucket_size`` where
+Megatron-Core's config renames it). The model's shape is :class:`megalite.model.config.ModelConfig`.
+Only ``errors``-level imports here: every layer may import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ShardingStrategy(str, enum.Enum):
+    """What is sharded over data-parallel ranks (``--data-parallel-sharding-strategy``)."""
+
+    NO_SHARD = "no_shard"  # plain DDP: everything replicated
+    OPTIM = "optim"  # ZeRO-1: main params and optimizer state
+    OPTIM_GRADS = "optim_grads"  # ZeRO-2: + gradients
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: + parameters
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self is not ShardingStrategy.NO_SHARD
+
+    @property
+    def shards_grads(self) -> bool:
+        return self in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+
+    @property
+    def shards_params(self) -> bool:
+        return self is ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def zero_stage(self) -> int:
+        return list(ShardingStrategy).index(self)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout: how the world is cut (Megatron's rank order: tp fastest, then cp, dp, pp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank (interleaving)
+    context_parallel_size: int = 1  # room for context parallelism (not built yet: always 1)
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False  # only ever True with tp > 1 (the flag is a no-op at tp 1)
+    decoder_first_pipeline_num_layers: int | None = None  # uneven stages
+    decoder_last_pipeline_num_layers: int | None = None
+    pipeline_schedule: str = "1f1b"  # the non-interleaved schedule: "1f1b" or "gpipe"
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.data_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    @property
+    def schedule(self) -> str:
+        """The schedule that runs: ``1f1b`` without pipelining, ``interleaved`` with virtual stages."""
+        if self.pipeline_model_parallel_size == 1:
+            return "1f1b"  # no pipelining: plain accumulation, whatever the name
+        if self.virtual_pipeline_model_parallel_size > 1:
+            return "interleaved"
+        return self.pipeline_schedule
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Megatron's ``--recompute-granularity/-method/-num-layers``)."""
+
+    granularity: str | None = None  # None, "selective" (the attention core) or "full" (whole layers)
+    method: str | None = None  # with "full": "uniform" or "block"
+    num_layers: int | None = None  # with "full": layers per unit (uniform) or recomputed layers (block)
+
+    def __post_init__(self):
+        if self.granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ValueError(
+                f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {self.granularity!r}"
+            )
+
+    @property
+    def selective(self) -> bool:
+        return self.granularity == "selective"
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    def describe(self) -> str:
+        if self.granularity is None:
+            return "none"
+        return f"full {self.method} {self.num_layers}" if self.full else self.granularity
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """Gradient reduction and sharding over DP (Megatron-Core's ``DistributedDataParallelConfig``)."""
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
+    overlap_grad_reduce: bool = True  # start each bucket's collective while backward runs
+    overlap_param_gather: bool = (
+        False  # ZeRO-1/2: gather after the step, waited for in the next forward; ZeRO-3: prefetch
+    )
+    overlap_param_gather_with_optimizer_step: bool = False  # start every bucket's gather in the step
+    bucket_size: int = 40_000_000  # elements per grad bucket (--ddp-bucket-size)
+    grad_reduce_dtype: torch.dtype = torch.float32  # grad buffer and collectives (--grad-reduce-in-bf16)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        return self.sharding_strategy.shards_optimizer
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW on fp32 main params, loss scaling, clipping and offload (Megatron-Core's ``OptimizerConfig``)."""
+
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    decoupled_lr: float | None = None  # its own LR for the embedding and output layer
+    decoupled_min_lr: float | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    params_dtype: torch.dtype = torch.float32  # the model's dtype: bf16 / fp16 get fp32 main params
+    use_distributed_optimizer: bool = False  # shard main params and state over DP (ZeRO-1 and up)
+    loss_scale: float | None = None  # fp16: a constant scale; None = dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The LR and weight-decay schedule, in samples as Megatron counts them (``OptimizerParamScheduler``)."""
+
+    max_lr: float = 1e-4
+    min_lr: float = 0.0
+    init_lr: float = 0.0  # --lr-warmup-init
+    lr_warmup_steps: float = 0
+    lr_decay_steps: int = 1
+    lr_decay_style: str = "linear"
+    start_wd: float | None = None
+    end_wd: float | None = None
+    wd_incr_steps: int = 1
+    wd_incr_style: str = "constant"
+    use_checkpoint_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The run's schedule: batches, steps, evaluation and the speed switches of the step."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    seq_length: int = 128
+    num_microbatches: int = 1  # of the full global batch
+    batch_schedule: Any = None  # megalite.batch_schedule.BatchSizeSchedule
+    train_iters: int = 0
+    train_samples_total: int = 0  # samples the batch schedule consumes over train_iters
+    eval_interval: int | None = None
+    eval_iters: int = 0
+    log_interval: int = 1
+    num_workers: int = 0
+    calculate_per_token_loss: bool = False
+    seed: int = 1234
+    params_dtype: torch.dtype = torch.float32
+    torch_compile: bool = False
+    torch_compile_mode: str = "default"
+    cross_entropy_loss_fusion: bool = False
+    peak_tflops: float | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the samples come from (``build_train_valid_test_datasets``)."""
+
+    data_path: tuple[str, ...] = ()
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    mock_data: bool = False
+    eod_mask_loss: bool = False
+    tokenizer: dict = field(default_factory=dict)  # build_tokenizer's keyword arguments
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every config of one run, built once by ``megalite.arguments.build_configs``."""
+
+    parallel: ParallelConfig
+    recompute: RecomputeConfig
+    data_parallel: DataParallelConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    training: TrainingConfig
+    data: DataConfig
