@@ -10,11 +10,13 @@ or as a plain single process (``python pretrain_gpt.py ...``). See docs/flags.md
 import sys
 
 from megalite.cli import run_main
+from megalite.planning.planner import memory_fit_warning
 from megalite.training import pretrain
 
 
 def _pretrain(argv: list[str] | None) -> int:
-    pretrain(sys.argv[1:] if argv is None else argv)
+    # The planner's start-up check: does this layout fit the device's memory? (one warning line)
+    pretrain(sys.argv[1:] if argv is None else argv, preflight=memory_fit_warning)
     return 0
 
 

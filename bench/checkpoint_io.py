@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 MODELS = {
     "tiny": ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100"],

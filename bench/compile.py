@@ -211,7 +211,7 @@ def tp2pp2_rank(iters: int, tmp: str, dtype: str) -> dict:
 
 
 def tp2pp2(iters: int, dtype: str) -> dict:
-    from megalite.testing import run_distributed
+    from megalite.spawn import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         ranks = run_distributed(tp2pp2_rank, 4, iters, tmp, dtype, timeout=1800)

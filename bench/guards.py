@@ -78,7 +78,7 @@ def guard_ops_ms(state, data) -> tuple[float, float]:
 def measure(a, clip: float) -> tuple[float, float]:
     """(median ms per step with the guard off, with it on), alternating blocks of ``a.iters`` steps."""
     state = setup(parse_args(flags(a, clip)))
-    data = microbatch_iterator(state.datasets[0], 0, state.args, state.mesh)
+    data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh)
     for _ in range(3):  # warm-up
         train_step(state, data)
     times = {False: [], True: []}

@@ -74,8 +74,8 @@ def main() -> None:
     )
     state = setup(args)
     vocab = state.tokenizer.vocab_size
-    checked = microbatch_iterator(state.datasets[0], 0, args, state.mesh, vocab)
-    plain = microbatch_iterator(state.datasets[0], 0, args, state.mesh, None)
+    checked = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, vocab)
+    plain = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, None)
     for _ in range(2):  # warm-up, both ways
         train_step(state, checked)
         train_step(state, plain)

@@ -30,7 +30,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]  # fmt: skip

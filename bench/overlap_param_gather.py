@@ -24,7 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 
 def _runs(runs):

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.parallel.mesh import initialize_model_parallel  # noqa: E402
 from megalite.parallel.schedules import forward_backward  # noqa: E402
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 SHAPE = (1, 1, 4)  # the activation is a token payload: the cost is the sleep
 

@@ -5,7 +5,7 @@
 
 For each layout (world 2 and 4, a 4-layer GPT-2 of hidden 128, seq 64, global batch 16, fp32),
 the planner predicts the step time with the calibration; pretrain() runs it in-process on gloo
-ranks (megalite.testing.run_distributed, one spawn per world size) with the planner's own launch
+ranks (megalite.spawn.run_distributed, one spawn per world size) with the planner's own launch
 flags, and the measured step is the median of the iterations after the first two. Prints one JSON
 object: per layout predicted / measured / error, and per world size whether the planner's first
 choice among these layouts is the fastest measured or within 10% of it.
@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite import calibration, planner  # noqa: E402
 from megalite.arguments import model_config, parse_args  # noqa: E402
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.planning import calibration, planner  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "4"]
 MODEL += ["--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64", "--lr", "1e-4"]

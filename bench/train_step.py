@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.model.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.mesh import Mesh  # noqa: E402
-from megalite.testing import run_distributed  # noqa: E402
+from megalite.spawn import run_distributed  # noqa: E402
 
 
 def model_flags(a) -> list[str]:

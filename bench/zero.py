@@ -4,7 +4,7 @@
 
 For each dp, ``torchrun --standalone`` starts dp ranks (pure data parallelism: the same model on
 every rank, so the per-rank figures compare across dp); each rank builds every strategy with
-pretrain's own ``setup`` (``megalite.comm_meter.MeasuredRun``): no_shard, optim (ZeRO-1),
+pretrain's own ``setup`` (``megalite.planning.comm_meter.MeasuredRun``): no_shard, optim (ZeRO-1),
 optim_grads (ZeRO-2), optim_grads_params (ZeRO-3) once the flag checks accept it, and
 ``--optimizer-cpu-offload`` with no_shard and with optim_grads. On a GPU machine the ranks use
 NCCL and one GPU each (a dp above the GPU count is skipped); on CPU, gloo.
@@ -15,7 +15,7 @@ Prints one JSON object; per dp and strategy:
                       their sum over the rank's parameters next to the ZeRO formula (bf16: 2 + 4 + 12/d
                       ...; megalite's gradient buffer is fp32, 4 bytes); on CUDA the peak allocated
   dp_bytes_per_step   bytes one rank sends on the DP group in the first step, counted at the collective
-                      calls (megalite.comm_meter, ring volumes), by operation, next to the theory on the
+                      calls (megalite.planning.comm_meter, ring volumes), by operation, next to the theory on the
                       real bucket sizes (the step's loss / grad-norm scalars included)
   step_time           the median step over --repeats steps per strategy (strategies alternate, in a
                       rotated order, after one warm-up step each) and its ratio to no_shard's in the same
@@ -54,7 +54,7 @@ def model_flags(a) -> list[str]:
 
 
 def configs(a) -> list[tuple[str, list[str]]]:
-    from megalite.comm_meter import strategy_built
+    from megalite.planning.comm_meter import strategy_built
 
     base = model_flags(a)
     out = []
@@ -72,7 +72,7 @@ def configs(a) -> list[tuple[str, list[str]]]:
 def worker(a) -> None:
     import torch
 
-    from megalite.comm_meter import MeasuredRun
+    from megalite.planning.comm_meter import MeasuredRun
 
     named = configs(a)
     runs = {name: MeasuredRun(argv) for name, argv in named}
@@ -120,7 +120,7 @@ def launch(a, dp: int, out: str) -> None:
 
 
 def summarise(a, dp: int, ranks: list[dict]) -> dict:
-    from megalite.comm_meter import DP_THEORY_TEXT, as_number
+    from megalite.planning.comm_meter import DP_THEORY_TEXT, as_number
 
     B, K = (4, 8) if a.fp32 else (2, 12)
     out = {}

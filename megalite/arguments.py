@@ -29,18 +29,15 @@ from megalite.configs import (
     SchedulerConfig,
     ShardingStrategy,
     TrainingConfig,
+    check_activation_memory,
 )
 from megalite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs
-from megalite.errors import MegaliteError
+from megalite.errors import ArgumentError
 from megalite.metrics import add_logging_args
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
 SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
-
-
-class ArgumentError(MegaliteError, ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -516,45 +513,19 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 def validate_sequence_parallel_and_recompute(args: argparse.Namespace) -> None:
     """Megatron's rules for the flags of :func:`add_sequence_parallel_and_recompute_args`."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ArgumentError(msg)
-
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp == 1:
         if int(os.environ.get("RANK", "0")) == 0:
             print("note: --sequence-parallel is a no-op with --tensor-model-parallel-size 1; disabled")
         args.sequence_parallel = False
-    need(
-        not args.sequence_parallel or args.seq_length % tp == 0,
-        f"--seq-length ({args.seq_length}) is not divisible by --tensor-model-parallel-size ({tp}), "
-        f"which --sequence-parallel needs; use a multiple of {tp}",
-    )
     if args.recompute_activations:
-        need(
-            args.recompute_granularity in (None, "selective"),
-            "--recompute-activations means --recompute-granularity selective; drop one of the two",
-        )
+        if args.recompute_granularity not in (None, "selective"):
+            raise ArgumentError(
+                "--recompute-activations means --recompute-granularity selective; drop one of the two"
+            )
         args.recompute_granularity = "selective"
-    need(
-        args.recompute_method is None or args.recompute_granularity == "full",
-        "--recompute-method needs --recompute-granularity full",
-    )
-    need(
-        args.recompute_num_layers is None or args.recompute_granularity == "full",
-        "--recompute-num-layers needs --recompute-granularity full and --recompute-method",
-    )
-    if args.recompute_granularity == "full":
-        need(
-            args.recompute_method is not None and args.recompute_num_layers is not None,
-            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
-            "(uniform 1 recomputes every layer)",
-        )
-        need(
-            args.recompute_num_layers >= 1,
-            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}",
-        )
+    recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    check_activation_memory(recompute, args.sequence_parallel, args.seq_length, tp)
 
 
 def _positive_minutes(text: str) -> float:

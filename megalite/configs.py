@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from megalite.errors import ArgumentError
+
 
 class ShardingStrategy(str, enum.Enum):
     """What is sharded over data-parallel ranks (``--data-parallel-sharding-strategy``)."""
@@ -105,6 +107,38 @@ class RecomputeConfig:
         if self.granularity is None:
             return "none"
         return f"full {self.method} {self.num_layers}" if self.full else self.granularity
+
+
+def check_activation_memory(
+    recompute: RecomputeConfig, sequence_parallel: bool, seq_length: int, tp: int
+) -> None:
+    """Megatron's rules for ``--sequence-parallel`` and ``--recompute-*`` (one copy: the flags'
+    validation and the memory model's hand-built layouts both call it); one-line ArgumentErrors."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ArgumentError(msg)
+
+    need(
+        not sequence_parallel or seq_length % tp == 0,
+        f"--seq-length ({seq_length}) is not divisible by --tensor-model-parallel-size ({tp}), "
+        f"which --sequence-parallel needs; use a multiple of {tp}",
+    )
+    need(
+        recompute.method is None or recompute.full,
+        "--recompute-method needs --recompute-granularity full",
+    )
+    need(
+        recompute.num_layers is None or recompute.full,
+        "--recompute-num-layers needs --recompute-granularity full and --recompute-method",
+    )
+    if recompute.full:
+        need(
+            recompute.method is not None and recompute.num_layers is not None,
+            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+            "(uniform 1 recomputes every layer)",
+        )
+        need(recompute.num_layers >= 1, f"--recompute-num-layers must be >= 1, got {recompute.num_layers}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ class MegaliteError(Exception):
     """Bad flags, sizes, files or checkpoints; the message says what to change."""
 
 
+class ArgumentError(MegaliteError, ValueError):
+    """A flag value (or combination) that cannot work; the message names the flag and the fix."""
+
+
 class InputError(MegaliteError, ValueError):
     """An input file that cannot be read (missing, truncated, corrupt); the message names it."""
 

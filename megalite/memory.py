@@ -33,7 +33,6 @@ The logging rank prints one row per pipeline stage and writes one JSON line per 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import threading
@@ -43,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.arguments import validate_sequence_parallel_and_recompute
+from megalite.configs import RecomputeConfig, RunConfig, check_activation_memory
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
@@ -105,53 +104,43 @@ class MemoryLayout:
         return self.sequence_parallel and self.tp > 1
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, device_type: str = "cpu") -> MemoryLayout:
-        """The one place the memory model reads argparse: the flags of ``args`` after
-        ``validate_args`` (``--recompute-activations`` is already ``selective`` there)."""
-        pp = args.pipeline_model_parallel_size
-        vp = args.virtual_pipeline_model_parallel_size
-        schedule = "interleaved" if vp > 1 else (args.pipeline_schedule if pp > 1 else "1f1b")
+    def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
+        """The layout of a run's typed configs (``megalite.arguments.build_configs``)."""
+        par, recompute, ddp, train = run.parallel, run.recompute, run.data_parallel, run.training
         return cls(
-            tp=args.tensor_model_parallel_size,
-            pp=pp,
-            dp=args.data_parallel_size,
-            vp=vp,
-            micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length,
-            num_microbatches=args.num_microbatches,
-            params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
-            schedule=schedule,
-            sequence_parallel=args.sequence_parallel,
-            recompute_granularity=args.recompute_granularity,
-            recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
-            shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
-            overlap_param_gather=args.overlap_param_gather,
-            optimizer_cpu_offload=args.optimizer_cpu_offload,
-            optimizer_offload_fraction=args.optimizer_offload_fraction,
-            decoupled_lr=args.decoupled_lr is not None,
-            first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers,
-            ddp_bucket_size=args.ddp_bucket_size,
+            tp=par.tensor_model_parallel_size,
+            pp=par.pipeline_model_parallel_size,
+            dp=par.data_parallel_size,
+            vp=par.virtual_pipeline_model_parallel_size,
+            micro_batch_size=train.micro_batch_size,
+            seq_length=train.seq_length,
+            num_microbatches=train.num_microbatches,
+            params_dtype=train.params_dtype,
+            schedule=par.schedule,
+            sequence_parallel=par.sequence_parallel,
+            recompute_granularity=recompute.granularity,
+            recompute_method=recompute.method,
+            recompute_num_layers=recompute.num_layers,
+            use_distributed_optimizer=ddp.sharding_strategy.shards_optimizer,
+            shard_grads=ddp.sharding_strategy.shards_grads,
+            shard_params=ddp.sharding_strategy.shards_params,
+            overlap_param_gather=ddp.overlap_param_gather,
+            optimizer_cpu_offload=run.optimizer.optimizer_cpu_offload,
+            optimizer_offload_fraction=run.optimizer.optimizer_offload_fraction,
+            decoupled_lr=run.optimizer.decoupled_lr is not None,
+            first_stage_layers=par.decoder_first_pipeline_num_layers,
+            last_stage_layers=par.decoder_last_pipeline_num_layers,
+            ddp_bucket_size=ddp.bucket_size,
             device_type=device_type,
         )
 
     def validate(self) -> MemoryLayout:
-        """The flags' own rules (``arguments.validate_sequence_parallel_and_recompute``, the one
-        copy), for layouts built by hand rather than from validated ``args``; the same errors."""
-        validate_sequence_parallel_and_recompute(
-            argparse.Namespace(
-                tensor_model_parallel_size=self.tp,
-                seq_length=self.seq_length,
-                sequence_parallel=self.sp,
-                recompute_activations=False,
-                recompute_granularity=self.recompute_granularity,
-                recompute_method=self.recompute_method,
-                recompute_num_layers=self.recompute_num_layers,
-            )
+        """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
+        built by hand rather than from validated flags; the same errors."""
+        recompute = RecomputeConfig(
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
         )
+        check_activation_memory(recompute, self.sp, self.seq_length, self.tp)
         return self
 
 
@@ -736,8 +725,8 @@ class MemoryProbe:
 
 def rank_record(state, meter: SavedTensorMeter) -> dict:
     """This rank's ``{"kind": "memory", ...}`` record: measured vs predicted bytes."""
-    mesh, args = state.mesh, state.args
-    layout = MemoryLayout.from_args(args, mesh.device.type)
+    mesh = state.mesh
+    layout = MemoryLayout.from_configs(state.configs, mesh.device.type)
     predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_rank)
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak

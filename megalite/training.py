@@ -13,19 +13,20 @@ import datetime
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from megalite import planner
-from megalite.arguments import ignored_flags_warning, model_config, parse_args, validate_args
+from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
+from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.integrity import checked_batches, tokenizer_flags
-from megalite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_kwargs
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
@@ -51,7 +52,8 @@ from megalite.profiling import named_range
 class TrainState:
     """Everything a checkpoint must hold to resume exactly, plus the live objects."""
 
-    args: argparse.Namespace
+    args: argparse.Namespace  # the flags, kept for the checkpoint's record and the metric sinks
+    configs: RunConfig  # what every component was built from (megalite.arguments.build_configs)
     mesh: Mesh
     config: ModelConfig
     model: list[DistributedDataParallel]  # this rank's model chunks, one per virtual pipeline stage
@@ -89,10 +91,6 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
     )
 
 
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
 def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) -> tuple[int, int]:
     """(parameters on this rank, parameters of the whole model).
 
@@ -112,90 +110,90 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
 
 
 def setup(args: argparse.Namespace) -> TrainState:
-    mesh = initialize_distributed(args)
-    rng = set_random_seed(args.seed, mesh, mesh.device)
-    tokenizer = build_tokenizer(**tokenizer_kwargs(args))  # unreadable files: one-line TokenizerError
+    """Flags -> configs (once) -> mesh, model chunks, optimizer, LR schedule and datasets."""
+    mesh = initialize_distributed(args)  # validates the flags against the world size
+    run = build_configs(args)
+    train = run.training
+    rng = set_random_seed(train.seed, mesh, mesh.device)
+    tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
         config,
         mesh,
-        vp=args.virtual_pipeline_model_parallel_size,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        run.parallel,
+        recompute=run.recompute,
         rng=rng,
-        sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        dtype=params_dtype(args),
+        dtype=train.params_dtype,
         device=mesh.device,
     )
-    if args.torch_compile:
-        compile_layers(chunks, args.torch_compile_mode)
-    elif args.cross_entropy_loss_fusion:
+    if train.torch_compile:
+        compile_layers(chunks, train.torch_compile_mode)
+    elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
+    ddp = run.data_parallel
     model = [
         DistributedDataParallel(
             c,
             mesh,
-            bucket_size=args.ddp_bucket_size,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
-            shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
+            bucket_size=ddp.bucket_size,
+            use_distributed_optimizer=ddp.use_distributed_optimizer,
+            grad_reduce_dtype=ddp.grad_reduce_dtype,
+            overlap_grad_reduce=ddp.overlap_grad_reduce,
+            shard_grads=ddp.sharding_strategy.shards_grads,
+            shard_params=ddp.sharding_strategy.shards_params,
             # ZeRO-3's --overlap-param-gather: each unit's all-gather one unit ahead (zero3.py).
-            prefetch_params=args.overlap_param_gather
-            and args.data_parallel_sharding_strategy == "optim_grads_params",
+            prefetch_params=ddp.overlap_param_gather and ddp.sharding_strategy.shards_params,
         )
         for c in chunks
     ]
+    opt = run.optimizer
     optimizer = build_optimizer(
         model,
         mesh,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        params_dtype=params_dtype(args),
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-        optimizer_cpu_offload=args.optimizer_cpu_offload,
-        optimizer_offload_fraction=args.optimizer_offload_fraction,
-        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        params_dtype=opt.params_dtype,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        loss_scale=opt.loss_scale,
+        initial_loss_scale=opt.initial_loss_scale,
+        min_loss_scale=opt.min_loss_scale,
+        loss_scale_window=opt.loss_scale_window,
+        hysteresis=opt.hysteresis,
+        decoupled_lr=opt.decoupled_lr,
+        decoupled_min_lr=opt.decoupled_min_lr,
+        optimizer_cpu_offload=opt.optimizer_cpu_offload,
+        optimizer_offload_fraction=opt.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
     )
-    optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
-    if args.overlap_param_gather and args.data_parallel_sharding_strategy != "optim_grads_params":
+    optimizer.check_for_nan = opt.check_for_nan_in_loss_and_grad
+    if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
-        optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
+        optimizer.overlap_param_gather(launch_all=ddp.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
+    sched = run.scheduler
     scheduler = OptimizerParamScheduler(
         optimizer,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        init_lr=args.lr_warmup_init,
-        lr_warmup_steps=args.lr_warmup_steps,
-        lr_decay_steps=args.lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=args.wd_incr_steps,  # Megatron: over the whole run
-        wd_incr_style=args.weight_decay_incr_style,
+        max_lr=sched.max_lr,
+        min_lr=sched.min_lr,
+        init_lr=sched.init_lr,
+        lr_warmup_steps=sched.lr_warmup_steps,
+        lr_decay_steps=sched.lr_decay_steps,
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=sched.start_wd,
+        end_wd=sched.end_wd,
+        wd_incr_steps=sched.wd_incr_steps,
+        wd_incr_style=sched.wd_incr_style,
         # Megatron's resume rule: neither flag = a changed schedule flag stops the run.
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=sched.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=sched.override_opt_param_scheduler,
     )
-    state = TrainState(args, mesh, config, model, optimizer, scheduler, rng, tokenizer)
-    state.datasets = build_datasets(args, state)
+    state = TrainState(args, run, mesh, config, model, optimizer, scheduler, rng, tokenizer)
+    state.datasets = build_datasets(run, state)
     return state
 
 
@@ -204,31 +202,32 @@ def needs_data(mesh: Mesh) -> bool:
     return mesh.is_first_stage or mesh.is_last_stage
 
 
-def build_datasets(args: argparse.Namespace, state: TrainState) -> tuple[Dataset | None, ...]:
-    gbs = args.global_batch_size
+def build_datasets(run: RunConfig, state: TrainState) -> tuple[Dataset | None, ...]:
+    train, data = run.training, run.data
+    gbs = train.global_batch_size
     # Every evaluation reads the same validation batches, so eval losses compare across the run.
-    eval_samples = args.eval_iters * gbs if args.eval_interval else 0
+    eval_samples = train.eval_iters * gbs if train.eval_interval else 0
     return build_train_valid_test_datasets(
-        data_path=args.data_path or [],
-        split=args.split,
-        seq_length=args.seq_length,
-        seed=args.seed,
-        train_samples=args.train_samples_total,  # the batch schedule's samples over --train-iters
+        data_path=list(data.data_path),
+        split=data.split,
+        seq_length=train.seq_length,
+        seed=train.seed,
+        train_samples=train.train_samples_total,  # the batch schedule's samples over --train-iters
         valid_samples=eval_samples,
-        test_samples=args.eval_iters * gbs,
-        cache_dir=args.data_cache_path,
-        mock=args.mock_data,
+        test_samples=train.eval_iters * gbs,
+        cache_dir=data.data_cache_path,
+        mock=data.mock_data,
         vocab_size=state.tokenizer.vocab_size,
         eod_token=getattr(state.tokenizer, "eod", None),
-        eod_mask_loss=args.eod_mask_loss,
-        vocab_flags=tokenizer_flags(tokenizer_kwargs(args)),
+        eod_mask_loss=data.eod_mask_loss,
+        vocab_flags=tokenizer_flags(data.tokenizer),
     )
 
 
 def microbatch_iterator(
     dataset,
     consumed_samples: int,
-    args: argparse.Namespace,
+    run: RunConfig,
     mesh: Mesh,
     vocab_size: int | None = None,
     split: str = "train",
@@ -243,14 +242,14 @@ def microbatch_iterator(
     loader = build_pretraining_data_loader(
         dataset,
         consumed_samples,
-        args.micro_batch_size,
+        run.training.micro_batch_size,
         mesh.dp_rank,
         mesh.dp_size,
-        num_workers=args.num_workers,
+        num_workers=run.training.num_workers,
     )
     if vocab_size is None:
         return iter(loader)
-    return checked_batches(iter(loader), vocab_size, tokenizer_flags(tokenizer_kwargs(args)), split)
+    return checked_batches(iter(loader), vocab_size, tokenizer_flags(run.data.tokenizer), split)
 
 
 def next_microbatches(data_iter, n: int, device: torch.device) -> list:
@@ -282,13 +281,14 @@ def forward_step(chunk, microbatch, input_tensor):
     return (out * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def stage_tensor_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+def stage_tensor_shape(run: RunConfig, hidden_size: int) -> tuple[int, int, int]:
     """The [b, s, h] every pipeline stage sends on: [b, s/t, h] under --sequence-parallel."""
-    s = args.seq_length // args.tensor_model_parallel_size if args.sequence_parallel else args.seq_length
-    return (args.micro_batch_size, s, args.hidden_size)
+    train, par = run.training, run.parallel
+    s = train.seq_length // par.tensor_model_parallel_size if par.sequence_parallel else train.seq_length
+    return (train.micro_batch_size, s, hidden_size)
 
 
-def attach_loss_normalizer(microbatches: list, args: argparse.Namespace, mesh: Mesh) -> None:
+def attach_loss_normalizer(microbatches: list, run: RunConfig, mesh: Mesh) -> None:
     """``--calculate-per-token-loss``: normalise by the global batch's unmasked tokens N.
 
     Each microbatch's loss becomes its token SUM x m x dp / N: after the schedule's 1/m and
@@ -296,7 +296,7 @@ def attach_loss_normalizer(microbatches: list, args: argparse.Namespace, mesh: M
     / N, Megatron's per-token loss, and the logged mean is the token-weighted loss. Only the
     last stage computes a loss; its DP group holds last-stage ranks only.
     """
-    if not args.calculate_per_token_loss or not mesh.is_last_stage or not microbatches:
+    if not run.training.calculate_per_token_loss or not mesh.is_last_stage or not microbatches:
         return
     tokens = mesh.on_device(torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().float())
     if mesh.dp_group is not None and mesh.dp_size > 1:
@@ -307,22 +307,16 @@ def attach_loss_normalizer(microbatches: list, args: argparse.Namespace, mesh: M
 
 
 def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> list:
-    args, mesh = state.args, state.mesh
-    if mesh.pp_size == 1:
-        schedule = "1f1b"  # no pipelining: plain accumulation, whatever the name
-    elif args.virtual_pipeline_model_parallel_size > 1:
-        schedule = "interleaved"
-    else:
-        schedule = args.pipeline_schedule
+    run, mesh = state.configs, state.mesh
     return forward_backward(
         forward_step_func=forward_step,
         microbatches=microbatches,
         model=state.model,
         mesh=mesh,
         num_microbatches=len(microbatches),
-        tensor_shape=stage_tensor_shape(args),
-        dtype=params_dtype(args),
-        schedule=schedule,
+        tensor_shape=stage_tensor_shape(run, state.config.hidden_size),
+        dtype=run.training.params_dtype,
+        schedule=run.parallel.schedule,
         forward_only=forward_only,
         grad_scale_func=None if forward_only else state.optimizer.scale_loss,
     )
@@ -341,16 +335,16 @@ def average_loss(losses: list, mesh: Mesh) -> float | None:
 
 def train_step(state: TrainState, data_iter) -> dict:
     """One optimizer step over the global batch; returns the step's metrics."""
-    args, mesh = state.args, state.mesh
+    train, mesh = state.configs.training, state.mesh
     # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
-    gbs = args.batch_schedule.global_batch_size_at(state.consumed_train_samples)
+    gbs = train.batch_schedule.global_batch_size_at(state.consumed_train_samples)
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
     with named_range("batch-generator"):
         microbatches = next_microbatches(
-            data_iter, gbs // (args.micro_batch_size * mesh.dp_size), mesh.device
+            data_iter, gbs // (train.micro_batch_size * mesh.dp_size), mesh.device
         )
-    attach_loss_normalizer(microbatches, args, mesh)
+    attach_loss_normalizer(microbatches, state.configs, mesh)
     with named_range("forward-backward"):
         losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
@@ -394,8 +388,10 @@ MAX_CONSECUTIVE_SKIPPED_STEPS = 100
 
 
 def check_skipped_steps(state: TrainState) -> None:
-    args = state.args
-    if not args.check_for_nan_in_loss_and_grad or state.consecutive_skipped < MAX_CONSECUTIVE_SKIPPED_STEPS:
+    if (
+        not state.configs.optimizer.check_for_nan_in_loss_and_grad
+        or state.consecutive_skipped < MAX_CONSECUTIVE_SKIPPED_STEPS
+    ):
         return
     raise NonFiniteError(
         f"iteration {state.iteration + 1}: the last {state.consecutive_skipped} steps were all skipped "
@@ -407,15 +403,15 @@ def check_skipped_steps(state: TrainState) -> None:
 
 @torch.no_grad()
 def evaluate(state: TrainState, dataset) -> float | None:
-    args, mesh = state.args, state.mesh
+    run, mesh = state.configs, state.mesh
     finish_param_sync(state.model)  # --overlap-param-gather: evaluate the stepped weights, whole
     for chunk in state.model:
         chunk.eval()
-    data_iter = microbatch_iterator(dataset, 0, args, mesh, state.tokenizer.vocab_size, "valid")
+    data_iter = microbatch_iterator(dataset, 0, run, mesh, state.tokenizer.vocab_size, "valid")
     losses = []
-    for _ in range(args.eval_iters):
-        microbatches = next_microbatches(data_iter, args.num_microbatches, mesh.device)
-        attach_loss_normalizer(microbatches, args, mesh)
+    for _ in range(run.training.eval_iters):
+        microbatches = next_microbatches(data_iter, run.training.num_microbatches, mesh.device)
+        attach_loss_normalizer(microbatches, run, mesh)
         losses.extend(run_schedule(state, microbatches, forward_only=True))
     for chunk in state.model:
         chunk.train()
@@ -429,19 +425,72 @@ def is_logging_rank(mesh: Mesh) -> bool:
 
 
 def describe_layout(state: TrainState) -> str:
-    args, mesh = state.args, state.mesh
+    run, mesh, train = state.configs, state.mesh, state.configs.training
     mine, total = count_parameters(state.model, mesh)
-    recompute = args.recompute_granularity or "none"
-    if recompute == "full":
-        recompute += f" {args.recompute_method} {args.recompute_num_layers}"
     return (
         f"megalite: world {mesh.world_size} = tp {mesh.tp_size} x pp {mesh.pp_size} x dp {mesh.dp_size}"
-        f" (virtual stages {args.virtual_pipeline_model_parallel_size}); microbatches per step "
-        f"{args.num_microbatches} (global batch {args.global_batch_size} = micro {args.micro_batch_size}"
-        f" x dp {mesh.dp_size} x {args.num_microbatches}); parameters: {total:,} total, {mine:,} on "
-        f"rank {mesh.rank}; dtype {params_dtype(args)}; device {mesh.device}; sequence parallel "
-        f"{'on' if args.sequence_parallel else 'off'}; recompute {recompute}"
+        f" (virtual stages {run.parallel.virtual_pipeline_model_parallel_size}); microbatches per step "
+        f"{train.num_microbatches} (global batch {train.global_batch_size} = micro {train.micro_batch_size}"
+        f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "
+        f"rank {mesh.rank}; dtype {train.params_dtype}; device {mesh.device}; sequence parallel "
+        f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}"
     )
+
+
+class LogWindow:
+    """The steps since the last log line: their losses, tokens and wall time (pauses excluded)."""
+
+    def __init__(self, state: TrainState):
+        mesh, config = state.mesh, state.config
+        seq = state.configs.training.seq_length
+        self.flops_per_token = model_flops_per_token(config, seq, config.padded_vocab_size(mesh.tp_size))
+        self.peak = state.configs.training.peak_tflops or detect_peak_tflops(mesh.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.iters, self.losses, self.tokens = time.perf_counter(), 0, [], 0
+
+    def add(self, step: dict, seq_length: int) -> None:
+        self.iters += 1
+        self.tokens += step["global_batch_size"] * seq_length
+        if step["loss"] is not None:
+            self.losses.append(step["loss"])
+
+    def values(self, state: TrainState, step: dict) -> dict:
+        """The log line's metrics over the window; starts the next window."""
+        mesh = state.mesh
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+        iter_time = (time.perf_counter() - self.start) / self.iters
+        tokens_per_step = self.tokens / self.iters
+        tflops = self.flops_per_token * tokens_per_step / iter_time / mesh.world_size / 1e12
+        values = {
+            "loss": sum(self.losses) / len(self.losses) if self.losses else None,
+            "lr": state.scheduler.get_lr(),
+            "grad_norm": step["grad_norm"],
+            "loss_scale": state.optimizer.get_loss_scale(),
+            "consumed_samples": state.consumed_train_samples,
+            "skipped_iters": state.skipped_iters,
+            "iteration_time_s": iter_time,
+            "tokens_per_sec": tokens_per_step / iter_time,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "peak_memory_mb": peak_memory_mb(mesh.device),
+        }
+        self.reset()
+        return values
+
+
+def evaluate_and_log(state: TrainState, valid_ds, sinks: MetricSinks, monitor: TrainingMonitor) -> None:
+    """``--eval-interval``: the validation loss and perplexity, logged (every rank evaluates)."""
+    monitor.before_eval()  # --manual-gc: collect around evaluations
+    eval_loss = evaluate(state, valid_ds)  # only the last stage has a loss
+    monitor.after_eval()
+    if eval_loss is not None:
+        ppl = math.exp(min(eval_loss, 20.0))
+        sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
+        monitor.at_eval(state, eval_loss, ppl)
+        sinks.console(f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {ppl:.3f}")
 
 
 def train(
@@ -450,67 +499,34 @@ def train(
     hooks: CheckpointHooks | None = None,
     monitor: TrainingMonitor | None = None,
 ) -> dict:
-    args, mesh = state.args, state.mesh
-    monitor = monitor or TrainingMonitor(args, mesh.rank)  # --profile, --log-params-norm, --manual-gc, ...
+    train_cfg, mesh = state.configs.training, state.mesh
+    monitor = monitor or TrainingMonitor(
+        state.args, mesh.rank
+    )  # --profile, --log-params-norm, --manual-gc, ...
     train_ds, valid_ds, _ = state.datasets
     data_iter = microbatch_iterator(
-        train_ds, state.consumed_train_samples, args, mesh, state.tokenizer.vocab_size
+        train_ds, state.consumed_train_samples, state.configs, mesh, state.tokenizer.vocab_size
     )
-    flops_per_token = model_flops_per_token(
-        state.config, args.seq_length, state.config.padded_vocab_size(mesh.tp_size)
-    )
-    peak = args.peak_tflops or detect_peak_tflops(mesh.device)
-    window_start, window_iters, window_loss, window_tokens = time.perf_counter(), 0, [], 0
-    last = {}
+    window, last = LogWindow(state), {}
     memory = MemoryProbe(state)  # the first iteration's predicted-vs-measured memory report
-    while state.iteration < args.train_iters:
+    while state.iteration < train_cfg.train_iters:
         monitor.before_step(state, sinks)
         with memory.track():  # saved-tensor hooks on the first step only
             step = train_step(state, data_iter)
         memory.report(sinks)
         monitor.after_step(state, step)  # Megatron's TensorBoard / wandb tags, profiler window, GC
-        window_iters += 1
-        window_tokens += step["global_batch_size"] * args.seq_length
-        if step["loss"] is not None:
-            window_loss.append(step["loss"])
-        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            if mesh.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - window_start
-            iter_time = elapsed / window_iters
-            tokens_per_step = window_tokens / window_iters
-            tflops = flops_per_token * tokens_per_step / iter_time / mesh.world_size / 1e12
-            values = {
-                "loss": sum(window_loss) / len(window_loss) if window_loss else None,
-                "lr": state.scheduler.get_lr(),
-                "grad_norm": step["grad_norm"],
-                "loss_scale": state.optimizer.get_loss_scale(),
-                "consumed_samples": state.consumed_train_samples,
-                "skipped_iters": state.skipped_iters,
-                "iteration_time_s": iter_time,
-                "tokens_per_sec": tokens_per_step / iter_time,
-                "tflops_per_device": tflops,
-                "mfu": tflops / peak if peak else None,
-                "peak_memory_mb": peak_memory_mb(mesh.device),
-            }
+        window.add(step, train_cfg.seq_length)
+        if state.iteration % train_cfg.log_interval == 0 or state.iteration == train_cfg.train_iters:
+            last = values = window.values(state, step)
             values.update(monitor.at_log(state, values))  # params norm, num zeros (when asked)
-            last = values
             sinks.record("train", state.iteration, values)
-            sinks.console(format_train_line(state.iteration, args.train_iters, values))
-            window_start, window_iters, window_loss, window_tokens = time.perf_counter(), 0, [], 0
+            sinks.console(format_train_line(state.iteration, train_cfg.train_iters, values))
         paused = time.perf_counter()  # evaluation and saving are not training time
-        eval_now = args.eval_interval and args.eval_iters > 0 and state.iteration % args.eval_interval == 0
-        if eval_now and valid_ds is not None:
-            monitor.before_eval()  # --manual-gc: collect around evaluations
-            eval_loss = evaluate(state, valid_ds)  # every rank runs it; only the last stage has a loss
-            monitor.after_eval()
-            if eval_loss is not None:
-                ppl = math.exp(min(eval_loss, 20.0))
-                sinks.record("eval", state.iteration, {"loss": eval_loss, "ppl": ppl})
-                monitor.at_eval(state, eval_loss, ppl)
-                sinks.console(f" eval at iteration {state.iteration}: loss {eval_loss:.6f} | ppl {ppl:.3f}")
+        interval, iters = train_cfg.eval_interval, train_cfg.eval_iters
+        if interval and iters > 0 and state.iteration % interval == 0 and valid_ds is not None:
+            evaluate_and_log(state, valid_ds, sinks, monitor)
         stop = hooks is not None and hooks.after_step(state)  # --save-interval, --exit-*, SIGTERM
-        window_start += time.perf_counter() - paused
+        window.start += time.perf_counter() - paused
         if stop:
             break
     finish_param_sync(state.model)  # --overlap-param-gather: the run ends with final weights
@@ -543,42 +559,15 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
     return " | ".join(parts)
 
 
-def device_memory_gb(device: torch.device) -> float:
-    """The device's memory in GiB: ``MEGALITE_DEVICE_MEMORY_GB`` when set (tests), else CUDA's."""
-    forced = os.environ.get("MEGALITE_DEVICE_MEMORY_GB")
-    if forced:
-        return float(forced)
-    return torch.cuda.get_device_properties(device).total_memory / planner.GIB
+def pretrain(
+    argv: list[str] | None = None, preflight: Callable[[TrainState], str | None] | None = None
+) -> dict:
+    """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank).
 
-
-def memory_fit_warning(state: TrainState, memory_gb: float | None = None) -> str | None:
-    """The planner's start-up check (issue #15): one warning line when this layout's predicted peak
-    per rank (+ overhead) exceeds the device's memory, naming a layout of the same world size that
-    fits; None when it fits. Only the chosen layout is predicted unless it does not fit."""
-    args, mesh = state.args, state.mesh
-    if mesh.device.type != "cuda" and memory_gb is None:
-        # CPU (gloo) runs: host RAM is shared by every rank and swaps, not the per-device HBM limit
-        # the planner models, so a prediction against it would be noise.
-        return None
-    try:
-        built = planner.from_args(
-            args,
-            state.config,
-            num_gpus=mesh.world_size,
-            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
-            memory_gb=device_memory_gb(mesh.device) if memory_gb is None else memory_gb,
-            params_dtype=params_dtype(args),
-            device_type=mesh.device.type,
-        )
-        return None if built is None else planner.fit_warning(*built)
-    except Exception as e:  # an advisory check must never stop a run it cannot model; say so instead
-        return (
-            f"megalite: note: the planner could not check whether this layout fits ({type(e).__name__}: {e})"
-        )
-
-
-def pretrain(argv: list[str] | None = None) -> dict:
-    """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank)."""
+    ``preflight(state)``: a start-up check run on rank 0 once the model is built, whose line (if
+    any) is printed with the warnings; pretrain_gpt.py passes the planner's memory-fit check, which
+    sits above training in the layers.
+    """
     args = parse_args(argv)
     ckpt = CheckpointConfig.from_args(args)
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
@@ -603,7 +592,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
         print(layout, flush=True)
     warning = ignored_flags_warning(args)
     if mesh.rank == 0:
-        warning = "\n".join(w for w in (warning, memory_fit_warning(state)) if w)
+        warning = "\n".join(w for w in (warning, preflight and preflight(state)) if w)
     if warning and mesh.rank == 0:
         print(warning, flush=True)
     try:

@@ -310,7 +310,7 @@ MUTANTS = [
     ),
     Mutant(
         "comm-meter-all-gather-counts-own-shard",
-        "megalite/comm_meter.py",
+        "megalite/planning/comm_meter.py",
         '    if kind in ("reduce_scatter", "all_gather", "all_to_all"):\n        return Fraction((d - 1) * nbytes, d)',
         '    if kind in ("reduce_scatter", "all_gather", "all_to_all"):\n        return Fraction(nbytes)',
         ("tests/test_zero_sweep.py::test_meter_counts_hand_computed_volumes",),

@@ -19,7 +19,7 @@ from megalite.checkpoint import (
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 FULL = torch.arange(11 * 3, dtype=torch.float32).view(11, 3)
 

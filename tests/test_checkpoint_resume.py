@@ -12,7 +12,7 @@ import torch
 from conftest import COMMON, DISTOPT, GPT2_DROPOUT, ITERS, LLAMA, layout, losses, metrics, pretrain_runs
 
 from megalite.checkpoint import files
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 
 def _pretrain_runs(runs, logits_check=None):

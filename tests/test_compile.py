@@ -28,7 +28,7 @@ from conftest import COMMON, GPT2_DROPOUT, LLAMA, layout, metrics, pretrain_runs
 
 from megalite.errors import MegaliteError
 from megalite.model.gpt import compile_layers
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ITERS = 10
 BASE = [x if x != "20" else str(ITERS) for x in COMMON] + layout(2, 2)

@@ -19,7 +19,7 @@ from torch import nn
 from megalite.optim import build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 2, 3

@@ -13,7 +13,7 @@ resume pass too.
 import pytest
 import torch
 
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ARGV = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",

@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import gather_full, gather_tp
 
+from megalite.configs import RecomputeConfig
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import is_shared_embedding
 from megalite.parallel.random import TensorParallelRNG
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 V = 100
 SMALL = dict(vocab_size=V, make_vocab_size_divisible_by=8, max_position_embeddings=16, seed=7)
@@ -240,10 +241,10 @@ def test_init_is_deterministic_and_scaled():
 
 
 RECOMPUTE_MODES = {  # Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers
-    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-    "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective"),
+    "full-uniform-1": dict(recompute=RecomputeConfig("full", "uniform", 1)),
+    "full-uniform-2": dict(recompute=RecomputeConfig("full", "uniform", 2)),
+    "full-block-1": dict(recompute=RecomputeConfig("full", "block", 1)),
+    "selective": dict(recompute=RecomputeConfig("selective")),
 }
 
 

@@ -14,7 +14,7 @@ from megalite.checkpoint import hf
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 transformers = pytest.importorskip("transformers")
 

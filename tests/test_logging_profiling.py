@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megalite.errors import MegaliteError
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 4
@@ -188,7 +188,7 @@ def test_params_norm_and_zero_count_match_direct_computation():
 def iter_microbatches(state):
     from megalite.training import microbatch_iterator
 
-    return microbatch_iterator(state.datasets[0], 0, state.args, state.mesh)
+    return microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh)
 
 
 def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():

@@ -24,7 +24,7 @@ from megalite.arguments import (
     parse_args,
     validate_args,
 )
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 

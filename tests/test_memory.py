@@ -39,7 +39,7 @@ from megalite.model import gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ACTIVATION_RTOL = 0.05
 

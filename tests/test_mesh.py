@@ -14,7 +14,7 @@ from megalite.parallel.mesh import (
     initialize_model_parallel,
     rank_layout,
 )
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 
 def factorisations(world):

@@ -25,7 +25,7 @@ import torch
 from conftest import COMMON, layout, losses, metrics, pretrain_runs
 
 from megalite.arguments import parse_args, validate_args
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ITERS = 10
 BASE = list(COMMON)

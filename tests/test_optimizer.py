@@ -17,7 +17,7 @@ from megalite.optim import (
 )
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 # ----------------------------------------------------------------------------- grad norm
 # A hand-tagged two-stage model: name -> (full shape, tensor_model_parallel, partition_dim, stage).

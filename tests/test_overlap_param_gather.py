@@ -16,7 +16,7 @@ import torch
 from conftest import COMMON, LLAMA, layout, pretrain_runs
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ITERS = 10
 BASE = list(COMMON)
@@ -61,7 +61,7 @@ def _inside_one_step(argv: list[str]) -> dict:
     state = setup(args)
     chunk = state.model[0]
     gather = param_gather_of(chunk)
-    data = microbatch_iterator(state.datasets[0], 0, args, state.mesh, state.tokenizer.vocab_size)
+    data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
     named = dict(chunk.module.named_parameters())
 
     def snapshot():

@@ -20,7 +20,7 @@ from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.layers import VocabParallelEmbedding
 from megalite.parallel.mesh import initialize_model_parallel, rank_layout
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 V, H = 100, 8
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import torch
 from conftest import forward_step, gather_full, microbatches, reference
 
+from megalite.configs import ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_shared_embedding
 from megalite.parallel.schedules import forward_backward
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 B, S = 2, 8  # micro batch, sequence
 # Vocab 60 pads to 64 at tp = 1 and tp = 2 (the padding is exercised, the logical shape is shared).
@@ -46,7 +47,7 @@ def full_grad(p: torch.nn.Parameter, mesh: Mesh) -> torch.Tensor:
     return gather_full(grad_of(p), p, mesh)
 
 
-FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+FULL_RECOMPUTE = dict(recompute=RecomputeConfig("full", "uniform", 1))
 CASES = [  # (schedule, vp, m as a multiple of pp, extra, full recompute of every layer)
     ("gpipe", 1, 1, 0, False),
     ("gpipe", 1, 2, 1, False),
@@ -66,7 +67,8 @@ def _run(layouts):
         for flavour, config in flavours().items():
             for schedule, vp, times, extra, recompute in CASES:
                 m = times * pp + extra
-                chunks = build_model_chunks(config, mesh, vp=vp, **(FULL_RECOMPUTE if recompute else {}))
+                parallel = ParallelConfig(virtual_pipeline_model_parallel_size=vp)
+                chunks = build_model_chunks(config, mesh, parallel, **(FULL_RECOMPUTE if recompute else {}))
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                     chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
                 losses = forward_backward(

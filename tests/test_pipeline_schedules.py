@@ -25,7 +25,7 @@ from megalite.parallel.schedules import (
     num_warmup_microbatches,
     schedule_plan,
 )
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 H, S, B = 8, 3, 2  # hidden, sequence, micro batch
 NUM_LAYERS = 8

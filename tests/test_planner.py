@@ -1,9 +1,9 @@
-"""The planner (megalite/planner.py, tools/plan.py): its memory is predict_rank's, its layouts are
+"""The planner (megalite/planning/planner.py, tools/plan.py): its memory is predict_rank's, its layouts are
 valid, its ranking is sane, its output has the documented schema, and bad input is one line.
 
 Measured memory: the planner's MemoryLayout for each of tests/test_memory.py's LAYOUTS that the
 planner can choose (1F1B / interleaved, even split, recompute none / selective / full-uniform-1)
-equals the one the first iteration's report builds from the same flags (MemoryLayout.from_args),
+equals the one the first iteration's report builds from the same flags (MemoryLayout.from_configs),
 and its peak is predict_rank's max over ranks; test_memory checks that against the measured
 report within 5%, so no second spawn here.
 """
@@ -21,10 +21,10 @@ import pytest
 import torch
 from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
-from megalite import planner
-from megalite.arguments import model_config, parse_args, validate_args
+from megalite.arguments import build_configs, model_config, parse_args, validate_args
 from megalite.memory import MemoryLayout, predict_rank
 from megalite.model.config import ModelConfig
+from megalite.planning import planner
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNABLE = [
@@ -103,8 +103,8 @@ def test_planner_peak_matches_the_measured_report(spawned):  # noqa: F811 (the s
 def test_planner_memory_is_the_reports_prediction(name, flags):
     args = _args(flags)
     p, c = _problem(args), _candidate(args)
-    assert planner.memory_layout(p, c) == MemoryLayout.from_args(args, "cpu")
-    layout = MemoryLayout.from_args(args, "cpu")
+    assert planner.memory_layout(p, c) == MemoryLayout.from_configs(build_configs(args), "cpu")
+    layout = MemoryLayout.from_configs(build_configs(args), "cpu")
     worst = max(
         (predict_rank(p.config, layout, r) for r in range(c.pp)),
         key=lambda m: sum(m.categories().values()),
@@ -234,7 +234,7 @@ CAL = {
 
 
 def test_calibration_replaces_the_table(tmp_path):
-    from megalite import calibration
+    from megalite.planning import calibration
 
     assert calibration.efficiency(CAL, 64) == pytest.approx(0.4)  # halfway in log d: (0.02 + 0.06) / 2 / 0.1
     assert calibration.efficiency(CAL, 4096) == 1.0
@@ -262,7 +262,7 @@ def test_calibrated_terms_are_the_measured_ones():
     """The calibrated model's pieces, by hand: slowdown and collectives read off the measured
     points (and carried over per ring step / in proportion beyond them), the pipeline's slots
     cost by how many stages are busy."""
-    from megalite import calibration
+    from megalite.planning import calibration
 
     assert calibration.slowdown(CAL, 3) == pytest.approx(1.5) and calibration.slowdown(CAL, 8) == 4.0
     # measured (active 4, group 4): latency + 2(n-1)/n bytes / bandwidth
@@ -377,17 +377,20 @@ def _startup_state():
     args = validate_args(parse_args([*_MODEL, *_BIG]), 4)  # tp1 pp1 dp4, no recompute, no ZeRO
     mesh = types.SimpleNamespace(device=torch.device("cpu"), world_size=4)
     return types.SimpleNamespace(
-        args=args, mesh=mesh, config=model_config(args, vocab_size=args.vocab_size + 1)
+        args=args,
+        configs=build_configs(args),
+        mesh=mesh,
+        config=model_config(args, vocab_size=args.vocab_size + 1),
     )
 
 
 def test_startup_warns_with_a_fitting_layout_and_is_silent_when_it_fits(monkeypatch):
-    from megalite.training import memory_fit_warning
+    from megalite.planning.planner import memory_fit_warning
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     state = _startup_state()
     assert memory_fit_warning(state) is None  # CPU without a forced memory: skipped
-    p, c = planner.from_args(state.args, state.config, 4, 4, 1.0, torch.bfloat16, "cpu")
+    p, c = planner.from_configs(state.configs, state.config, 4, 4, 1.0, "cpu")
     c = planner.with_memory(p, c)
     need = c.memory_per_rank_gb + c.overhead_gb
     assert memory_fit_warning(state, memory_gb=1000.0) is None

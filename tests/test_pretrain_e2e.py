@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 ITERS = 10
 COMMON = [

@@ -28,13 +28,14 @@ from conftest import (
 )
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.configs import ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks, recompute_units
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_sequence_parallel
 from megalite.parallel.schedules import forward_backward
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 B, S = 2, 8  # micro batch, sequence (s/t = 2 tokens per rank at tp = 4)
 SMALL = dict(
@@ -42,9 +43,9 @@ SMALL = dict(
     max_position_embeddings=16, seed=5,
 )  # fmt: skip
 TOL = dict(rtol=1e-5, atol=1e-6)
-SELECTIVE = dict(recompute_granularity="selective")
-FULL_BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
-FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+SELECTIVE = dict(recompute=RecomputeConfig("selective"))
+FULL_BLOCK = dict(recompute=RecomputeConfig("full", "block", 1))
+FULL_UNIFORM = dict(recompute=RecomputeConfig("full", "uniform", 2))
 
 # (tp, pp, wrap in DDP, schedule, vp, recompute); dp = 8 / (tp * pp). Without DDP each DP
 # replica is compared with one process on its own batch.
@@ -121,7 +122,8 @@ def _run():
         mesh = meshes[tp, pp]
         m = 2 * pp
         for flavour, config in flavours().items():
-            chunks = build_model_chunks(config, mesh, vp=vp, sequence_parallel=True, **recompute)
+            sp = ParallelConfig(virtual_pipeline_model_parallel_size=vp, sequence_parallel=True)
+            chunks = build_model_chunks(config, mesh, sp, **recompute)
             if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                 chunks = [DistributedDataParallel(c, mesh, bucket_size=3000) for c in chunks]
             losses = forward_backward(

@@ -29,7 +29,7 @@ from megalite.parallel.mappings import (
 )
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import logical_shape
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 B, S = 2, 3
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.random import TensorParallelRNG, recompute, set_random_seed
-from megalite.testing import run_distributed
+from megalite.spawn import run_distributed
 
 SEED = 1234
 

@@ -10,7 +10,8 @@ import pytest
 from conftest import COMMON, LLAMA, layout, losses, metrics, pretrain_runs
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.testing import run_distributed
+from megalite.configs import RecomputeConfig
+from megalite.spawn import run_distributed
 
 ITERS = 10
 BASE = [a for a in COMMON]
@@ -297,8 +298,7 @@ def test_zero3_one_process_gathers_just_in_time(recompute):
     from megalite.parallel.mesh import Mesh
 
     config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=40)
-    kwargs = dict(recompute_granularity=recompute, recompute_method="uniform" if recompute else None)
-    kwargs["recompute_num_layers"] = 2 if recompute else None
+    kwargs = dict(recompute=RecomputeConfig(recompute, "uniform", 2) if recompute else RecomputeConfig())
     ref = GPTModel(config, Mesh.single(), **kwargs)
     ddp = one_process_zero3(config, **kwargs)
     params = dict(ddp.module.named_parameters())
@@ -342,8 +342,7 @@ def test_zero3_prefetch_one_process(recompute):
 
     config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
     method, n = recompute or (None, None)
-    kwargs = dict(recompute_granularity="full" if recompute else None, recompute_method=method)
-    kwargs["recompute_num_layers"] = n
+    kwargs = dict(recompute=RecomputeConfig("full" if recompute else None, method, n))
     tokens = torch.randint(0, 40, (2, 8))
     seen = {}
     for prefetch in (False, True):

@@ -13,8 +13,8 @@ from fractions import Fraction
 import pytest
 from conftest import COMMON, layout, losses, metrics, pretrain_runs
 
-from megalite.comm_meter import DP_THEORY, strategy_built
-from megalite.testing import run_distributed
+from megalite.planning.comm_meter import DP_THEORY, strategy_built
+from megalite.spawn import run_distributed
 
 # ---- the sweep: one step per configuration, tiny model, several padded buckets -----------------
 MBS, SEQ, HIDDEN, M = 2, 16, 32, 2  # M microbatches per step
@@ -65,7 +65,7 @@ Z2 = strategy_flags("optim_grads")
 def _rank_work(configs, runs, unit):
     """In each spawned rank: the meter's hand-computed checks (``unit``), one measured step per sweep
     config (``comm_meter.MeasuredRun``), then ``pretrain`` each of ``runs``."""
-    from megalite.comm_meter import MeasuredRun
+    from megalite.planning.comm_meter import MeasuredRun
 
     out = {"unit": _meter_unit() if unit else None}
     out["sweep"] = {name: MeasuredRun(argv).first_step() for name, argv in configs}
@@ -78,7 +78,7 @@ def _meter_unit():
     import torch
     import torch.distributed as dist
 
-    from megalite.comm_meter import comm_meter
+    from megalite.planning.comm_meter import comm_meter
 
     rank = dist.get_rank()
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]

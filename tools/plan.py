@@ -7,7 +7,7 @@
 
 Model flags are pretrain_gpt.py's (same parser): a launch script's flags paste in; its layout
 flags (tp, pp, micro-batch, ...) are ignored, the planner chooses them. The logic and its
-constants are in megalite/planner.py; docs/parallelism.md "Picking sizes" explains the output.
+constants are in megalite/planning/planner.py; docs/parallelism.md "Picking sizes" explains the output.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite import calibration, planner  # noqa: E402
 from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
 from megalite.arguments import model_config  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
+from megalite.planning import calibration, planner  # noqa: E402
 
 DEFAULT_VOCAB = 50257  # GPT-2 BPE, when --vocab-size is not given
 
@@ -40,7 +40,7 @@ def build_parser():
     g.add_argument("--gpu-memory-gb", type=float, default=None, help="Override the GPU's memory (GiB).")
     g.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s per GPU inside a node.")
     g.add_argument("--inter-node-bandwidth", type=float, default=None, help="GB/s per GPU between nodes.")
-    g = p.add_argument_group("planner: calibration (megalite/calibration.py)")
+    g = p.add_argument_group("planner: calibration (megalite/planning/calibration.py)")
     g.add_argument(
         "--calibrate", action="store_true", help="Benchmark this machine (< 60 s), write --calibration."
     )

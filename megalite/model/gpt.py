@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.configs import RECOMPUTE_METHODS, ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.parallel import random as tp_random
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -404,10 +405,6 @@ class TransformerLayer(nn.Module):
         return x
 
 
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-
-
 def recompute_units(num_layers: int, method: str | None, n: int | None) -> list[tuple[int, int, bool]]:
     """How full recompute covers a chunk's ``num_layers`` layers: ``[(start, end, recompute)]``.
 
@@ -434,19 +431,23 @@ def _run_layers(layers, rope, hidden: torch.Tensor) -> torch.Tensor:
 class TransformerBlock(nn.Module):
     """This chunk's transformer layers, keyed by GLOBAL index, then the final norm on the last chunk."""
 
-    def __init__(self, config, mesh, layer_range, post_process, rng, dtype, device, sp, recompute):
+    def __init__(
+        self, gpt: GPTModel, layer_range: tuple[int, int], rng, recompute: RecomputeConfig, dtype, device
+    ):
         super().__init__()
-        granularity, method, n = recompute
+        config, mesh, sp = gpt.config, gpt.mesh, gpt.sequence_parallel
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerLayer(config, mesh, rng, dtype, device, sp, granularity == "selective")
+                str(i): TransformerLayer(config, mesh, rng, dtype, device, sp, recompute.selective)
                 for i in range(*layer_range)
             }
         )
-        self.final_norm = build_norm(config, dtype, device, sp) if post_process else None
+        self.final_norm = build_norm(config, dtype, device, sp) if gpt.post_process else None
         self.rng = rng
-        full = granularity == "full"
-        self.units = recompute_units(len(self.layers), method if full else None, n if full else None)
+        full = recompute.full
+        self.units = recompute_units(
+            len(self.layers), recompute.method if full else None, recompute.num_layers if full else None
+        )
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """hidden [b, s, h] -> [b, s, h] ([b, s/t, h] under SP), final-normed on the last chunk."""
@@ -524,9 +525,9 @@ class GPTModel(nn.Module):
         rng: per-TP-rank RNG streams; attention dropout runs in ``rng.fork()``.
         sequence_parallel: split the activations outside the TP matmuls along the
             sequence over TP (``[b, s/t, h]``); a no-op at tp=1.
-        recompute_granularity: None, ``"selective"`` (the attention core) or ``"full"``
-            (whole layers, as ``recompute_method`` / ``recompute_num_layers`` say; see
-            :func:`recompute_units`). Dropout masks are reproduced exactly.
+        recompute: None, ``"selective"`` (the attention core) or ``"full"`` (whole layers, as
+            its ``method`` / ``num_layers`` say; see :func:`recompute_units`). Dropout masks are
+            reproduced exactly.
     """
 
     def __init__(
@@ -539,9 +540,7 @@ class GPTModel(nn.Module):
         layer_range: tuple[int, int] | None = None,
         rng: tp_random.TensorParallelRNG | None = None,
         sequence_parallel: bool = False,
-        recompute_granularity: str | None = None,
-        recompute_method: str | None = None,
-        recompute_num_layers: int | None = None,
+        recompute: RecomputeConfig = RecomputeConfig(),
         dtype=torch.float32,
         device=None,
     ):
@@ -563,17 +562,10 @@ class GPTModel(nn.Module):
         self.layer_range = (start, end)
         self.tied = not config.untie_embeddings_and_output_weights
         self.sequence_parallel = sp = sequence_parallel and mesh.tp_size > 1
-        if recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
-            raise ValueError(
-                f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}"
-            )
         device = device if device is not None else mesh.device
 
         self.embedding = LanguageModelEmbedding(config, mesh, rng, dtype, device, sp) if pre_process else None
-        recompute = (recompute_granularity, recompute_method, recompute_num_layers)
-        self.decoder = TransformerBlock(
-            config, mesh, (start, end), post_process, rng, dtype, device, sp, recompute
-        )
+        self.decoder = TransformerBlock(self, (start, end), rng, recompute, dtype, device)
         self.output_layer = None
         if post_process and not (self.tied and pre_process):
             # Own [V_pad/tp, h] head: untied (Llama), or the tied copy on a last stage that does
@@ -705,9 +697,7 @@ class GPTModel(nn.Module):
 def build_model_chunks(
     config: ModelConfig,
     mesh: Mesh,
-    vp: int = 1,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
+    parallel: ParallelConfig = ParallelConfig(),
     **gpt_kwargs,
 ) -> list[GPTModel]:
     """This rank's model chunks: one GPTModel per virtual pipeline stage it holds.
@@ -715,10 +705,13 @@ def build_model_chunks(
     Chunk c holds the layers of virtual stage ``c*pp + pp_rank``
     (:func:`~megalite.parallel.pipeline_layout.stage_layer_ranges`); the embedding
     lives on virtual stage 0 (rank 0, chunk 0) and the final norm + head on the
-    last one (rank pp-1, chunk vp-1). ``gpt_kwargs`` go to every GPTModel
-    (rng, sequence_parallel, recompute_*, dtype, device).
+    last one (rank pp-1, chunk vp-1). ``parallel`` gives the virtual stages, the uneven
+    split and sequence parallelism (the mesh gives tp and pp); ``gpt_kwargs`` go to every
+    GPTModel (rng, recompute, dtype, device).
     """
-    ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first_stage_layers, last_stage_layers)
+    vp = parallel.virtual_pipeline_model_parallel_size
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
+    ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first, last)
     return [
         GPTModel(
             config,
@@ -726,6 +719,7 @@ def build_model_chunks(
             pre_process=mesh.is_first_stage and c == 0,
             post_process=mesh.is_last_stage and c == vp - 1,
             layer_range=layer_range,
+            sequence_parallel=parallel.sequence_parallel,
             **gpt_kwargs,
         )
         for c, layer_range in enumerate(ranges[mesh.pp_rank])

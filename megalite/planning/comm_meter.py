@@ -362,7 +362,7 @@ class MeasuredRun:
 
         self.state = state = setup(parse_args(argv))
         self.data_iter = microbatch_iterator(
-            state.datasets[0], 0, state.args, state.mesh, state.tokenizer.vocab_size
+            state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size
         )
 
     def timed_step(self) -> float:
@@ -388,16 +388,16 @@ class MeasuredRun:
         from megalite.training import train_step
 
         state = self.state
-        mesh, args = state.mesh, state.args
+        mesh, run = state.mesh, state.configs
         probe = MemoryProbe(state)
         with probe.track(), comm_meter() as meter:
             train_step(state, self.data_iter)
         memory = rank_record(state, probe.meter)
-        strategy = args.data_parallel_sharding_strategy
+        strategy = run.data_parallel.sharding_strategy.value
         groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group, "mp": mesh.mp_group}
         groups["embedding"] = mesh.embedding_group
         groups = {k: g for k, g in groups.items() if g is not None}
-        theory = dp_step_theory(strategy, state.model, mesh.dp_size, args.num_microbatches)
+        theory = dp_step_theory(strategy, state.model, mesh.dp_size, run.training.num_microbatches)
         d = mesh.dp_size
         for n in dp_step_scalars(state).values():  # the step's bookkeeping all-reduces on DP
             theory["all_reduce"] = theory.get("all_reduce", Fraction(0)) + Fraction(2 * (d - 1) * n, d)
@@ -405,13 +405,13 @@ class MeasuredRun:
         dist_dp = mesh.dp_group is not None
         return {
             "strategy": strategy,
-            "offload": args.optimizer_cpu_offload,
+            "offload": run.optimizer.optimizer_cpu_offload,
             "rank": mesh.rank,
             "tp_rank": mesh.tp_rank,
             "pp_rank": mesh.pp_rank,
             "dp_rank": mesh.dp_rank,
             "dp": d,
-            "num_microbatches": args.num_microbatches,
+            "num_microbatches": run.training.num_microbatches,
             "memory": {k: memory[k] for k in ("measured", "predicted", "measured_extra")},
             "optimizer_host_bytes": opt.optimizer_host_bytes(),
             "main_params": {
@@ -435,13 +435,13 @@ def dp_step_scalars(state) -> dict[str, int]:
     """The small all-reduces a training step makes on the DP group besides the gradients and
     parameters, ``{what: bytes}`` (each sends 2(d-1)/d of its bytes): the step's bookkeeping,
     listed so that the count at the calls is explained to the byte."""
-    args, mesh, opt = state.args, state.mesh, state.optimizer
+    run, mesh, opt = state.configs, state.mesh, state.optimizer
     if mesh.dp_size == 1:
         return {}
     out = {}
     if mesh.is_last_stage:
         out["loss average (last stage)"] = 4
-        if args.calculate_per_token_loss:
+        if run.training.calculate_per_token_loss:
             out["token count of --calculate-per-token-loss (last stage)"] = 4
     if opt.grad_scaler is not None:
         out["found-inf flag of the loss scaler"] = 4

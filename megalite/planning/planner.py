@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from megalite.configs import RunConfig
 from megalite.errors import MegaliteError
 from megalite.memory import MemoryLayout, RankMemory, activation_bytes, extra_bytes, predict_rank
 from megalite.metrics import model_flops_per_token
@@ -276,7 +278,7 @@ def pipeline_makespan(pp: int, vp: int, m: int, slot_s) -> float:
 
 
 def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
-    """Step time on a calibrated machine (megalite/calibration.py): every rank of the job on its
+    """Step time on a calibrated machine (megalite/planning/calibration.py): every rank of the job on its
     cores, each term measured on its own.
 
     * compute, one rank alone: the GEMMs at the measured curve, plus the measured overheads per
@@ -289,7 +291,7 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
       microbatch (one message each way), the DP gradient reduction after the last backward
       (ZeRO-1: reduce-scatter + all-gather; ZeRO-2: a reduce-scatter per microbatch), and the
       step's small all-reduces."""
-    from megalite import calibration as cm
+    from megalite.planning import calibration as cm
 
     cal, cfg, s = p.calibration, p.config, p.seq_length
     R = p.cluster.num_gpus
@@ -550,39 +552,39 @@ def no_fit_message(p: Problem) -> str:
 
 
 # ---- the start-up check (pretrain_gpt.py) ------------------------------------------------------
-def from_args(
-    args,
+def from_configs(
+    run: RunConfig,
     config: ModelConfig,
     num_gpus: int,
     gpus_per_node: int,
     memory_gb: float,
-    params_dtype: torch.dtype,
     device_type: str = "cuda",
 ) -> tuple[Problem, Candidate] | None:
-    """The Problem / Candidate of a validated pretrain_gpt.py run; None for a layout the planner
-    does not model (a ZeRO strategy outside ``SHARDING``)."""  # fmt: skip
-    sharding = args.data_parallel_sharding_strategy
+    """The Problem / Candidate of a run's typed configs; None for a layout the planner does not
+    model (a ZeRO strategy outside ``SHARDING``)."""  # fmt: skip
+    sharding = run.data_parallel.sharding_strategy.value
     if sharding not in SHARDING:
         return None
-    tp = args.tensor_model_parallel_size
+    par, train = run.parallel, run.training
+    tp = par.tensor_model_parallel_size
     # the device's memory; H100's speeds only rank the alternatives (memory decides what fits)
     gpu = dataclasses.replace(GPUS["H100-SXM"], name="this device", memory_gb=memory_gb)
     problem = Problem(
         config=config,
         cluster=Cluster(num_gpus, min(gpus_per_node, num_gpus), gpu),
-        seq_length=args.seq_length,
-        global_batch_size=args.global_batch_size,
-        params_dtype=params_dtype,
+        seq_length=train.seq_length,
+        global_batch_size=train.global_batch_size,
+        params_dtype=train.params_dtype,
         device_type=device_type,
     )
     cand = Candidate(
         tp,
-        args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size or 1,
-        args.data_parallel_size,
-        args.micro_batch_size,
-        bool(args.sequence_parallel) and tp > 1,
-        args.recompute_granularity or "none",
+        par.pipeline_model_parallel_size,
+        par.virtual_pipeline_model_parallel_size,
+        par.data_parallel_size,
+        train.micro_batch_size,
+        par.sequence_parallel and tp > 1,
+        run.recompute.granularity or "none",
         sharding,
     )
     return problem, cand
@@ -721,3 +723,36 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
     ):
         lines.append(f"tp > {p.cluster.gpus_per_node} (across nodes) was not tried: a smaller tp fits")
     return lines
+
+
+def device_memory_gb(device: torch.device) -> float:
+    """The device's memory in GiB: ``MEGALITE_DEVICE_MEMORY_GB`` when set (tests), else CUDA's."""
+    forced = os.environ.get("MEGALITE_DEVICE_MEMORY_GB")
+    if forced:
+        return float(forced)
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def memory_fit_warning(state, memory_gb: float | None = None) -> str | None:
+    """The planner's start-up check (issue #15): one warning line when this layout's predicted peak
+    per rank (+ overhead) exceeds the device's memory, naming a layout of the same world size that
+    fits; None when it fits. Only the chosen layout is predicted unless it does not fit."""
+    mesh = state.mesh
+    if mesh.device.type != "cuda" and memory_gb is None:
+        # CPU (gloo) runs: host RAM is shared by every rank and swaps, not the per-device HBM limit
+        # the planner models, so a prediction against it would be noise.
+        return None
+    try:
+        built = from_configs(
+            state.configs,
+            state.config,
+            num_gpus=mesh.world_size,
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)),
+            memory_gb=device_memory_gb(mesh.device) if memory_gb is None else memory_gb,
+            device_type=mesh.device.type,
+        )
+        return None if built is None else fit_warning(*built)
+    except Exception as e:  # an advisory check must never stop a run it cannot model; say so instead
+        return (
+            f"megalite: note: the planner could not check whether this layout fits ({type(e).__name__}: {e})"
+        )

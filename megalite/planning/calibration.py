@@ -385,7 +385,7 @@ def _machine_terms(per_rank: list[dict]) -> dict:
 
 def calibrate(dtype: torch.dtype = torch.float32) -> dict:
     """Run the benchmarks here; return the calibration (JSON-serialisable)."""
-    from megalite.testing import run_distributed
+    from megalite.spawn import run_distributed
 
     start = time.perf_counter()
     gemm = _gemm_curve(dtype)

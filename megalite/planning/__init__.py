@@ -1,0 +1,1 @@
+"""Measurement and planning, above training: the planner, its calibration, the comm meter."""
