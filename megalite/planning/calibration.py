@@ -39,6 +39,11 @@ from pathlib import Path
 import torch
 
 from megalite.errors import MegaliteError
+from megalite.metrics import model_flops_per_token
+from megalite.model.config import ModelConfig
+from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
+from megalite.spawn import run_distributed
+from megalite.training import pretrain
 
 GEMM_SIZES = (32, 64, 128, 256, 512)
 # The calibration's training runs: a small GPT-2 (the shape the overhead terms are measured on),
@@ -219,8 +224,6 @@ def _machine(dtype_name: str, reps: int = 7) -> dict:
     between compute, for every power-of-two number of active ranks and group size."""
     import torch.distributed as dist
 
-    from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
-
     dtype = getattr(torch, dtype_name)
     rank, world = dist.get_rank(), dist.get_world_size()
     work = _Work(dtype)
@@ -278,8 +281,6 @@ def _train_runs(dtype_flag: list[str]) -> list[float]:
     """One rank: the median iteration time of each TRAIN_SHAPES run (iterations after the first 2)."""
     import contextlib
 
-    from megalite.training import pretrain
-
     m = TRAIN_MODEL
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -306,7 +307,6 @@ def _train_runs(dtype_flag: list[str]) -> list[float]:
 
 
 def train_model_config():
-    from megalite.model.config import ModelConfig
 
     m = TRAIN_MODEL
     return ModelConfig.gpt2(
@@ -317,7 +317,6 @@ def train_model_config():
 
 def layer_and_head_flops(config, seq: int, padded_vocab: int) -> tuple[float, float]:
     """Training FLOPs per token (fwd + bwd) of one transformer layer, and of the logits."""
-    from megalite.metrics import model_flops_per_token
 
     head = 3.0 * 2 * config.hidden_size * padded_vocab
     return (model_flops_per_token(config, seq, padded_vocab) - head) / config.num_layers, head
@@ -385,7 +384,6 @@ def _machine_terms(per_rank: list[dict]) -> dict:
 
 def calibrate(dtype: torch.dtype = torch.float32) -> dict:
     """Run the benchmarks here; return the calibration (JSON-serialisable)."""
-    from megalite.spawn import run_distributed
 
     start = time.perf_counter()
     gemm = _gemm_curve(dtype)

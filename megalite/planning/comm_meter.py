@@ -43,6 +43,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
+from megalite.arguments import parse_args, validate_args
+from megalite.errors import MegaliteError
+from megalite.memory import MemoryProbe, rank_record
+from megalite.training import microbatch_iterator, setup, train_step
+
 # Every torch.distributed function that moves tensors between ranks (megalite uses all_reduce,
 # all_gather, all_gather_single / _into_tensor, reduce_scatter_single / _tensor, broadcast,
 # send / recv and batch_isend_irecv of isend / irecv; the rest so that a new call site is counted too).
@@ -341,8 +346,6 @@ def dp_step_theory(strategy: str, model_chunks, dp: int, num_microbatches: int) 
 def strategy_built(strategy: str, argv: list[str] | None = None, world_size: int = 1) -> bool:
     """False when ``--data-parallel-sharding-strategy strategy`` is refused by the flag checks (a
     strategy not built yet); so a list of strategies grows by itself once one lands."""
-    from megalite.arguments import parse_args, validate_args
-    from megalite.errors import MegaliteError
 
     try:
         validate_args(parse_args((argv or []) + ["--data-parallel-sharding-strategy", strategy]), world_size)
@@ -357,8 +360,6 @@ class MeasuredRun:
     (:meth:`timed_step`). Several can live in one process, so strategies alternate step by step."""
 
     def __init__(self, argv: list[str]):
-        from megalite.arguments import parse_args
-        from megalite.training import microbatch_iterator, setup
 
         self.state = state = setup(parse_args(argv))
         self.data_iter = microbatch_iterator(
@@ -369,8 +370,6 @@ class MeasuredRun:
         import time
 
         import torch
-
-        from megalite.training import train_step
 
         cuda = self.state.mesh.device.type == "cuda"
         if cuda:
@@ -384,8 +383,6 @@ class MeasuredRun:
     def first_step(self) -> dict:
         """Run a step under the memory probe and the meter; this rank's record: memory measured and
         predicted (``megalite.memory``'s report), bytes sent per group and kind, the DP theory."""
-        from megalite.memory import MemoryProbe, rank_record
-        from megalite.training import train_step
 
         state = self.state
         mesh, run = state.mesh, state.configs

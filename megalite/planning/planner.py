@@ -43,6 +43,7 @@ from megalite.errors import MegaliteError
 from megalite.memory import MemoryLayout, RankMemory, activation_bytes, extra_bytes, predict_rank
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
+from megalite.planning import calibration as cm
 
 GIB = 2**30
 
@@ -291,16 +292,13 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
       microbatch (one message each way), the DP gradient reduction after the last backward
       (ZeRO-1: reduce-scatter + all-gather; ZeRO-2: a reduce-scatter per microbatch), and the
       step's small all-reduces."""
-    from megalite.planning import calibration as cm
 
-    cal, cfg, s = p.calibration, p.config, p.seq_length
-    R = p.cluster.num_gpus
+    cal, cfg, s, R = p.calibration, p.config, p.seq_length, p.cluster.num_gpus
     B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
     tokens = c.micro_batch_size * s
     layers = cfg.num_layers // c.pp  # per rank, all its chunks
-    d = min(tokens, cfg.hidden_size // c.tp)
-    train = cal["train"]
+    d, train = min(tokens, cfg.hidden_size // c.tp), cal["train"]
     layer_f, head_f = cm.layer_and_head_flops(cfg, s, cfg.padded_vocab_size(c.tp))
     hq = cfg.num_attention_heads * cfg.head_dim
     rerun = {"full": layer_f / 3, "selective": 4 * s * hq, "none": 0.0}[c.recompute]
@@ -335,23 +333,7 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
     compute = m * compute_mb * cm.slowdown(cal, R)
     bubble = makespan - busy
 
-    mem = peak_rank_memory(p, c)
-    grads = mem.grads  # ZeRO-2: this rank's shard of the buffer
-    if c.sharding == "no_shard":
-        dp = cm.collective_s(cal, "allreduce", grads, c.dp, R)
-    elif c.sharding == "optim":  # reduce-scatter the grads, all-gather the updated params
-        dp = cm.collective_s(cal, "reduce_scatter", grads, c.dp, R) + cm.collective_s(
-            cal, "allgather", mem.params, c.dp, R
-        )
-    elif c.sharding == "optim_grads":  # a reduce-scatter of the whole buffer after every microbatch
-        dp = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R) + cm.collective_s(
-            cal, "allgather", mem.params, c.dp, R
-        )
-    else:  # ZeRO-3: ZeRO-2's reduce-scatters; the params (mem.params is the shard) all-gathered
-        # before each microbatch's forward and again before its backward, none after the step
-        dp = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R) + 2 * m * cm.collective_s(
-            cal, "allgather", mem.params * c.dp, c.dp, R
-        )
+    dp = calibrated_dp_s(p, c, m)
     optimizer_layers = layers / (c.dp if c.sharding != "no_shard" else 1)
     step = (
         train["overhead_s_per_layer_step"] * optimizer_layers + train["overhead_s_per_step"]
@@ -376,6 +358,26 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
         tflops_per_gpu=model_flops_gpu * (1 + extra) / total / 1e12,
         parts=parts,
     )
+
+
+def calibrated_dp_s(p: Problem, c: Candidate, m: int) -> float:
+    """The step's DP collectives on the calibrated machine (gloo: nothing hidden), m microbatches."""
+
+    cal, R = p.calibration, p.cluster.num_gpus
+    mem = peak_rank_memory(p, c)
+    grads = mem.grads  # ZeRO-2: this rank's shard of the buffer
+    if c.sharding == "no_shard":
+        return cm.collective_s(cal, "allreduce", grads, c.dp, R)
+    if c.sharding == "optim":  # reduce-scatter the grads, all-gather the updated params
+        return cm.collective_s(cal, "reduce_scatter", grads, c.dp, R) + cm.collective_s(
+            cal, "allgather", mem.params, c.dp, R
+        )
+    reduce_scatters = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R)
+    if c.sharding == "optim_grads":  # a reduce-scatter of the whole buffer after every microbatch
+        return reduce_scatters + cm.collective_s(cal, "allgather", mem.params, c.dp, R)
+    # ZeRO-3: ZeRO-2's reduce-scatters; the params (mem.params is the shard) all-gathered before
+    # each microbatch's forward and again before its backward, none after the step
+    return reduce_scatters + 2 * m * cm.collective_s(cal, "allgather", mem.params * c.dp, c.dp, R)
 
 
 def with_time(p: Problem, c: Candidate) -> Candidate:

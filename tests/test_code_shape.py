@@ -1,0 +1,45 @@
+"""The house rules that a reviewer would otherwise check by eye (issue #23).
+
+* No function in ``megalite/`` longer than 80 lines (``ast``: first to last line, docstring
+  included): a longer one is doing several jobs.
+* Every top-level module and package of ``megalite`` has its place in the import-linter layers
+  contract (``pyproject.toml``), so a new module cannot slip outside the layering. The contracts
+  themselves run in ``scripts/test.sh`` (``lint-imports``).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "megalite"
+MAX_FUNCTION_LINES = 80
+
+
+def _functions(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.lineno, node.end_lineno - node.lineno + 1
+
+
+def test_no_function_over_80_lines():
+    long = [
+        f"{path.relative_to(REPO)}:{line} {name} ({n} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, line, n in _functions(path)
+        if n > MAX_FUNCTION_LINES
+    ]
+    assert not long, "split these functions (at most 80 lines each):\n" + "\n".join(long)
+
+
+def test_every_module_has_a_layer():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    placed = {m.strip() for layer in layers for m in layer.split("|")}
+    top = {f"megalite.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    top |= {f"megalite.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")}
+    assert top - placed == set(), "give these modules a layer in pyproject.toml's import contract"
+    assert placed - top == set(), "these layers name modules that do not exist"
