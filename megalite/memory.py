@@ -137,11 +137,12 @@ class MemoryLayout:
     def validate(self) -> MemoryLayout:
         """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
         built by hand rather than from validated flags; the same errors."""
-        recompute = RecomputeConfig(
-            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        )
-        check_activation_memory(recompute, self.sp, self.seq_length, self.tp)
+        check_activation_memory(self.recompute, self.sp, self.seq_length, self.tp)
         return self
+
+    @property
+    def recompute(self) -> RecomputeConfig:
+        return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,7 +212,9 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     if flavour.endswith("_1head"):
         kw["num_attention_heads"] = 1
     config = (ModelConfig.gpt2 if flavour.startswith("gpt2") else ModelConfig.llama)(**kw)
-    model = GPTModel(config, Mesh.single(torch.device("cpu")), dtype=dtype, **recompute)
+    model = GPTModel(
+        config, Mesh.single(torch.device("cpu")), dtype=dtype, recompute=MemoryLayout(**recompute).recompute
+    )
     s = 16
     ids = torch.randint(0, 200, (b, s))
     meter = SavedTensorMeter(list(model.parameters()))

@@ -342,12 +342,13 @@ def test_zero3_prefetch_one_process(recompute):
 
     config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
     method, n = recompute or (None, None)
-    kwargs = dict(recompute=RecomputeConfig("full" if recompute else None, method, n))
+    kwargs = dict(recompute_granularity="full" if recompute else None, recompute_method=method)
+    kwargs["recompute_num_layers"] = n
     tokens = torch.randint(0, 40, (2, 8))
     seen = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        ddp = one_process_zero3(config, prefetch, **kwargs)
+        ddp = one_process_zero3(config, prefetch, recompute=MemoryLayout(**kwargs).recompute)
         sharding = ddp.param_sharding
         events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
 
