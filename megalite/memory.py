@@ -46,6 +46,8 @@ from megalite.configs import RecomputeConfig, RunConfig, check_activation_memory
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
+from megalite.optim.base import effective_offload_fraction, offload_split
+from megalite.optim.distributed_optimizer import shard_pieces
 from megalite.parallel import zero3
 from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
 from megalite.parallel.param_attributes import mark_shared_embedding
@@ -351,9 +353,6 @@ def _main_params(
 ) -> list[tuple[int, bool]]:
     """``(elements, offloaded)`` of each main param of rank (pp_rank, dp_rank), as the optimizers
     make them and split them (the optimizers' own functions, on meta tensors)."""
-    from megalite.optim.base import effective_offload_fraction, offload_split  # optim imports parallel only
-    from megalite.optim.distributed_optimizer import shard_pieces
-
     pieces = []
     for c in stage_chunks(config, layout)[pp_rank]:
         for bucket in _buckets(config, layout, c):

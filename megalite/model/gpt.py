@@ -50,7 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.compiled import compile_forward
 from megalite.configs import RECOMPUTE_METHODS, ParallelConfig, RecomputeConfig
+from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.parallel import random as tp_random
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -752,9 +754,7 @@ def compile_layers(chunks: list[nn.Module], mode: str = "default") -> None:
     selective recompute's checkpoint (see ``_recompute_outside_dynamo``).
     """
     _require_compile("--torch-compile")
-    import torch._inductor.config as inductor_config
-
-    from megalite.compiled import compile_forward
+    import torch._inductor.config as inductor_config  # loads inductor: only when compiling
 
     inductor_config.fallback_random = True  # dropout masks from torch's RNG, as eager draws them
     torch_mode = None if mode == "default" else mode
@@ -783,8 +783,6 @@ def fuse_cross_entropy(chunks: list[nn.Module], mode: str = "default") -> None:
 
 
 def _require_compile(flag: str) -> None:
-    from megalite.errors import MegaliteError
-
     if not callable(getattr(torch, "compile", None)) or not hasattr(nn.Module, "compile"):
         raise MegaliteError(
             f"{flag} needs torch >= 2.2 (torch.compile, nn.Module.compile); this is torch {torch.__version__}"
