@@ -4,6 +4,8 @@ Vocab 100 with make_vocab_size_divisible_by=8 pads to 104 (TP=1), 112 (TP=2) and
 128 (TP=4), so every parity check also covers the TP-dependent vocab padding.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import gather_full, gather_tp
@@ -133,8 +135,7 @@ def _chunks(cfg, mesh, bounds):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_stage_chunks_chained_match_full_model(flavour):
-    cfg = flavours()[flavour]
-    cfg.num_layers = 4
+    cfg = dataclasses.replace(flavours()[flavour], num_layers=4)
     mesh = Mesh.single()
     full = GPTModel(cfg, mesh)
     chunks = _chunks(cfg, mesh, [(0, 1), (1, 3), (3, 4)])
@@ -250,9 +251,10 @@ RECOMPUTE_MODES = {  # Megatron's --recompute-granularity / --recompute-method /
 
 @pytest.mark.parametrize("mode", sorted(RECOMPUTE_MODES))
 def test_recompute_reproduces_dropout_exactly(mode):
-    cfg = flavours()["llama_gqa"]
-    cfg.hidden_dropout, cfg.attention_dropout = 0.2, 0.2
-    cfg.num_layers = 3  # uniform 2: a unit of two layers and a shorter last one
+    # uniform 2: a unit of two layers and a shorter last one
+    cfg = dataclasses.replace(
+        flavours()["llama_gqa"], hidden_dropout=0.2, attention_dropout=0.2, num_layers=3
+    )
     mesh = Mesh.single()
     ids, labels, weights = batch()
     rng = TensorParallelRNG(11, mesh, torch.device("cpu"))

@@ -26,7 +26,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) 
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
