@@ -1076,11 +1076,6 @@ def _from_flags(cls, args: argparse.Namespace, **values):
     return cls(**{k: getattr(args, k) for k in names}, **values)
 
 
-def _scalar_flags(args: argparse.Namespace) -> dict:
-    """The flags with plain values: what Megatron-LM hands wandb as the run's config."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))}
-
-
 def build_configs(args: argparse.Namespace) -> RunConfig:
     """The run's typed configs, from flags :func:`validate_args` has checked and completed.
 
@@ -1131,6 +1126,10 @@ def build_configs(args: argparse.Namespace) -> RunConfig:
             eod_mask_loss=args.eod_mask_loss,
             tokenizer=tokenizer_kwargs(args),
         ),
-        logging=_from_flags(LoggingConfig, args, flags=_scalar_flags(args)),
+        logging=_from_flags(  # flags: every plain one, wandb's run config as Megatron-LM makes it
+            LoggingConfig,
+            args,
+            flags={k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))},
+        ),
         profiling=_from_flags(ProfilingConfig, args, profile_ranks=tuple(args.profile_ranks)),
     )

@@ -267,11 +267,6 @@ class LoggingConfig:
     timing_log_level: int = 0
     timing_log_option: str = "minmax"
 
-    @property
-    def writes_scalars(self) -> bool:
-        """Megatron-named scalars have a writer (TensorBoard or wandb)."""
-        return bool(self.tensorboard_dir or self.wandb_project)
-
 
 @dataclass(frozen=True)
 class ProfilingConfig:

@@ -46,9 +46,8 @@ class _Handler(logging.Handler):
 
 class _RankFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        prefix = "" if getattr(record, "ranked", False) else rank_prefix()
-        return "\n".join(prefix + line for line in text.split("\n")) if prefix else text
+        prefix = "" if getattr(record, "ranked", False) else rank_prefix()  # ranked: placed by the caller
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
 _handler = _Handler()

@@ -372,7 +372,7 @@ class TrainingMonitor:
         if it % c.tensorboard_log_interval != 0:
             return
         # A collective, so every rank decides alike (from flags); without a writer at_log computes it.
-        if c.log_params_norm and c.writes_scalars:
+        if c.log_params_norm and (c.tensorboard_dir or c.wandb_project):
             self._params_norm = (it, state.optimizer.params_norm())
         if not self.sinks.writes_scalars:
             return

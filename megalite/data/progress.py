@@ -10,9 +10,8 @@
   crosses another 10% (``every``), and only once the job has run ``quiet_seconds``,
   so quick jobs stay silent and a log never gets more than ~10 lines per job.
   Without a total it prints every ``log_seconds`` instead.
-- Only rank 0 prints (``torch.distributed`` when initialised, else ``$RANK``), through the
-  log channel (:mod:`megalite.log`) at INFO: its stream, its rank prefix, and nothing with
-  ``--logging-level`` 30 or more. ``file`` writes to a stream of one's own instead.
+- Only rank 0 prints (``torch.distributed`` when initialised, else ``$RANK``), to the log
+  channel (:mod:`megalite.log`) at INFO, or to ``file`` when one is given.
 
 Why not tqdm: on a non-terminal tqdm either disables itself (``disable=None``) or
 writes ``\\r``-separated refreshes by time; what we want in logs is "a line per
@@ -67,7 +66,7 @@ class Progress:
         self.desc, self.total, self.unit, self.scale = desc, total, unit, scale
         self.file = file  # None: the log channel
         self.enabled = enabled and is_rank0() and (file is not None or logger.isEnabledFor(logging.INFO))
-        self.tty = self._stream().isatty() if tty is None else tty
+        self.tty = (file if file is not None else log.stream()).isatty() if tty is None else tty
         self.every, self.quiet_seconds, self.log_seconds = every, quiet_seconds, log_seconds
         self.done = 0.0
         self.counters: dict[str, float] = {}
@@ -112,23 +111,18 @@ class Progress:
             timing += f", ETA {_duration(elapsed * (self.total - self.done) / self.done)}"
         return " | ".join([" ".join(parts[:2]), *parts[2:], timing])
 
-    def _stream(self):
-        return self.file if self.file is not None else log.stream()
-
     def _write(self, text: str) -> None:
-        stream = self._stream()
+        stream = self.file if self.file is not None else log.stream()
         stream.write(text)
         stream.flush()
 
     def _draw(self, now: float) -> None:
         self._last_draw = now
         self._drawn = True
-        if self.tty:  # redrawn in place: not a log record
-            self._write("\r\033[K" + self.line(now))
-        elif self.file is None:
+        if self.file is None and not self.tty:
             logger.info(self.line(now))
-        else:
-            self._write(self.line(now) + "\n")
+        else:  # a stream of one's own, or a terminal's line redrawn in place (not a log record)
+            self._write("\r\033[K" + self.line(now) if self.tty else self.line(now) + "\n")
 
     def close(self) -> None:
         if not self.enabled:

@@ -34,6 +34,7 @@ import os
 from abc import ABC, abstractmethod
 
 import numpy as np
+import tiktoken
 
 from megalite.data.optional import require
 from megalite.errors import MegaliteError
@@ -235,8 +236,6 @@ class GPT2BPETokenizer(Tokenizer):
     CUT = "\x00"
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        import tiktoken
-
         with open(vocab_file, encoding="utf-8") as f:
             vocab: dict[str, int] = json.load(f)
         if "<|endoftext|>" not in vocab:
@@ -346,8 +345,6 @@ class TikTokenizer(Tokenizer):
         num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
         special_tokens: list[str] | None = None,
     ) -> None:
-        import tiktoken
-
         if pattern not in TIKTOKEN_PATTERNS:
             raise TokenizerError(
                 f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got {pattern}"
