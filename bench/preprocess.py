@@ -2,12 +2,11 @@
 
     python bench/preprocess.py                  # 16 MB of stdlib text, workers 1 and 2
     python bench/preprocess.py --max-mb 0 --workers 1 2 4   # the whole stdlib
-    python bench/preprocess.py --tokenizer gpt2 --workers 1  # GPT-2 BPE: Python encoder vs tiktoken
+    python bench/preprocess.py --tokenizer gpt2 --workers 1  # GPT-2 BPE (tiktoken)
 
 ``--tokenizer gpt2`` trains a GPT-2-layout byte-level BPE (50257 ids, Hugging Face
-``tokenizers``) on the corpus and runs the pipeline with the pure-Python encoder (the
-"before") and with tiktoken (the "after"), checks that every run wrote the same bytes,
-and times one 50,000-character word without spaces with each.
+``tokenizers``) on the corpus, runs the pipeline with GPT2BPETokenizer, and times one
+50,000-character word without spaces.
 
 Reports MB/s of JSON input and docs/s for tools/preprocess_data.py's engine, and
 next to it the tokenizer alone (one process, no JSON, no I/O) on the same texts:
@@ -70,10 +69,7 @@ def main():
                 [jsonl], os.path.join(d, "gpt2"), (args.vocab_size or 50257) - 1
             )
             gpt2 = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
-            variants = {
-                "before_python": dict(gpt2, gpt2_bpe_backend="python"),
-                "after_tiktoken": dict(gpt2, gpt2_bpe_backend="tiktoken"),
-            }
+            variants = {"gpt2": gpt2}
         else:
             model = args.tokenizer_model or train_sentencepiece(
                 [jsonl], os.path.join(d, "tok"), args.vocab_size or 8000
@@ -152,17 +148,6 @@ def main():
         **results,
         machine=dict(cpus=os.cpu_count(), python=platform.python_version(), load_avg_1m=os.getloadavg()[0]),
     )
-    if args.tokenizer == "gpt2":
-        before, after = results["before_python"], results["after_tiktoken"]
-        ratio = lambda a, b: round(a["mb_per_cpu_s"] / b["mb_per_cpu_s"], 2)
-        hashes = {h for v in (before, after) for run in v["runs"] for h in run["bin_sha256"]}
-        out["speedup"] = dict(
-            tokenizer_only_mb_per_cpu_s=ratio(
-                after["tokenizer_only_one_process"], before["tokenizer_only_one_process"]
-            ),
-            pipeline_mb_per_cpu_s=[ratio(a, b) for a, b in zip(after["runs"], before["runs"])],
-            outputs_identical=len(hashes) == 1,  # every run of both variants wrote the same .bin
-        )
     print(json.dumps(out, indent=1))
 
 

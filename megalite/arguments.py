@@ -22,8 +22,10 @@ from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse
 from megalite.configs import (
     DataConfig,
     DataParallelConfig,
+    LoggingConfig,
     OptimizerConfig,
     ParallelConfig,
+    ProfilingConfig,
     RecomputeConfig,
     RunConfig,
     SchedulerConfig,
@@ -410,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation (0: no evaluation).")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--metrics-file", default=None, help="Append one JSON object per log/eval line here.")
+    g.add_argument(
+        "--logging-level",
+        type=int,
+        default=None,
+        help="Python logging level of everything but the metric lines (default 20; 30 hides the "
+        "status lines, 40 also the notes and warnings).",
+    )
     g.add_argument(
         "--peak-tflops",
         type=float,
@@ -1117,4 +1126,10 @@ def build_configs(args: argparse.Namespace) -> RunConfig:
             eod_mask_loss=args.eod_mask_loss,
             tokenizer=tokenizer_kwargs(args),
         ),
+        logging=_from_flags(  # flags: every plain one, wandb's run config as Megatron-LM makes it
+            LoggingConfig,
+            args,
+            flags={k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))},
+        ),
+        profiling=_from_flags(ProfilingConfig, args, profile_ranks=tuple(args.profile_ranks)),
     )

@@ -6,9 +6,9 @@
         return run_main("convert_checkpoint.py", convert, argv)   # convert(argv) -> int | None
 
 :func:`run_main` prints a :class:`~megalite.errors.MegaliteError` as
-``PROG: error: [rank R] MESSAGE`` on stderr and returns 2. A collective that
-failed because another rank froze or died (gloo / NCCL timeout, connection
-closed) is reported the same way, naming ``--distributed-timeout-minutes``:
+``PROG: error: [rank R] MESSAGE`` on stderr (:func:`megalite.log.error`) and returns 2.
+A collective that failed because another rank froze or died (gloo / NCCL timeout,
+connection closed) is reported the same way, naming ``--distributed-timeout-minutes``:
 the failing rank is usually elsewhere, and a 40-line traceback from inside
 torch.distributed says less than that. Anything else propagates with its
 traceback: it is a bug.
@@ -17,10 +17,10 @@ traceback: it is a bug.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable
 
+from megalite import log
 from megalite.errors import MegaliteError
 
 # What torch.distributed backends say when a peer froze (timeout) or died (connection closed).
@@ -59,14 +59,6 @@ def collective_failure_message(e: BaseException) -> str:
     )
 
 
-def rank_prefix() -> str:
-    return f"[rank {os.environ.get('RANK', '?')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-
-
-def print_error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {rank_prefix()}{message}", file=sys.stderr, flush=True)
-
-
 def _shutdown_distributed() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -78,16 +70,19 @@ def _shutdown_distributed() -> None:
 
 
 def run_main(prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Call ``main(argv)``; return its exit status (None = 0), or 2 after a one-line user error."""
+    """Call ``main(argv)``; return its exit status (None = 0), or 2 after a one-line user error.
+
+    The log channel starts at its defaults (INFO, on stderr); ``pretrain`` sets it from its flags."""
+    log.configure()
     try:
         code = main(argv)
     except MegaliteError as e:
-        print_error(prog, str(e))
+        log.error(prog, str(e))
         return 2
     except Exception as e:
         if not is_collective_failure(e):
             raise
-        print_error(prog, collective_failure_message(e))
+        log.error(prog, collective_failure_message(e))
         return 2
     finally:
         _shutdown_distributed()

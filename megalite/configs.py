@@ -243,6 +243,55 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Where the metrics go besides the console: TensorBoard, wandb, a JSON-lines file; the timers."""
+
+    tensorboard_dir: str | None = None
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_throughput: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    log_world_size_to_tensorboard: bool = False
+    metrics_file: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # None: --save/wandb, else ./wandb
+    wandb_entity: str | None = None
+    save: str | None = None  # --save: where wandb's directory goes by default
+    flags: dict = field(default_factory=dict)  # the run's flags: wandb's run config, as Megatron's
+    timing_log_level: int = 0
+    timing_log_option: str = "minmax"
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """``--profile*``, CUDA memory history and manual GC (``megalite.profiling``)."""
+
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = ()  # empty: every rank
+    profile_dir: str | None = None  # None: beside --tensorboard-dir, else ./torch_profile
+    pytorch_profiler_collect_shapes: bool = False
+    pytorch_profiler_collect_callstack: bool = False
+    record_memory_history: bool = False
+    memory_snapshot_path: str = "snapshot.pickle"
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+
+    def profiles(self, rank: int) -> bool:
+        """``rank`` is one of --profile-ranks (all ranks when none are given)."""
+        return not self.profile_ranks or rank in self.profile_ranks
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Every config of one run, built once by ``megalite.arguments.build_configs``."""
 
@@ -253,3 +302,5 @@ class RunConfig:
     scheduler: SchedulerConfig
     training: TrainingConfig
     data: DataConfig
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

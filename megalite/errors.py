@@ -20,7 +20,8 @@ class ArgumentError(MegaliteError, ValueError):
 
 
 class InputError(MegaliteError, ValueError):
-    """An input file that cannot be read (missing, truncated, corrupt); the message names it."""
+    """An input file that cannot be read or does not hold what it should (truncated, corrupt, a bad
+    format, key or value); the message names the file and where."""
 
 
 @contextlib.contextmanager

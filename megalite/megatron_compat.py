@@ -81,7 +81,6 @@ IGNORED: tuple[CompatFlag, ...] = (
         "megalite does not call torch.cuda.empty_cache() between steps",
         choices=("0", "1", "2"),
     ),
-    CompatFlag("--logging-level", 1, "megalite prints plain lines, not through Python logging"),
     CompatFlag(
         "--no-create-attention-mask-in-dataloader",
         0,

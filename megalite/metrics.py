@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from megalite import profiling
+from megalite.configs import LoggingConfig, ProfilingConfig
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 from megalite.parallel.mappings import all_gather_flat
-from megalite.profiling import Profiler, add_profiling_args, check_profiling_args, start_memory_history
+from megalite.profiling import Profiler, add_profiling_args, check_profiling_args
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of the device name.
 _PEAK_TFLOPS = {
@@ -202,8 +203,8 @@ class MetricSinks:
             self.jsonl = open(metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
     @classmethod
-    def open(cls, args, enabled: bool, mesh) -> MetricSinks:
-        """The sinks ``args`` ask for on the logging rank; if they cannot open, every rank stops.
+    def open(cls, config: LoggingConfig, enabled: bool, mesh) -> MetricSinks:
+        """The sinks ``config`` asks for on the logging rank; if they cannot open, every rank stops.
 
         One flag is all-reduced over the world once, so a failure on the logging
         rank (wandb not logged in, ...) ends the job instead of leaving the other
@@ -214,10 +215,10 @@ class MetricSinks:
         try:
             sinks = cls(
                 enabled,
-                args.tensorboard_dir,
-                args.metrics_file,
-                tensorboard_queue_size=args.tensorboard_queue_size,
-                wandb_init=wandb_init_kwargs(args) if args.wandb_project else None,
+                config.tensorboard_dir,
+                config.metrics_file,
+                tensorboard_queue_size=config.tensorboard_queue_size,
+                wandb_init=wandb_init_kwargs(config) if config.wandb_project else None,
             )
         except MegaliteError as e:
             error = e
@@ -237,6 +238,7 @@ class MetricSinks:
         return self.tb is not None or self.wandb is not None
 
     def console(self, line: str) -> None:
+        """A metric line: the run's output on stdout, not a log record (no level hides it)."""
         if self.enabled:
             print(line, flush=True)
 
@@ -288,13 +290,13 @@ class MetricSinks:
             self.jsonl = None
 
 
-def wandb_init_kwargs(args) -> dict:
-    """``wandb.init`` arguments, as Megatron-LM builds them (the whole flag namespace is the config)."""
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
-    kwargs = {"dir": save_dir, "project": args.wandb_project, "name": args.wandb_exp_name}
-    kwargs["config"] = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))}
-    if args.wandb_entity:
-        kwargs["entity"] = args.wandb_entity
+def wandb_init_kwargs(config: LoggingConfig) -> dict:
+    """``wandb.init`` arguments, as Megatron-LM builds them (the run's flags are the config)."""
+    save_dir = config.wandb_save_dir or (os.path.join(config.save, "wandb") if config.save else "wandb")
+    kwargs = {"dir": save_dir, "project": config.wandb_project, "name": config.wandb_exp_name}
+    kwargs["config"] = dict(config.flags)
+    if config.wandb_entity:
+        kwargs["entity"] = config.wandb_entity
     return kwargs
 
 
@@ -332,48 +334,45 @@ def memory_scalars(device: torch.device) -> dict:
 class TrainingMonitor:
     """Megatron-LM's logging and profiling around ``training.train``'s loop.
 
-    Built before the model (so ``--record-memory-history`` sees every
-    allocation); the loop calls ``before_step`` / ``after_step`` around each
+    Built from the run's configs (``--record-memory-history`` was started
+    by ``setup`` before the model); the loop calls ``before_step`` / ``after_step`` around each
     step on every rank, ``at_log`` at each log line (it returns extra values
     for the line) and ``at_eval`` after an evaluation. With none of its flags
     set, a step costs a few integer tests: no host sync, no collective.
     """
 
-    def __init__(self, args, rank: int | None = None):
-        self.args = args
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        for note in check_logging_args(args):
-            if self.rank == 0:
-                print(f"megalite: note: {note}", flush=True)
-        self.profiler = Profiler(args, self.rank, start_memory_history(args, self.rank))
+    def __init__(self, config: LoggingConfig, profile: ProfilingConfig, rank: int):
+        self.config = config
+        self.rank = rank
+        self.profiler = Profiler(profile, rank, config.tensorboard_dir)
         self.sinks: MetricSinks | None = None
         self._started = False
         self._samples = 0
         self._params_norm: tuple[int, float] | None = None  # (iteration, norm)
         self._num_zeros: int | None = None
         self._window_steps = 0  # steps since the last log line: the timers' normaliser
-        profiling.set_timing_level(args.timing_log_level)
+        profiling.set_timing_level(config.timing_log_level)
 
     def before_step(self, state, sinks: MetricSinks) -> None:
         if not self._started:
             self._started = True
             self.sinks = sinks
             self._samples = state.consumed_train_samples
-            state.optimizer.log_num_zeros_in_grad = self.args.log_num_zeros_in_grad
+            state.optimizer.log_num_zeros_in_grad = self.config.log_num_zeros_in_grad
             self.profiler.start()
         self.profiler.before_step(state.iteration)
 
     def after_step(self, state, step: dict) -> None:
-        args, it = self.args, state.iteration
+        c, it = self.config, state.iteration
         self.profiler.after_step(it)
         self._window_steps += 1
         self._num_zeros = step.get("num_zeros")
         batch_size = state.consumed_train_samples - self._samples
         self._samples = state.consumed_train_samples
-        if it % args.tensorboard_log_interval != 0:
+        if it % c.tensorboard_log_interval != 0:
             return
         # A collective, so every rank decides alike (from flags); without a writer at_log computes it.
-        if args.log_params_norm and (args.tensorboard_dir or args.wandb_project):
+        if c.log_params_norm and (c.tensorboard_dir or c.wandb_project):
             self._params_norm = (it, state.optimizer.params_norm())
         if not self.sinks.writes_scalars:
             return
@@ -381,8 +380,8 @@ class TrainingMonitor:
             "learning-rate": state.scheduler.get_lr(),
             "batch-size": batch_size,
             "lm loss": step.get("loss"),
-            "loss-scale": state.optimizer.get_loss_scale() if args.log_loss_scale_to_tensorboard else None,
-            "world-size": state.mesh.world_size if args.log_world_size_to_tensorboard else None,
+            "loss-scale": state.optimizer.get_loss_scale() if c.log_loss_scale_to_tensorboard else None,
+            "world-size": state.mesh.world_size if c.log_world_size_to_tensorboard else None,
             "grad-norm": step.get("grad_norm"),
             "num-zeros": self._num_zeros,
             "params-norm": self._params_norm[1] if self._params_norm and self._params_norm[0] == it else None,
@@ -390,25 +389,25 @@ class TrainingMonitor:
         self.sinks.scalars(it, tags, samples=state.consumed_train_samples)
         if self.sinks.wandb is not None:
             self.sinks.wandb.log({"samples vs steps": state.consumed_train_samples}, step=it)
-        if args.log_memory_to_tensorboard:
+        if c.log_memory_to_tensorboard:
             self.sinks.scalars(it, memory_scalars(state.mesh.device))
 
     def at_log(self, state, values: dict) -> dict:
         """Extra values for the log line (params norm, num zeros); iteration-time / throughput tags."""
-        args, it = self.args, state.iteration
+        c, it = self.config, state.iteration
         extra = {}
-        if args.log_params_norm:
+        if c.log_params_norm:
             if self._params_norm is None or self._params_norm[0] != it:
                 self._params_norm = (it, state.optimizer.params_norm())  # a collective: every rank
             extra["params_norm"] = self._params_norm[1]
-        if args.log_num_zeros_in_grad:
+        if c.log_num_zeros_in_grad:
             extra["num_zeros"] = self._num_zeros
-        if args.log_timers_to_tensorboard and self.sinks is not None:
+        if c.log_timers_to_tensorboard and self.sinks is not None:
             tags = {"iteration-time": values["iteration_time_s"]}
-            if args.log_throughput:
+            if c.log_throughput:
                 tags["throughput"] = values["tflops_per_device"]
             self.sinks.scalars(it, tags)
-        if args.timing_log_level > 0:
+        if c.timing_log_level > 0:
             self._log_timers(state)
         self._window_steps = 0
         self.profiler.dump_memory_snapshot()
@@ -421,7 +420,7 @@ class TrainingMonitor:
         pp 1) has no value for it, as in Megatron. The console gets ``--timing-log-option``'s view;
         with --log-timers-to-tensorboard, TensorBoard / wandb get ``<name>-time``, the max over ranks.
         """
-        names = profiling.timer_names(self.args.timing_log_level)
+        names = profiling.timer_names(self.config.timing_log_level)
         mine = profiling.take_timers()
         steps = max(self._window_steps, 1)
         local = state.mesh.tensor([1000.0 * mine[n] / steps if n in mine else math.nan for n in names])
@@ -430,7 +429,7 @@ class TrainingMonitor:
             everyone = local.new_empty(dist.get_world_size() * len(names))
             all_gather_flat(everyone, local, None)
         table = everyone.view(-1, len(names)).t().cpu().tolist()  # [timer][rank]
-        option = self.args.timing_log_option
+        option = self.config.timing_log_option
         lines, maxima = [], {}
         for name, values in zip(names, table):
             seen = [v for v in values if not math.isnan(v)]
@@ -448,7 +447,7 @@ class TrainingMonitor:
             return
         title = {"max": "max time", "minmax": "(min, max) time", "all": "time"}[option]
         self.sinks.console(f"{title} across ranks (ms):\n" + "\n".join(lines))
-        if self.args.log_timers_to_tensorboard:
+        if self.config.log_timers_to_tensorboard:
             self.sinks.scalars(state.iteration, maxima)
 
     def before_eval(self) -> None:
@@ -462,7 +461,7 @@ class TrainingMonitor:
             return
         samples = state.consumed_train_samples
         self.sinks.scalars(state.iteration, {"lm loss validation": loss}, samples=samples)
-        if self.args.log_validation_ppl_to_tensorboard:
+        if self.config.log_validation_ppl_to_tensorboard:
             self.sinks.scalars(state.iteration, {"lm loss validation ppl": ppl}, samples=samples)
 
     def close(self) -> None:

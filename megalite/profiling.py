@@ -36,8 +36,12 @@ import gc
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # configs and profiling sit side by side in the layers: the type only
+    from megalite.configs import ProfilingConfig
 
 # The one switch the ranges read: True only while this rank records a profile.
 # A module flag rather than an argument threaded through every layer, like
@@ -261,42 +265,45 @@ def check_profiling_args(args) -> list[str]:
     return notes
 
 
-def profile_dir(args) -> str:
-    if args.profile_dir:
-        return args.profile_dir
-    if args.tensorboard_dir:  # Megatron's place: beside the TensorBoard directory
-        return os.path.join(args.tensorboard_dir, os.pardir, "torch_profile")
+def profile_dir(config: ProfilingConfig, tensorboard_dir: str | None) -> str:
+    if config.profile_dir:
+        return config.profile_dir
+    if tensorboard_dir:  # Megatron's place: beside the TensorBoard directory
+        return os.path.join(tensorboard_dir, os.pardir, "torch_profile")
     return "torch_profile"
 
 
-def snapshot_path(args, rank: int) -> str:
-    base, ext = os.path.splitext(args.memory_snapshot_path)
+def snapshot_path(config: ProfilingConfig, rank: int) -> str:
+    base, ext = os.path.splitext(config.memory_snapshot_path)
     return f"{base}_{rank}{ext}"
 
 
-def start_memory_history(args, rank: int) -> bool:
-    """Turn on the CUDA allocator history (before the model is built, so every allocation is in it)."""
-    if not args.record_memory_history or not torch.cuda.is_available():
-        return False
-    if args.profile_ranks and rank not in args.profile_ranks:
-        return False
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    return True
+def records_memory_history(config: ProfilingConfig, rank: int) -> bool:
+    return config.record_memory_history and torch.cuda.is_available() and config.profiles(rank)
+
+
+def start_memory_history(config: ProfilingConfig, rank: int) -> None:
+    """Turn on the CUDA allocator history; called before the model is built, so every allocation
+    is in it."""
+    if records_memory_history(config, rank):
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
 
 class Profiler:
     """The step window of ``--profile``, manual GC and memory snapshots for one rank.
 
     ``before_step(done)`` and ``after_step(done)`` take the number of steps done
-    (the iteration counter before / after the step).
+    (the iteration counter before / after the step). ``tensorboard_dir``: where traces go
+    without ``--profile-dir``.
     """
 
-    def __init__(self, args, rank: int, memory_history: bool = False):
-        self.args = args
+    def __init__(self, config: ProfilingConfig, rank: int, tensorboard_dir: str | None = None):
+        self.config = config
         self.rank = rank
-        self.memory_history = memory_history
-        self.on_this_rank = args.profile and (not args.profile_ranks or rank in args.profile_ranks)
-        self.torch_profiler = args.use_pytorch_profiler or not torch.cuda.is_available()
+        self.trace_dir = profile_dir(config, tensorboard_dir)
+        self.memory_history = records_memory_history(config, rank)  # started by start_memory_history
+        self.on_this_rank = config.profile and config.profiles(rank)
+        self.torch_profiler = config.use_pytorch_profiler or not torch.cuda.is_available()
         self._prof = None
         self._nsys = False
         self.trace_path: str | None = None
@@ -305,38 +312,38 @@ class Profiler:
 
     def start(self) -> None:
         """Before the first step: with --manual-gc, automatic GC off for the run and one full collection."""
-        if self.args.manual_gc and gc.isenabled():
+        if self.config.manual_gc and gc.isenabled():
             gc.disable()
             self._gc_disabled = True
             gc.collect()
 
     def before_step(self, done: int) -> None:
-        if self.on_this_rank and done == self.args.profile_step_start:
+        if self.on_this_rank and done == self.config.profile_step_start:
             self._start()
 
     def after_step(self, done: int) -> None:
         if self._prof is not None:
             self._prof.step()  # a ProfilerStep#N marker per step in the trace
-        if (self._prof is not None or self._nsys) and done >= self.args.profile_step_end:
+        if (self._prof is not None or self._nsys) and done >= self.config.profile_step_end:
             self._stop()
-        interval = self.args.manual_gc_interval
-        if self.args.manual_gc and interval and done % interval == 0:
+        interval = self.config.manual_gc_interval
+        if self.config.manual_gc and interval and done % interval == 0:
             gc.collect()
 
     def before_eval(self) -> None:
         self._timers_before_eval = take_timers()  # evaluation is not training time: not timed
-        if self.args.manual_gc and self.args.manual_gc_eval:
+        if self.config.manual_gc and self.config.manual_gc_eval:
             gc.collect()  # everything, at the same point on every rank
 
     def after_eval(self) -> None:
-        if self.args.manual_gc and self.args.manual_gc_eval:
+        if self.config.manual_gc and self.config.manual_gc_eval:
             gc.collect(0)  # what the evaluation made: the young generation
         _elapsed.clear()
         _elapsed.update(self._timers_before_eval)
 
     def dump_memory_snapshot(self) -> None:
         if self.memory_history:
-            torch.cuda.memory._dump_snapshot(snapshot_path(self.args, self.rank))
+            torch.cuda.memory._dump_snapshot(snapshot_path(self.config, self.rank))
 
     def close(self) -> None:
         """Stop a window the run ended inside, write the last snapshot, give GC back."""
@@ -358,8 +365,8 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(
                 activities=activities,
-                record_shapes=self.args.pytorch_profiler_collect_shapes,
-                with_stack=self.args.pytorch_profiler_collect_callstack,
+                record_shapes=self.config.pytorch_profiler_collect_shapes,
+                with_stack=self.config.pytorch_profiler_collect_callstack,
             )
             self._prof.start()
         else:
@@ -376,7 +383,6 @@ class Profiler:
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()
-            out = profile_dir(self.args)
-            os.makedirs(out, exist_ok=True)
-            self.trace_path = os.path.join(out, f"rank-{self.rank}.json.gz")
+            os.makedirs(self.trace_dir, exist_ok=True)
+            self.trace_path = os.path.join(self.trace_dir, f"rank-{self.rank}.json.gz")
             prof.export_chrome_trace(self.trace_path)

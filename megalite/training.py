@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from megalite import log
 from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
@@ -31,6 +32,7 @@ from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
+    check_logging_args,
     detect_peak_tflops,
     model_flops_per_token,
     peak_memory_mb,
@@ -45,14 +47,16 @@ from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
-from megalite.profiling import named_range
+from megalite.profiling import named_range, start_memory_history
+
+logger = log.get_logger(__name__)
 
 
 @dataclass
 class TrainState:
     """Everything a checkpoint must hold to resume exactly, plus the live objects."""
 
-    args: argparse.Namespace  # the flags, kept for the checkpoint's record and the metric sinks
+    args: argparse.Namespace  # the flags, kept for the checkpoint's record
     configs: RunConfig  # what every component was built from (megalite.arguments.build_configs)
     mesh: Mesh
     config: ModelConfig
@@ -113,6 +117,7 @@ def setup(args: argparse.Namespace) -> TrainState:
     """Flags -> configs (once) -> mesh, model chunks, optimizer, LR schedule and datasets."""
     mesh = initialize_distributed(args)  # validates the flags against the world size
     run = build_configs(args)
+    start_memory_history(run.profiling, mesh.rank)  # before the model: the history sees every allocation
     train = run.training
     rng = set_random_seed(train.seed, mesh, mesh.device)
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
@@ -500,9 +505,8 @@ def train(
     monitor: TrainingMonitor | None = None,
 ) -> dict:
     train_cfg, mesh = state.configs.training, state.mesh
-    monitor = monitor or TrainingMonitor(
-        state.args, mesh.rank
-    )  # --profile, --log-params-norm, --manual-gc, ...
+    # --profile, --log-params-norm, --manual-gc, ...
+    monitor = monitor or TrainingMonitor(state.configs.logging, state.configs.profiling, mesh.rank)
     train_ds, valid_ds, _ = state.datasets
     data_iter = microbatch_iterator(
         train_ds, state.consumed_train_samples, state.configs, mesh, state.tokenizer.vocab_size
@@ -569,32 +573,36 @@ def pretrain(
     sits above training in the layers.
     """
     args = parse_args(argv)
+    log.configure(args.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     ckpt = CheckpointConfig.from_args(args)
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
     # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
     if done is not None and args.train_iters is not None and done >= args.train_iters:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
+        if rank0:
+            logger.info(
                 f" --load {ckpt.load} is at iteration {done} and --train-iters is {args.train_iters}: "
-                "this run is finished, nothing to do (raise --train-iters to train further)",
-                flush=True,
+                "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return {}
-    monitor = TrainingMonitor(args)  # before the model: --record-memory-history sees every allocation
+    for note in check_logging_args(args):  # bad values stop here, before anything is built
+        if rank0:
+            logger.warning(f"megalite: note: {note}")
     state = setup(args)
+    monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
     hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
-    sinks = MetricSinks.open(args, log_here, mesh)
+    sinks = MetricSinks.open(state.configs.logging, log_here, mesh)
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
-        print(layout, flush=True)
+        logger.info(layout)
     warning = ignored_flags_warning(args)
     if mesh.rank == 0:
         warning = "\n".join(w for w in (warning, preflight and preflight(state)) if w)
     if warning and mesh.rank == 0:
-        print(warning, flush=True)
+        logger.warning(warning)
     try:
         return train(state, sinks, hooks, monitor)
     finally:

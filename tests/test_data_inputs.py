@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from megalite.data.gpt2_bpe import bytes_to_unicode
 from megalite.data.optional import MissingExtraError
 from megalite.data.preprocess import InputError, MissingInputError, preprocess
 from megalite.data.progress import Progress
+from megalite.data.tokenizers import bytes_to_unicode
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",

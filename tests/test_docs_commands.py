@@ -12,6 +12,7 @@ starts from an empty one: a page's blocks must work on their own.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -117,6 +118,18 @@ def test_pages_have_runnable_blocks():
     }
     for page in ("docs/data.md", "docs/training.md", "docs/quickstart.md"):
         assert found.get(page), f"{page} has no {MARKER} block"
+
+
+def test_readme_numbers_are_the_codes():
+    """A count the README states is the code's: mutants are tests/mutants.py's entries; no test
+    count (nothing cheap would keep one true)."""
+    spec = importlib.util.spec_from_file_location("megalite_mutants", REPO / "tests" / "mutants.py")
+    mutants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutants)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    stated = re.findall(r"(\d+) (?:realistic bugs|mutants)\b", readme)
+    assert stated and all(int(n) == len(mutants.MUTANTS) for n in stated), (stated, len(mutants.MUTANTS))
+    assert not re.search(r"\b\d[\d,]* tests\b", readme), "the README states a test count"
 
 
 @pytest.mark.timeout(900)

@@ -191,13 +191,22 @@ def iter_microbatches(state):
     return microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh)
 
 
+def _monitor(argv):
+    """A TrainingMonitor built from flags as pretrain builds it (rank 0 of one process)."""
+    from megalite.arguments import build_configs, parse_args, validate_args
+    from megalite.metrics import TrainingMonitor
+
+    run = build_configs(validate_args(parse_args(argv), 1))
+    return TrainingMonitor(run.logging, run.profiling, rank=0)
+
+
 def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
     from megalite import profiling
     from megalite.arguments import parse_args
-    from megalite.metrics import TrainingMonitor
+    from megalite.metrics import check_logging_args
 
     args = parse_args(COMMON)
-    monitor = TrainingMonitor(args, rank=0)
+    monitor = _monitor(COMMON)
     assert not args.log_num_zeros_in_grad and not args.log_params_norm and not monitor.profiler.on_this_rank
     assert profiling.named_range("p2p") is profiling._NULL  # no profiler range outside a profile
     monitor.close()
@@ -207,7 +216,7 @@ def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
         (["--manual-gc-interval", "-1"], "--manual-gc-interval"),
     ]:
         with pytest.raises(MegaliteError, match=needle) as e:
-            TrainingMonitor(parse_args(COMMON + flags), rank=0)
+            check_logging_args(parse_args(COMMON + flags))
         assert "\n" not in str(e.value)
 
 
@@ -308,11 +317,9 @@ def test_wandb_init_failure_stops_every_rank_in_one_line(tmp_path):
 def test_timing_levels_and_manual_gc_eval(monkeypatch):
     """--timing-log-level picks Megatron's timers by level; --no-manual-gc-eval skips the eval collections."""
     from megalite import profiling
-    from megalite.arguments import parse_args
-    from megalite.metrics import TrainingMonitor
 
     for level, timed, untimed in ((1, "forward-backward", "forward-compute"), (2, "p2p", "no-such-timer")):
-        monitor = TrainingMonitor(parse_args(COMMON + ["--timing-log-level", str(level)]), rank=0)
+        monitor = _monitor(COMMON + ["--timing-log-level", str(level)])
         assert profiling.named_range(untimed) is profiling._NULL
         with profiling.named_range(timed):
             pass
@@ -324,8 +331,26 @@ def test_timing_levels_and_manual_gc_eval(monkeypatch):
     monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a))
     for flags, expected in (([], [(), (0,)]), (["--no-manual-gc-eval"], [])):
         collects.clear()
-        monitor = TrainingMonitor(parse_args(COMMON + ["--manual-gc"] + flags), rank=0)
+        monitor = _monitor(COMMON + ["--manual-gc"] + flags)
         monitor.before_eval()
         monitor.after_eval()
         monitor.close()
         assert collects == expected
+
+
+def test_logging_level_hides_the_notes_not_the_metric_lines(capsys):
+    """Megatron's --logging-level (Python's numbers): by default a start-up note, the layout and the
+    metric lines show; 40 leaves only the metric lines (and errors)."""
+    from megalite import log
+    from megalite.training import pretrain
+
+    argv = COMMON + ["--train-iters", "1", "--eval-iters", "0", "--log-timers-to-tensorboard"]
+    try:
+        for level, shown in ((None, True), ("40", False)):
+            pretrain(argv + (["--logging-level", level] if level else []))
+            out = capsys.readouterr().out
+            assert ("megalite: note: --log-timers-to-tensorboard write nothing" in out) == shown, out
+            assert ("megalite: world 1 = tp 1" in out) == shown, out
+            assert " iteration       1/1 | consumed samples 8 | loss " in out, out
+    finally:
+        log.configure()  # this process's later tests start from the defaults

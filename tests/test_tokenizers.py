@@ -1,5 +1,5 @@
-"""Tokenizers: GPT-2 BPE (tiktoken and Python) against transformers' GPT2Tokenizer, TikTokenizer, sentencepiece,
-HF, Null, errors."""
+"""Tokenizers: GPT-2 BPE (on tiktoken) against transformers' GPT2Tokenizer and GPT-2's own split, TikTokenizer,
+sentencepiece, HF, Null, errors."""
 
 from __future__ import annotations
 
@@ -7,18 +7,24 @@ import collections
 import json
 import os
 import random
+import re
 import subprocess
 import sys
-import types
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tiktoken
 
-from megalite.data import gpt2_bpe
-from megalite.data.gpt2_bpe import GPT2BPE, bytes_to_unicode, compile_pretokenizer
-from megalite.data.optional import MissingExtraError
+from megalite.data import tokenizers
 from megalite.data.tokenizer_training import write_megatron_tiktoken
-from megalite.data.tokenizers import TIKTOKEN_PATTERNS, GPT2BPETokenizer, TokenizerError, build_tokenizer
+from megalite.data.tokenizers import (
+    TIKTOKEN_PATTERNS,
+    GPT2BPETokenizer,
+    TokenizerError,
+    build_tokenizer,
+    bytes_to_unicode,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,12 +55,15 @@ TRAIN_TEXT = (
 ) * 3
 
 
+# GPT-2's split (OpenAI's encoder.py), lookahead and all: the reference for GPT2BPETokenizer's cuts.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
 def train_tiny_bpe(text: str, num_merges: int):
-    """A minimal byte-level BPE trainer: GPT-2's pre-tokenization, most frequent pair first."""
+    """A minimal byte-level BPE trainer: a GPT-2-like split (stdlib re), most frequent pair first."""
     b2u = bytes_to_unicode()
-    words = collections.Counter(
-        tuple(b2u[b] for b in piece.encode("utf-8")) for piece in compile_pretokenizer().findall(text)
-    )
+    split = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+    words = collections.Counter(tuple(b2u[b] for b in piece.encode("utf-8")) for piece in split.findall(text))
     vocab = [b2u[b] for b in range(256)]
     merges = []
     for _ in range(num_merges):
@@ -108,17 +117,6 @@ def test_gpt2_bpe_matches_transformers(gpt2_files):
         assert tok.detokenize(ids) == s
         merged_tokens += sum(1 for i in ids if i >= 256)
     assert merged_tokens > 50  # the merges were exercised, not just single bytes
-
-
-def test_stdlib_re_fallback_splits_like_regex(gpt2_files):
-    pytest.importorskip("regex")
-    vocab_file, merge_file, _ = gpt2_files
-    with_regex = GPT2BPE(vocab_file, merge_file, use_regex=True)
-    with_re = GPT2BPE(vocab_file, merge_file, use_regex=False)
-    assert type(with_regex.pattern).__module__ != type(with_re.pattern).__module__
-    for s in STRINGS + [TRAIN_TEXT]:
-        assert with_re.pattern.findall(s) == with_regex.pattern.findall(s), s
-        assert with_re.encode(s) == with_regex.encode(s)
 
 
 def test_huggingface_tokenizer_from_local_dir(gpt2_files, tmp_path):
@@ -202,30 +200,31 @@ def _words(seed: int, n: int, length: int) -> list[str]:
     return ["".join(rng.choice(alphabet[:30]) for _ in range(length)) for _ in range(n)]
 
 
-def test_gpt2_bpe_backends_agree_and_long_words_are_not_quadratic(gpt2_files, monkeypatch):
-    vocab_file, merge_file, _ = gpt2_files
-    pytest.importorskip("tiktoken")
-    fast = GPT2BPETokenizer(vocab_file, merge_file)
-    slow = GPT2BPETokenizer(vocab_file, merge_file, backend="python")
-    assert fast.backend == "tiktoken" and slow.backend == "python"
+def reference_encoding(tok: GPT2BPETokenizer) -> tiktoken.Encoding:
+    """The same ranks with GPT-2's own split (the lookahead, on fancy-regex's slow path)."""
+    ranks = tok.encoding._mergeable_ranks
+    return tiktoken.Encoding("gpt2-ref", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+
+
+def test_gpt2_bpe_long_words_and_merges_tiktoken_cannot_express(gpt2_files, tmp_path):
+    vocab_file, merge_file, vocab = gpt2_files
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    reference = reference_encoding(tok)
     texts = STRINGS + [TRAIN_TEXT, "<|endoftext|> is text here"]
-    assert fast.tokenize_batch(texts) == slow.tokenize_batch(texts) == [fast.tokenize(t) for t in texts]
-    # the heap-driven merge (long words) equals OpenAI's loop, word by word
-    bpe = slow._bpe
-    for word in _words(0, 20, 300) + ["aaaa" * 100, "ab" * 200]:
-        mapped = "".join(bpe.byte_encoder[b] for b in word.encode())
-        monkeypatch.setattr(gpt2_bpe, "_LONG_WORD", 10**9)  # force the quadratic loop as the reference
-        reference = bpe._bpe(mapped)
-        monkeypatch.setattr(gpt2_bpe, "_LONG_WORD", 256)
-        assert bpe._bpe_heap(mapped) == reference
     blob = "".join(_words(1, 1, 20_000))  # a minified line / base64 blob: one 20k-char word
-    assert slow.tokenize(blob) == fast.tokenize(blob)
-    # without tiktoken the Python encoder is used, same ids
-    monkeypatch.setitem(sys.modules, "tiktoken", None)
-    fallback = GPT2BPETokenizer(vocab_file, merge_file)
-    assert fallback.backend == "python" and fallback.tokenize_batch(texts) == slow.tokenize_batch(texts)
-    with pytest.raises(MissingExtraError, match=r"megalite\[data\]"):
-        GPT2BPETokenizer(vocab_file, merge_file, backend="tiktoken")
+    for t in texts + [blob, "aaaa" * 100, "ab" * 200]:
+        assert tok.tokenize(t) == reference.encode_ordinary(t), t[:50]
+    assert tok.tokenize_batch(texts) == [tok.tokenize(t) for t in texts]
+    assert tok.detokenize(tok.tokenize("<|endoftext|> is text here")) == "<|endoftext|> is text here"
+    assert tok.detokenize([tok.eod]) == "<|endoftext|>"
+    # a merge whose token an earlier merge already made: one line naming the file
+    lines = Path(merge_file).read_text(encoding="utf-8").splitlines()
+    (tmp_path / "m.txt").write_text("\n".join(lines + [lines[1]]) + "\n", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="--merge-file .*m.txt: merge .* not new"):
+        GPT2BPETokenizer(vocab_file, str(tmp_path / "m.txt"))
+    (tmp_path / "bad.txt").write_text("#version: 0.2\na b c\n", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="bad.txt:2: a merge line is two symbols"):
+        GPT2BPETokenizer(vocab_file, str(tmp_path / "bad.txt"))
 
 
 @pytest.fixture(scope="module")
@@ -287,14 +286,6 @@ def test_tiktoken_patterns_are_megatrons():
     assert TIKTOKEN_PATTERNS == {"v1": mcore._PATTERN_TIKTOKEN_V1, "v2": mcore._PATTERN_TIKTOKEN_V2}
 
 
-def test_tiktokenizer_needs_the_data_extra(tiktoken_file, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tiktoken", None)
-    with pytest.raises(
-        MissingExtraError, match=r"--tokenizer-type TikTokenizer needs `tiktoken`.*megalite\[data\]"
-    ):
-        build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_file[0], tiktoken_pattern="v2")
-
-
 # GPT-2's split ends a whitespace run one character early before a non-space; the tiktoken
 # backend cuts the text there instead of using the lookahead. Cases around those runs:
 RUN_CASES = [
@@ -322,40 +313,34 @@ NOT_WHITESPACE = "\x1c\x1d\x1e\x1f\u180e\u200b\u2060\ufeff"
 
 
 def test_tiktoken_split_without_lookahead_gives_the_reference_ids(gpt2_files):
-    pytest.importorskip("tiktoken")
     vocab_file, merge_file, _ = gpt2_files
-    fast = GPT2BPETokenizer(vocab_file, merge_file, backend="tiktoken")
-    slow = GPT2BPETokenizer(vocab_file, merge_file, backend="python")
+    fast = GPT2BPETokenizer(vocab_file, merge_file)
+    slow = reference_encoding(fast)
     texts = list(RUN_CASES)
-    for c in gpt2_bpe.WHITESPACE + NOT_WHITESPACE:
+    for c in tokenizers.WHITESPACE + NOT_WHITESPACE:
         texts += [f"a{c}{c}b", f"a{c}{c}", f"{c}{c} x", f"a {c}b", f"a{c} b", f"{c}", f"é{c}{c}{c}'s"]
     rng = random.Random(0)
     alphabet = list("abs'1.   \n\t\r\u3000\xa0é\x1c\x00")
     texts += ["".join(rng.choices(alphabet, k=rng.randrange(40))) for _ in range(3000)]
-    reference = [slow.tokenize(t) for t in texts]
+    reference = [slow.encode_ordinary(t) for t in texts]
     assert [fast.tokenize(t) for t in texts] == reference
     flat, lengths = fast.tokenize_flat(texts)
     assert flat.dtype == np.uint32 and lengths.tolist() == list(map(len, reference))
     assert flat.tolist() == [i for ids in reference for i in ids]
     assert fast.tokenize_flat([])[0].size == 0
     # the cases need the cuts: without them (plain \s+) the ids differ
-    enc = fast._tiktoken
-    uncut = [enc._encode(t, set()).tolist() for t in texts]
+    uncut = [fast._encode(t, set()).tolist() for t in texts]
     assert sum(u != r for u, r in zip(uncut, reference)) > 500
-    # tiktoken < 0.9 has no encode_to_numpy: the same ids through encode
-    old = gpt2_bpe.TiktokenGPT2BPE(types.SimpleNamespace(encode=enc.encoding.encode), enc.cut_id)
-    assert [old.encode(t) for t in texts[:300]] == reference[:300]
     # lone surrogates are replaced, as tiktoken's own encode does
-    assert fast.tokenize("a  \ud800 b") == slow.tokenize("a  \ufffd b")
+    assert fast.tokenize("a  \ud800 b") == slow.encode_ordinary("a  \ufffd b")
 
 
 def test_whitespace_table_is_both_regex_engines_whitespace():
     """The cuts look at Unicode White_Space, which is \\s to the regex crate (tiktoken) and to `regex`."""
-    tiktoken = pytest.importorskip("tiktoken")
     regex = pytest.importorskip("regex")
     every = "".join(chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c < 0xE000)
-    ours = "".join(c for c in every if gpt2_bpe._IS_SPACE[min(ord(c), len(gpt2_bpe._IS_SPACE) - 1)])
-    assert ours == gpt2_bpe.WHITESPACE
+    ours = "".join(c for c in every if tokenizers._IS_SPACE[min(ord(c), len(tokenizers._IS_SPACE) - 1)])
+    assert ours == tokenizers.WHITESPACE
     assert "".join(regex.findall(r"\s", every)) == ours
     # a tiktoken encoding that keeps only what \s matches, one byte per id
     only_ws = tiktoken.Encoding(
@@ -369,30 +354,18 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def test_preprocess_gpt2_backends_write_the_same_files(gpt2_files, tmp_path):
-    pytest.importorskip("tiktoken")
+def test_preprocess_gpt2_writes_the_tokenizers_ids(gpt2_files, tmp_path):
+    from megalite.data.indexed_dataset import IndexedDataset
     from megalite.data.preprocess import preprocess
 
     vocab_file, merge_file, _ = gpt2_files
     corpus = tmp_path / "corpus.jsonl"
     docs = RUN_CASES + [TRAIN_TEXT, "", "naïve  café\n\n  x"] * 3
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
-    files = {}
-    for backend in ("python", "tiktoken"):
-        kwargs = dict(
-            tokenizer_type="GPT2BPETokenizer",
-            vocab_file=vocab_file,
-            merge_file=merge_file,
-            gpt2_bpe_backend=backend,
-        )
-        prefix = str(tmp_path / backend)
-        preprocess(str(corpus), prefix, kwargs, ("text",), 1, True, chunk_bytes=512, log=None)
-        files[backend] = [read_bytes(f"{prefix}_text_document{s}") for s in (".bin", ".idx")]
-    assert files["python"] == files["tiktoken"]
+    kwargs = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    preprocess(str(corpus), str(tmp_path / "gpt2"), kwargs, ("text",), 1, True, chunk_bytes=512, log=None)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    from megalite.data.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(str(tmp_path / "tiktoken") + "_text_document")
+    ds = IndexedDataset(str(tmp_path / "gpt2") + "_text_document")
     nonempty = [t for t in docs if t]
     assert len(ds) == len(nonempty) and ds.num_documents == len(docs)
     assert all(ds[i].tolist() == tok.tokenize(t) + [tok.eod] for i, t in enumerate(nonempty))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite import log
 from megalite.checkpoint import files, optimizer_state, rng_state, storage
 from megalite.checkpoint.logical import (
     is_tied_copy,
@@ -38,6 +40,8 @@ from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.zero3 import gathered_params
+
+logger = log.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +73,9 @@ class CheckpointConfig:
         return cls(**{k: getattr(args, k) for k in names}, flags=flags)
 
 
-def _log(mesh: Mesh, msg: str) -> None:
+def _log(mesh: Mesh, msg: str, level: int = logging.INFO) -> None:
     if mesh.rank == 0:
-        print(msg, flush=True)
+        logger.log(level, msg)
 
 
 def any_rank(flags: list[bool], mesh: Mesh) -> list[bool]:
@@ -118,7 +122,7 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | Non
             lock.release()
         raise files.CheckpointError(error)
     if note:
-        _log(mesh, f" note: {note}")
+        _log(mesh, f" note: {note}", logging.WARNING)
     return lock
 
 
@@ -219,10 +223,9 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
         raise files.CheckpointError(f"saving {final} failed on rank 0 (see its error)")
     if mesh.rank == 0:
         size = files.directory_bytes(final)
-        print(
+        logger.info(
             f" saved checkpoint at iteration {iteration} to {final} in {time.perf_counter() - start:.2f} s "
-            f"({size / 2**20:.1f} MiB)",
-            flush=True,
+            f"({size / 2**20:.1f} MiB)"
         )
     return final
 
@@ -247,7 +250,7 @@ def verify_checkpoint(folder: Path, iteration: int, meta: dict, mesh: Mesh) -> N
     """
     sums = files.stored_checksums(meta)
     if sums is None:
-        _log(mesh, f" {files.legacy_note(folder)}")
+        _log(mesh, f" {files.legacy_note(folder)}", logging.WARNING)
         return
     names = sorted(sums)
     mine = {n: sums[n] for i, n in enumerate(names) if i % mesh.world_size == mesh.rank}
@@ -356,15 +359,14 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
         f" loaded checkpoint {folder} (iteration {iteration}; {what}) in {time.perf_counter() - start:.2f} s"
         + ("; --finetune: starting at iteration 0 with a fresh optimizer" if finetune else ""),
     )
-    for note in notes:
-        _log(mesh, f" note: {note}")
     if want_rng and not same_layout:
-        _log(
-            mesh,
-            " note: the checkpoint was saved with tp {tensor_model_parallel_size} pp "
+        notes.append(
+            "the checkpoint was saved with tp {tensor_model_parallel_size} pp "
             "{pipeline_model_parallel_size} dp {data_parallel_size}; RNG states belong to that layout's "
-            "ranks and were not restored (this run keeps its freshly seeded streams)".format(**saved_layout),
+            "ranks and were not restored (this run keeps its freshly seeded streams)".format(**saved_layout)
         )
+    for note in notes:
+        _log(mesh, f" note: {note}", logging.WARNING)
     return True
 
 

@@ -24,7 +24,10 @@ from __future__ import annotations
 import signal
 import time
 
+from megalite import log
 from megalite.checkpoint.checkpointing import CheckpointConfig, any_rank, claim_save_dir, save_checkpoint
+
+logger = log.get_logger(__name__)
 
 
 class SignalFlag:
@@ -92,7 +95,7 @@ class CheckpointHooks:
         self._save(state)
         if state.mesh.rank == 0:
             saved = f"checkpoint saved in {c.save}" if c.save else "no --save given: nothing saved"
-            print(f" exiting at iteration {it}: {self.exit_reason}; {saved}", flush=True)
+            logger.info(f" exiting at iteration {it}: {self.exit_reason}; {saved}")
         return True
 
     def at_end(self, state) -> None:

@@ -7,19 +7,21 @@ folders as training, as a single process (TP = PP = DP = 1).
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from megalite import log
 from megalite.checkpoint import files, storage
 from megalite.checkpoint.checkpointing import model_pieces, parallel_layout, zero_vocab_padding
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT, check_logical_state_dict, real_vocab_rows
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
+
+logger = log.get_logger(__name__)
 
 
 def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel, ModelConfig]:
@@ -32,7 +34,7 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
     meta = files.read_metadata(folder)
     sums = files.stored_checksums(meta)
     if sums is None:
-        print(files.legacy_note(folder), file=sys.stderr, flush=True)
+        logger.warning(files.legacy_note(folder))
     elif problem := files.check_files(folder, sums):
         raise files.damaged(folder, it, problem)
     config = files.config_from_metadata(meta)

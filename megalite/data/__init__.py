@@ -3,8 +3,7 @@
 Modules (each readable alone):
 
 - ``tokenizers``       ``build_tokenizer(--tokenizer-type, ...)``: SentencePiece, GPT-2 BPE
-                       (tiktoken when installed), TikTokenizer, HuggingFace (local dir), Null
-- ``gpt2_bpe``         GPT-2 byte-level BPE from vocab.json + merges.txt (and its tiktoken Encoding)
+                       (vocab.json + merges.txt on tiktoken), TikTokenizer, HuggingFace (local dir), Null
 - ``indexed_dataset``  ``IndexedDataset`` / ``IndexedDatasetBuilder``: Megatron's format
 - ``preprocess``       JSONL(.gz/.zst) / Parquet / save_to_disk -> ``.bin/.idx`` with parallel
                        workers (tools/preprocess_data.py)

@@ -13,6 +13,7 @@ None (Megatron's behaviour: e.g. no validation with ``--split 100,0,0``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,6 +57,60 @@ def parse_data_path(data_path) -> tuple[list[str], list[float] | None]:
     return [str(p) for p in items], None
 
 
+@dataclass
+class Sources:
+    """The ``--data-path`` datasets, opened and checked, with their normalised blend weights."""
+
+    prefixes: list[str]
+    indexed: list[IndexedDataset]
+    weights: list[float] | None  # None: one dataset
+
+    @classmethod
+    def open(cls, data_path, cache_dir: str | None, vocab_size: int | None, vocab_flags: str) -> Sources:
+        """Unweighted datasets are weighted by their number of tokens. With ``vocab_size``, every
+        ``.bin`` is checked to hold only ids below it (its error names ``vocab_flags``)."""
+        prefixes, weights = parse_data_path(data_path)
+        indexed = [IndexedDataset(p) for p in prefixes]
+        if vocab_size is not None:
+            for p, ds in zip(prefixes, indexed):
+                check_dataset_vocab(ds, vocab_size, vocab_flags, cache_dir or default_cache_dir(p))
+        if weights is None and len(prefixes) > 1:
+            weights = [float(ds.sequence_lengths.sum(dtype=np.int64)) for ds in indexed]
+        return cls(prefixes, indexed, normalize_weights(weights) if weights is not None else None)
+
+    def blend_parts(self, gpt, ranges: list[np.ndarray], n: int | None, name: str, split: str) -> list:
+        """``[(GPTDataset, weight)]``: each weighted dataset's share of the ``name`` split's ``n``
+        samples, plus Megatron's surplus; ``gpt(k, documents, num_samples, name)`` builds one."""
+        if n is None:
+            raise DatasetError(
+                f"blending several --data-path datasets needs a sample count for the {name} split"
+            )
+        parts = []
+        for k, w in enumerate(self.weights):
+            if w == 0:
+                continue
+            if ranges[k].size == 0:
+                raise DatasetError(
+                    f"--data-path {self.prefixes[k]} has no documents in the {name} split "
+                    f"({len(self.indexed[k])} documents, --split {split}); give it more data or change --split"
+                )
+            share = int(math.ceil(math.ceil(n * w) * (1 + MID_LEVEL_SURPLUS)))
+            parts.append((gpt(k, ranges[k], share, name), w))
+        return parts
+
+
+def mock_datasets(sizes, seq_length: int, vocab_size: int, seed: int, eod_mask_loss: bool) -> tuple:
+    """``--mock-data``: a ``MockGPTDataset`` per split asked for, each its own sample stream."""
+    return tuple(
+        None
+        if not n
+        else MockGPTDataset(
+            n, seq_length, vocab_size, seed + i, eod_mask_loss=eod_mask_loss, language_seed=seed
+        )
+        for i, n in enumerate(sizes)
+    )
+
+
 def build_train_valid_test_datasets(
     data_path,
     split: str,
@@ -82,24 +137,10 @@ def build_train_valid_test_datasets(
     """
     sizes = [train_samples, valid_samples, test_samples]
     if mock:
-        return tuple(
-            None
-            if not n
-            else MockGPTDataset(
-                n, seq_length, vocab_size, seed + i, eod_mask_loss=eod_mask_loss, language_seed=seed
-            )
-            for i, n in enumerate(sizes)
-        )
-    prefixes, weights = parse_data_path(data_path)
+        return mock_datasets(sizes, seq_length, vocab_size, seed, eod_mask_loss)
     fractions = parse_split(split)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    if vocab_size is not None:
-        for p, ds in zip(prefixes, indexed):
-            check_dataset_vocab(ds, vocab_size, vocab_flags, cache_dir or default_cache_dir(p))
-    if weights is None and len(prefixes) > 1:
-        weights = [float(ds.sequence_lengths.sum(dtype=np.int64)) for ds in indexed]
-    if weights is not None:
-        weights = normalize_weights(weights)
+    sources = Sources.open(data_path, cache_dir, vocab_size, vocab_flags)
+    prefixes, indexed = sources.prefixes, sources.indexed
 
     def gpt(k: int, documents: np.ndarray, num_samples: int | None, name: str) -> GPTDataset:
         return GPTDataset(
@@ -127,27 +168,10 @@ def build_train_valid_test_datasets(
                     f"give train a larger share in --split (e.g. 969,30,1) or use more data"
                 )
             out.append(None)
-            continue
-        if len(prefixes) == 1:
+        elif len(prefixes) == 1:
             out.append(gpt(0, ranges[0], n, name))
-            continue
-        if n is None:
-            raise DatasetError(
-                f"blending several --data-path datasets needs a sample count for the {name} split"
-            )
-        parts = []
-        for k, w in enumerate(weights):
-            if w == 0:
-                parts.append(None)
-                continue
-            if ranges[k].size == 0:
-                raise DatasetError(
-                    f"--data-path {prefixes[k]} has no documents in the {name} split "
-                    f"({len(indexed[k])} documents, --split {split}); give it more data or change --split"
-                )
-            share = int(math.ceil(math.ceil(n * w) * (1 + MID_LEVEL_SURPLUS)))
-            parts.append(gpt(k, ranges[k], share, name))
-        kept = [(d, w) for d, w in zip(parts, weights) if d is not None]
-        shared_cache = cache_dir or default_cache_dir(prefixes[0])
-        out.append(BlendedDataset([d for d, _ in kept], [w for _, w in kept], n, shared_cache, name))
+        else:
+            kept = sources.blend_parts(gpt, ranges, n, name, split)
+            shared_cache = cache_dir or default_cache_dir(prefixes[0])
+            out.append(BlendedDataset([d for d, _ in kept], [w for _, w in kept], n, shared_cache, name))
     return tuple(out)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import re
 import tempfile
@@ -40,12 +39,13 @@ import time
 import numpy as np
 import torch
 
+from megalite import log
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.integrity import array_checksum
 from megalite.data.progress import Progress
 from megalite.errors import MegaliteError
 
-logger = logging.getLogger(__name__)
+logger = log.get_logger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 _CACHE_FORMAT = 1  # bump when the index algorithm changes, to invalidate old caches
@@ -379,7 +379,7 @@ class GPTDataset:
             lambda: build_indices(sizes, self.documents, num_samples, self.seq_length, self.seed),
             validate=lambda arrays: validate_indices(arrays, sizes, self.documents, self.seq_length),
         )
-        logger.info(
+        logger.debug(  # --logging-level 10
             "%s %s: %d samples (%s indices in %.2f s)",
             indexed_dataset.path_prefix,
             split,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 import zlib
@@ -29,9 +28,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megalite import log
 from megalite.errors import MegaliteError
 
-logger = logging.getLogger(__name__)
+logger = log.get_logger(__name__)
 
 SCAN_CHUNK = 1 << 24  # tokens per chunk of the whole-file scan (32 MiB of uint16)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shlex
@@ -27,7 +26,9 @@ from functools import lru_cache
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from megalite import log
+
+logger = log.get_logger(__name__)
 
 BLENDING_C = r"""
 #include <stdint.h>

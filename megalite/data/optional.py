@@ -1,10 +1,9 @@
 """Optional libraries of the data path, each named with the pip extra that installs it.
 
 ``require("pyarrow", "--input x.parquet")`` imports and returns the module, or stops
-with one line: what needed it and ``pip install 'megalite[data]'``. Every optional
-path has a pure-Python or stdlib alternative where one is possible (the GPT-2 BPE
-encoder, JSONL and ``.gz`` inputs); the others (Parquet, ``.zst``, TikTokenizer)
-cannot be read without their library.
+with one line: what needed it and ``pip install 'megalite[data]'``. Plain JSONL and
+``.gz`` inputs need no extra; Parquet, ``.zst``, Hugging Face tokenizers cannot be read
+without their library.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import importlib
 
 from megalite.errors import MegaliteError
 
-EXTRA = {"tiktoken": "data", "pyarrow": "data", "zstandard": "data", "transformers": "hf", "tokenizers": "hf"}
+EXTRA = {"pyarrow": "data", "zstandard": "data", "transformers": "hf", "tokenizers": "hf"}
 
 
 class MissingExtraError(MegaliteError, ImportError):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -48,13 +49,14 @@ from megalite.data.indexed_dataset import DType, IndexedDatasetBuilder
 from megalite.data.optional import require
 from megalite.data.progress import Progress
 from megalite.data.tokenizers import Tokenizer, add_tokenizer_args, build_tokenizer, tokenizer_kwargs
-from megalite.errors import MegaliteError
+from megalite.errors import InputError, MegaliteError
+from megalite.log import configure as configure_log
+from megalite.log import error as log_error
+from megalite.log import get_logger
+
+logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20
-
-
-class InputError(MegaliteError, ValueError):
-    """A bad ``--input`` (format, key, value); the message names the file and where."""
 
 
 class MissingInputError(MegaliteError, FileNotFoundError):
@@ -413,23 +415,9 @@ def _ordered(pool, items, in_flight: int):
 
 
 # ---- the job -----------------------------------------------------------------------
-def preprocess(
-    input_path,
-    output_prefix,
-    tok_kwargs: dict,
-    json_keys=("text",),
-    workers: int = 1,
-    append_eod: bool = False,
-    chunk_bytes: int = CHUNK_BYTES,
-    log_interval: int = 1000,
-    log=sys.stderr,
-) -> dict:
-    """Tokenize the inputs into one ``.bin/.idx`` per key (per input file when ``output_prefix``
-    is a list as long as the inputs); returns throughput figures.
-
-    ``log_interval`` is accepted for Megatron's flag and unused: progress follows
-    ``Progress`` (live on a terminal, a line per 10% in logs).
-    """
+def plan_jobs(input_path, output_prefix, json_keys, workers: int) -> tuple[list[str], list]:
+    """The input files and the jobs ``[(their paths, output prefix)]``; every flag error is raised
+    here, before any work starts."""
     paths = expand_inputs(input_path)
     prefixes = [output_prefix] if isinstance(output_prefix, str) else list(output_prefix)
     if len(prefixes) == 1:
@@ -450,54 +438,85 @@ def preprocess(
     for p in paths:
         input_format(p)  # a bad folder fails before any work
     check_outputs(paths, prefixes, json_keys)
+    return paths, jobs
+
+
+@contextlib.contextmanager
+def encoders(tokenizer: Tokenizer, tok_kwargs: dict, json_keys, append_eod: bool, workers: int):
+    """``run(items)``: the encoded work items in input order, in this process or in a pool."""
+    if workers == 1:
+        encoder = _Encoder(tokenizer, tuple(json_keys), append_eod)
+        yield lambda items: map(encoder.encode, items)
+        return
+    # spawn: workers start clean (no inherited threads or state) on every platform
+    pool = mp.get_context("spawn").Pool(
+        workers, initializer=_init_worker, initargs=(tok_kwargs, tuple(json_keys), append_eod)
+    )
+    try:
+        yield lambda items: _ordered(pool, items, 4 * workers)
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def write_job(run, paths: list[str], prefix: str, json_keys, dtype, chunk_bytes: int, bar) -> list[int]:
+    """One output per key from ``paths``; returns [documents, input bytes, tokens]. A failure
+    leaves no output file behind."""
+    builders = {k: IndexedDatasetBuilder(output_prefix_for(prefix, k), dtype) for k in json_keys}
+    totals = [0, 0, 0]
+    try:
+        for n_docs, n_bytes, per_key in run(work_items(paths, json_keys, chunk_bytes)):
+            n_tokens = 0
+            for k, (tokens, lengths) in per_key.items():
+                builders[k].add_documents(tokens, lengths)
+                n_tokens += tokens.size
+            for i, n in enumerate((n_docs, n_bytes, n_tokens)):
+                totals[i] += n
+            bar.update(n_bytes, docs=n_docs, tokens=n_tokens)
+        for b in builders.values():
+            b.finalize()
+    except BaseException:
+        for b in builders.values():
+            b.abort()
+        raise
+    return totals
+
+
+def preprocess(
+    input_path,
+    output_prefix,
+    tok_kwargs: dict,
+    json_keys=("text",),
+    workers: int = 1,
+    append_eod: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    log_interval: int = 1000,
+    log: bool = True,
+) -> dict:
+    """Tokenize the inputs into one ``.bin/.idx`` per key (per input file when ``output_prefix``
+    is a list as long as the inputs); returns throughput figures.
+
+    ``log``: progress and a summary line through the log channel (``None``/False: silent).
+    ``log_interval`` is accepted for Megatron's flag and unused: progress follows
+    ``Progress`` (live on a terminal, a line per 10% in logs).
+    """
+    paths, jobs = plan_jobs(input_path, output_prefix, json_keys, workers)
     tokenizer = build_tokenizer(**tok_kwargs)  # fail on bad flags before starting workers
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     total_bytes = sum(input_size(p) for p in paths)
     if workers > 1:
         # at least ~8 work items per worker, so the last chunks do not leave workers idle
         chunk_bytes = min(chunk_bytes, max(1 << 16, total_bytes // (8 * workers)))
-
-    pool = None
-    if workers == 1:
-        encoder = _Encoder(tokenizer, tuple(json_keys), append_eod)
-        run = lambda items: map(encoder.encode, items)
-    else:
-        # spawn: workers start clean (no inherited threads or state) on every platform
-        pool = mp.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tok_kwargs, tuple(json_keys), append_eod)
-        )
-        run = lambda items: _ordered(pool, items, 4 * workers)
-
     t0 = time.perf_counter()
-    docs = nbytes = ntokens = 0
-    outputs = []
-    bar = Progress("preprocess", total=total_bytes, unit="MB", scale=1e6, enabled=log is not None, file=log)
-    try:
+    totals, outputs = np.zeros(3, np.int64), []
+    bar = Progress("preprocess", total=total_bytes, unit="MB", scale=1e6, enabled=bool(log))
+    with encoders(tokenizer, tok_kwargs, json_keys, append_eod, workers) as run:
         for job_paths, prefix in jobs:
-            builders = {k: IndexedDatasetBuilder(output_prefix_for(prefix, k), dtype) for k in json_keys}
-            try:
-                for n_docs, n_bytes, per_key in run(work_items(job_paths, json_keys, chunk_bytes)):
-                    n_tokens = 0
-                    for k, (tokens, lengths) in per_key.items():
-                        builders[k].add_documents(tokens, lengths)
-                        n_tokens += tokens.size
-                    docs += n_docs
-                    nbytes += n_bytes
-                    ntokens += n_tokens
-                    bar.update(n_bytes, docs=n_docs, tokens=n_tokens)
-                for b in builders.values():
-                    b.finalize()
-            except BaseException:
-                for b in builders.values():
-                    b.abort()
-                raise
+            totals += write_job(run, job_paths, prefix, json_keys, dtype, chunk_bytes, bar)
             outputs += [output_prefix_for(prefix, k) for k in json_keys]
         bar.close()
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
     elapsed = max(time.perf_counter() - t0, 1e-9)
+    docs, nbytes, ntokens = map(int, totals)
     stats = dict(
         documents=docs,
         bytes=nbytes,
@@ -508,13 +527,11 @@ def preprocess(
         workers=workers,
         outputs=outputs,
     )
-    if log is not None:
-        print(
+    if log:
+        logger.info(
             f"done: {docs} documents, {ntokens} tokens, {nbytes / 1e6:.2f} MB in {elapsed:.2f} s "
             f"({stats['docs_per_s']:.0f} docs/s, {stats['mb_per_s']:.2f} MB/s) -> "
-            + ", ".join(p + ".bin/.idx" for p in stats["outputs"]),
-            file=log,
-            flush=True,
+            + ", ".join(p + ".bin/.idx" for p in stats["outputs"])
         )
     return stats
 
@@ -549,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    configure_log()  # INFO, on stderr
     try:
         return preprocess(
             args.input,
@@ -561,5 +579,5 @@ def main(argv=None) -> dict:
             log_interval=args.log_interval,
         )
     except MegaliteError as e:
-        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        log_error("preprocess_data.py", str(e))
         sys.exit(2)

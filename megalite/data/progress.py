@@ -10,7 +10,8 @@
   crosses another 10% (``every``), and only once the job has run ``quiet_seconds``,
   so quick jobs stay silent and a log never gets more than ~10 lines per job.
   Without a total it prints every ``log_seconds`` instead.
-- Only rank 0 prints (``torch.distributed`` when initialised, else ``$RANK``).
+- Only rank 0 prints (``torch.distributed`` when initialised, else ``$RANK``), to the log
+  channel (:mod:`megalite.log`) at INFO, or to ``file`` when one is given.
 
 Why not tqdm: on a non-terminal tqdm either disables itself (``disable=None``) or
 writes ``\\r``-separated refreshes by time; what we want in logs is "a line per
@@ -19,9 +20,14 @@ writes ``\\r``-separated refreshes by time; what we want in logs is "a line per
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+
+from megalite import log
+
+logger = log.get_logger(__name__)
 
 
 def is_rank0() -> bool:
@@ -58,9 +64,9 @@ class Progress:
         tty: bool | None = None,
     ) -> None:
         self.desc, self.total, self.unit, self.scale = desc, total, unit, scale
-        self.file = file if file is not None else sys.stderr
-        self.enabled = enabled and is_rank0()
-        self.tty = self.file.isatty() if tty is None else tty
+        self.file = file  # None: the log channel
+        self.enabled = enabled and is_rank0() and (file is not None or logger.isEnabledFor(logging.INFO))
+        self.tty = (file if file is not None else log.stream()).isatty() if tty is None else tty
         self.every, self.quiet_seconds, self.log_seconds = every, quiet_seconds, log_seconds
         self.done = 0.0
         self.counters: dict[str, float] = {}
@@ -105,11 +111,18 @@ class Progress:
             timing += f", ETA {_duration(elapsed * (self.total - self.done) / self.done)}"
         return " | ".join([" ".join(parts[:2]), *parts[2:], timing])
 
+    def _write(self, text: str) -> None:
+        stream = self.file if self.file is not None else log.stream()
+        stream.write(text)
+        stream.flush()
+
     def _draw(self, now: float) -> None:
         self._last_draw = now
         self._drawn = True
-        end = "" if self.tty else "\n"
-        print(("\r\033[K" if self.tty else "") + self.line(now), end=end, file=self.file, flush=True)
+        if self.file is None and not self.tty:
+            logger.info(self.line(now))
+        else:  # a stream of one's own, or a terminal's line redrawn in place (not a log record)
+            self._write("\r\033[K" + self.line(now) if self.tty else self.line(now) + "\n")
 
     def close(self) -> None:
         if not self.enabled:
@@ -118,7 +131,7 @@ class Progress:
         if self.tty:
             if self._drawn or now - self.start >= 0.5:
                 self._draw(now)
-                print(file=self.file, flush=True)
+                self._write("\n")
         elif (self._drawn or now - self.start >= self.quiet_seconds) and not (
             self.total and self._next_fraction > 1.0 + 1e-9 and self._drawn
         ):
@@ -131,4 +144,4 @@ class Progress:
         if exc[0] is None:
             self.close()
         elif self.tty and self._drawn:
-            print(file=self.file, flush=True)
+            self._write("\n")

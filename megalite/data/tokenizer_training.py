@@ -125,7 +125,7 @@ def write_megatron_tiktoken(merge_file: str, output: str) -> int:
     order); returns the number of tokens. Use it with ``--tokenizer-type TikTokenizer``."""
     import base64
 
-    from megalite.data.gpt2_bpe import bytes_to_unicode, read_merges
+    from megalite.data.tokenizers import bytes_to_unicode, read_merges
 
     byte_of = {u: b for b, u in bytes_to_unicode().items()}
     tokens = [bytes([b]) for b in range(256)]

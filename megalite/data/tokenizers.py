@@ -10,9 +10,9 @@ end-of-document id that ``--append-eod`` writes), ``tokenize(text) -> list[int]`
 =======================  ===========================  ==============================================
 SentencePieceTokenizer   ``--tokenizer-model`` .model  eos id of the model / its piece count
 GPT2BPETokenizer         ``--vocab-file`` vocab.json,  id of ``<|endoftext|>`` / entries in vocab.json
-                         ``--merge-file`` merges.txt  (encodes with tiktoken when installed)
+                         ``--merge-file`` merges.txt  (encoded by tiktoken)
 TikTokenizer             ``--tokenizer-model`` .json  ``</s>`` = 2 / ``--vocab-size`` (default 2**17)
-                         (Megatron's tiktoken format), ``--tiktoken-pattern v1|v2`` (needs tiktoken)
+                         (Megatron's tiktoken format), ``--tiktoken-pattern v1|v2``
 HuggingFaceTokenizer     ``--tokenizer-model`` a local ``eos_token_id`` / ``len(tokenizer)``
                          directory (needs transformers)
 NullTokenizer            ``--vocab-size N``           eod = N, vocab_size = N + 1 (as Megatron)
@@ -27,11 +27,14 @@ not, so data made with Megatron's ``GPTSentencePieceTokenizer`` has the same ids
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import json
 import os
 from abc import ABC, abstractmethod
 
 import numpy as np
+import tiktoken
 
 from megalite.data.optional import require
 from megalite.errors import MegaliteError
@@ -108,54 +111,179 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
-class GPT2BPETokenizer(Tokenizer):
-    """GPT-2's byte-level BPE from vocab.json + merges.txt.
+# GPT-2's split without its one lookahead ("\s+(?!\S)"): plain alternatives that tiktoken's regex
+# crate matches without backtracking. It differs from GPT-2's only at whitespace runs, which
+# GPT2BPETokenizer cuts instead.
+GPT2_PATTERN_NO_LOOKAHEAD = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"""
 
-    ``backend``: ``"tiktoken"`` (Rust; built from the two files, no download),
-    ``"python"`` (``gpt2_bpe.GPT2BPE``, the reference), or ``None``: tiktoken when it
-    is installed and can express the merges, else Python. Both give the same ids.
+# \s of the regex crate (and of Python's `regex`): Unicode White_Space. Not str.isspace, which
+# also counts U+001C..U+001F.
+WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
+_IS_SPACE = np.zeros(max(map(ord, WHITESPACE)) + 2, dtype=bool)  # the last entry: every code point above
+_IS_SPACE[[ord(c) for c in WHITESPACE]] = True
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character (the symbols of vocab.json); printable latin-1 bytes
+    map to themselves."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def read_merges(merge_file: str) -> list[tuple[str, str]]:
+    """merges.txt: one ``a b`` pair per line, in merge order (a ``#version`` first line skipped)."""
+    merges = []
+    with open(merge_file, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            line = line.rstrip("\n")
+            if (i == 0 and line.startswith("#version")) or not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise TokenizerError(
+                    f"--merge-file {merge_file}:{i + 1}: a merge line is two symbols separated by a space, "
+                    f"got {line!r}"
+                )
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def gpt2_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], merge_file: str) -> dict[bytes, int]:
+    """tiktoken's ``mergeable_ranks`` for a GPT-2 BPE: token bytes -> vocabulary id.
+
+    tiktoken ranks a merge by the token it produces, OpenAI's encoder by the pair's line in
+    merges.txt; the two agree when every merge makes a new token whose id grows with the merge
+    order (GPT-2's layout, and any BPE trainer's), so the ranks are the vocabulary ids.
+    """
+    byte_of = {u: chr(b) for b, u in bytes_to_unicode().items()}
+    table = str.maketrans(byte_of)  # symbol -> bytes at C speed: each stand-in back to chr(byte)
+    ranks: dict[bytes, int] = {}
+    for u, b in byte_of.items():
+        if u not in vocab:
+            raise TokenizerError(
+                f"--vocab-file has no symbol for byte {ord(b)}: with --merge-file {merge_file} it must be "
+                "the vocabulary of one byte-level BPE"
+            )
+        ranks[b.encode("latin-1")] = vocab[u]
+    last = -1
+    for a, b in merges:
+        result = a + b
+        key = result.translate(table).encode("latin-1")
+        if key in ranks or result not in vocab or vocab[result] <= last:
+            raise TokenizerError(
+                f"--merge-file {merge_file}: merge {a} {b} gives a token that is not new, not in "
+                "--vocab-file, or whose id does not follow the merge order; the two files must come "
+                "from one byte-level BPE"
+            )
+        last = ranks[key] = vocab[result]
+    return ranks
+
+
+def whitespace_cuts(codes: np.ndarray) -> np.ndarray:
+    r"""Indices ``i`` (ascending) where ``codes[i]`` ends a run of 2+ whitespace code points and
+    a non-space follows: GPT-2's ``\s+(?!\S)`` ends a piece just before it, ``\s+`` would not."""
+    ws = _IS_SPACE[codes if codes.dtype == np.uint8 else np.minimum(codes, len(_IS_SPACE) - 1)]
+    cuts = np.flatnonzero(ws[:-2] & ws[1:-1] & ~ws[2:])
+    cuts += 1
+    return cuts
+
+
+def _code_points(text: str) -> tuple[np.ndarray, str]:
+    """``text`` as an array of code points and the codec that turns it back; one byte each
+    for ASCII (most code and English), four otherwise."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), np.uint8), "ascii"
+    return np.frombuffer(text.encode("utf-32-le"), np.uint32), "utf-32-le"
+
+
+class GPT2BPETokenizer(Tokenizer):
+    r"""GPT-2's byte-level BPE (OpenAI's ``encoder.py``) from vocab.json + merges.txt, run by tiktoken.
+
+    The tiktoken ``Encoding`` is built from the two files (no download; :func:`gpt2_ranks`). As in
+    Megatron, the literal text ``<|endoftext|>`` is tokenized as ordinary text, not as the eod id.
+
+    The split: GPT-2's pattern ends a whitespace run that a non-space follows one character
+    early (``\s+(?!\S)``): that last character goes with the next piece (" word") or stands
+    alone ("\n", then "word"). Everywhere else it splits exactly as the same pattern with a
+    plain ``\s+`` (:data:`GPT2_PATTERN_NO_LOOKAHEAD`), which tiktoken's regex crate matches
+    without backtracking; the lookahead instead sends the whole pattern through fancy-regex's
+    backtracking VM, about half of tiktoken's time on code, where every indented line starts
+    with such a run. So the text is cut before the last character of every such run of 2+
+    characters (one character is already split right) and each part is split with ``\s+``: in
+    a part, a run either ends the part (``\s+(?!\S)`` would take it whole too) or is one
+    character before a non-space. Pieces never span a cut, so the ids are the same. A cut is
+    the special token ``CUT`` written into the text: tiktoken matches the pattern separately
+    on the text between special tokens, so one call encodes a whole document; the cuts' id is
+    then dropped. A text that holds ``CUT`` itself is encoded part by part instead.
     """
 
-    def __init__(self, vocab_file: str, merge_file: str, backend: str | None = None) -> None:
-        from megalite.data.gpt2_bpe import GPT2BPE, tiktoken_encoder
+    CUT = "\x00"
 
-        self._bpe = GPT2BPE(vocab_file, merge_file)
-        self.vocab_size = len(self._bpe.encoder)
-        if "<|endoftext|>" not in self._bpe.encoder:
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab: dict[str, int] = json.load(f)
+        if "<|endoftext|>" not in vocab:
             raise TokenizerError(
                 f"--vocab-file {vocab_file}: no '<|endoftext|>' entry to use as the end-of-document id"
             )
-        self.eod = self._bpe.encoder["<|endoftext|>"]
-        self._tiktoken = None
-        if backend in (None, "tiktoken"):
-            if backend == "tiktoken":
-                require("tiktoken", "GPT2BPETokenizer(backend='tiktoken')")
-            self._tiktoken = tiktoken_encoder(self._bpe)
-            if self._tiktoken is None and backend == "tiktoken":
-                raise TokenizerError(
-                    f"--merge-file {merge_file}: tiktoken cannot express these merges (two merges give "
-                    f"the same token, or ids do not follow the merge order); use backend='python'"
-                )
-        elif backend != "python":
-            raise TokenizerError(f"GPT2BPETokenizer backend must be 'tiktoken' or 'python', got {backend!r}")
-        self.backend = "tiktoken" if self._tiktoken is not None else "python"
+        self.vocab_size = len(vocab)
+        self.eod = vocab["<|endoftext|>"]
+        self.cut_id = max(vocab.values()) + 1  # no real id: dropped from every output
+        self.encoding = tiktoken.Encoding(
+            name="megalite-gpt2-bpe",
+            pat_str=GPT2_PATTERN_NO_LOOKAHEAD,
+            mergeable_ranks=gpt2_ranks(vocab, read_merges(merge_file), merge_file),
+            special_tokens={self.CUT: self.cut_id, "<|endoftext|>": self.eod},  # never parsed in text
+        )
+        self._cut_code, self._cut_only = ord(self.CUT), {self.CUT}
+
+    def _encode(self, text: str, allowed: set[str]) -> np.ndarray:
+        return self.encoding.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The ids of ``text`` as a uint32 array."""
+        try:
+            codes, codec = _code_points(text)
+        except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken's encode_ordinary does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            codes, codec = _code_points(text)
+        cuts = whitespace_cuts(codes)
+        if cuts.size == 0:
+            return self._encode(text, set())
+        if self.CUT in text:  # the text's own CUT must stay text: one call per part
+            ends = [0, *cuts.tolist(), len(text)]
+            return np.concatenate([self._encode(text[a:b], set()) for a, b in zip(ends, ends[1:])])
+        ids = self._encode(np.insert(codes, cuts, self._cut_code).tobytes().decode(codec), self._cut_only)
+        return ids[ids != self.cut_id]
 
     def tokenize(self, text: str) -> list[int]:
-        if self._tiktoken is not None:
-            return self._tiktoken.encode(text)
-        return self._bpe.encode(text)
+        return self.encode_array(text).tolist()
 
     def tokenize_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        if self._tiktoken is None:
-            return super().tokenize_flat(texts)
         # one call per text in this thread: encode_ordinary_batch(num_threads=1) hands each
         # text to a pool thread, which measured 5-50% more CPU time on the stdlib corpus
-        arrays = [self._tiktoken.encode_array(t) for t in texts]
+        arrays = [self.encode_array(t) for t in texts]
         lengths = np.fromiter(map(len, arrays), np.int64, count=len(arrays))
         return (np.concatenate(arrays) if arrays else np.zeros(0, np.uint32)), lengths
 
     def detokenize(self, ids) -> str:
-        return self._bpe.decode(ids)
+        return self.encoding.decode([int(i) for i in ids])
 
 
 # Megatron-LM's TikTokenizer (megatron/training/tokenizer/tokenizer.py, CustomTikTokenizer):
@@ -175,7 +303,6 @@ def read_tiktoken_json(path: str, max_vocab: int | None = None) -> dict[bytes, i
     """Megatron's tiktoken file: a JSON list of ``{"rank", "token_bytes" (base64), "token_str"}``,
     ranks 0, 1, 2, ... and the first 256 the single bytes in order -> {token bytes: rank}."""
     import base64
-    import json
 
     flag = f"--tokenizer-model {path}"
     try:
@@ -218,7 +345,6 @@ class TikTokenizer(Tokenizer):
         num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
         special_tokens: list[str] | None = None,
     ) -> None:
-        tiktoken = require("tiktoken", "--tokenizer-type TikTokenizer")
         if pattern not in TIKTOKEN_PATTERNS:
             raise TokenizerError(
                 f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got {pattern}"
@@ -338,12 +464,8 @@ def build_tokenizer(
     tiktoken_pattern: str | None = None,
     tiktoken_num_special_tokens: int = TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     tiktoken_special_tokens: list[str] | None = None,
-    gpt2_bpe_backend: str | None = None,
 ) -> Tokenizer:
-    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags.
-
-    ``gpt2_bpe_backend`` (``"tiktoken"`` / ``"python"``) pins GPT2BPETokenizer's encoder (benchmarks, tests).
-    """
+    """The tokenizer named by ``--tokenizer-type``, from the files of the other flags."""
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(
@@ -353,7 +475,6 @@ def build_tokenizer(
         return GPT2BPETokenizer(
             _need_file(vocab_file, "--vocab-file", kind, "vocab.json"),
             _need_file(merge_file, "--merge-file", kind, "merges.txt"),
-            backend=gpt2_bpe_backend,
         )
     if kind == "TikTokenizer":
         return TikTokenizer(

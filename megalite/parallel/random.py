@@ -4,7 +4,7 @@ Two streams live on each rank:
 
 * the **default** stream, torch's global RNG for the device, seeded with
   ``seed + 100 * pp_rank``: identical on the ranks of a TP group, so dropout on
-  replicated activations ``[s, b, h]`` drops the same elements everywhere;
+  replicated activations ``[b, s, h]`` drops the same elements everywhere;
 * the **TP** stream, seeded with ``seed + 100 * pp_rank + 2718 + tp_rank``:
   different on every TP rank, for dropout on TP-sharded activations such as the
   attention probabilities ``[b, heads/tp, s, s]`` (each rank holds other heads,
