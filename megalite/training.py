@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite import planner
-from megalite.arguments import ignored_flags_warning, model_config, parse_args, validate_args
+from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
@@ -36,8 +36,7 @@ from megalite.metrics import (
 )
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
-from megalite.optim import OptimizerParamScheduler, build_optimizer
-from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
+from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
@@ -150,50 +149,14 @@ def setup(args: argparse.Namespace) -> TrainState:
         )
         for c in chunks
     ]
-    optimizer = build_optimizer(
-        model,
-        mesh,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        params_dtype=params_dtype(args),
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-        optimizer_cpu_offload=args.optimizer_cpu_offload,
-        optimizer_offload_fraction=args.optimizer_offload_fraction,
-        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
-    )
-    optimizer.check_for_nan = args.check_for_nan_in_loss_and_grad
+    configs = build_configs(args)
+    optimizer = build_optimizer(model, mesh, configs.optimizer)
     if args.overlap_param_gather and args.data_parallel_sharding_strategy != "optim_grads_params":
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
         optimizer.overlap_param_gather(launch_all=args.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        init_lr=args.lr_warmup_init,
-        lr_warmup_steps=args.lr_warmup_steps,
-        lr_decay_steps=args.lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=args.wd_incr_steps,  # Megatron: over the whole run
-        wd_incr_style=args.weight_decay_incr_style,
-        # Megatron's resume rule: neither flag = a changed schedule flag stops the run.
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-    )
+    scheduler = OptimizerParamScheduler(optimizer, configs.scheduler)
     state = TrainState(args, mesh, config, model, optimizer, scheduler, rng, tokenizer)
     state.datasets = build_datasets(args, state)
     return state
