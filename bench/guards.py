@@ -59,7 +59,7 @@ def guard_ops_ms(state, data) -> tuple[float, float]:
         state, next_microbatches(data, state.args.num_microbatches, state.mesh.device), False
     )
     norm_sq = torch.zeros(())
-    state.optimizer._prepare_main_grads()
+    state.optimizer.params.prepare_grads()
     mains = [m.main for m in state.optimizer.main_params]
     n = 1000
     start = time.perf_counter()

@@ -1116,6 +1116,8 @@ def build_configs(args: argparse.Namespace) -> RunConfig:
             wd_incr_style=args.weight_decay_incr_style,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
+            length_unit="samples" if args.train_samples is not None else "iters",
+            global_batch_size=args.global_batch_size,
         ),
         training=_from_flags(TrainingConfig, args, params_dtype=dtype),
         data=DataConfig(

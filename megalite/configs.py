@@ -190,7 +190,8 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The LR and weight-decay schedule, in samples as Megatron counts them (``OptimizerParamScheduler``)."""
+    """The LR and weight-decay schedule (``OptimizerParamScheduler``): lengths in the steps the caller
+    counts, samples for the training loop, as Megatron counts them."""
 
     max_lr: float = 1e-4
     min_lr: float = 0.0
@@ -200,10 +201,14 @@ class SchedulerConfig:
     lr_decay_style: str = "linear"
     start_wd: float | None = None
     end_wd: float | None = None
-    wd_incr_steps: int = 1
+    wd_incr_steps: int | None = None  # None: lr_decay_steps
     wd_incr_style: str = "constant"
     use_checkpoint_opt_param_scheduler: bool = False
     override_opt_param_scheduler: bool = False
+    # The unit of the length flags the user passed, for messages: "iters" (--lr-warmup-iters ...;
+    # a length is iterations x global_batch_size) or "samples" (--lr-warmup-samples ...).
+    length_unit: str = "iters"
+    global_batch_size: int = 1
 
 
 @dataclass(frozen=True)

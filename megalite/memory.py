@@ -327,9 +327,9 @@ def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
     return sum(4 * held(b) for c in chunks for b in _buckets(config, layout, c))
 
 
-def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
-    """AdamW state (exp_avg, exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies,
-    of the main params on the device.
+def optimizer_device_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """Optimizer bytes on the training device (the optimizer's ``device_bytes``): AdamW state (exp_avg,
+    exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies, of the main params there.
 
     Main params are whole model params (replicated optimizer) or this DP rank's pieces of each
     bucket (distributed optimizer: its shard of the padded bucket, padding holds no param).
@@ -342,9 +342,9 @@ def optimizer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_
 
 
 def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
-    """Host bytes of ``--optimizer-cpu-offload`` (0 without it): per offloaded main-param element the
-    fp32 main copy (always a copy there), the two moments and the pinned fp32 buffer the grad's D2H
-    lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param."""
+    """Optimizer bytes in host memory (the optimizer's ``host_bytes``; 0 without offload): per offloaded
+    main-param element the fp32 main copy (always a copy there), the two moments and the pinned fp32
+    buffer the grad's D2H lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param."""
     return sum(16 * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
 
 
@@ -561,7 +561,7 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
     return RankMemory(
         params=param_bytes(config, layout, pp_rank),
         grads=grad_buffer_bytes(config, layout, pp_rank),
-        optimizer=optimizer_bytes(config, layout, pp_rank, dp_rank),
+        optimizer=optimizer_device_bytes(config, layout, pp_rank, dp_rank),
         activations=activation_bytes(config, layout, pp_rank),
         extra=extra_bytes(config, layout, pp_rank),
         host=optimizer_host_bytes(config, layout, pp_rank, dp_rank),
@@ -674,7 +674,7 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     return {
         "params": sum(storages.values()) + shards,
         "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
-        "optimizer": optimizer.optimizer_state_bytes(),
+        "optimizer": optimizer.device_bytes(),
     }
 
 
@@ -818,7 +818,7 @@ __all__ = [
     "korthikanti_layer_bytes",
     "layer_activation_bytes",
     "layer_activation_terms",
-    "optimizer_bytes",
+    "optimizer_device_bytes",
     "optimizer_host_bytes",
     "param_bytes",
     "peak_in_flight",

@@ -39,8 +39,7 @@ from megalite.metrics import (
 )
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
-from megalite.optim import OptimizerParamScheduler, build_optimizer
-from megalite.optim.base import MixedPrecisionOptimizer, NonFiniteError
+from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
@@ -151,52 +150,13 @@ def setup(args: argparse.Namespace) -> TrainState:
         )
         for c in chunks
     ]
-    opt = run.optimizer
-    optimizer = build_optimizer(
-        model,
-        mesh,
-        lr=opt.lr,
-        weight_decay=opt.weight_decay,
-        adam_beta1=opt.adam_beta1,
-        adam_beta2=opt.adam_beta2,
-        adam_eps=opt.adam_eps,
-        clip_grad=opt.clip_grad,
-        params_dtype=opt.params_dtype,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
-        loss_scale=opt.loss_scale,
-        initial_loss_scale=opt.initial_loss_scale,
-        min_loss_scale=opt.min_loss_scale,
-        loss_scale_window=opt.loss_scale_window,
-        hysteresis=opt.hysteresis,
-        decoupled_lr=opt.decoupled_lr,
-        decoupled_min_lr=opt.decoupled_min_lr,
-        optimizer_cpu_offload=opt.optimizer_cpu_offload,
-        optimizer_offload_fraction=opt.optimizer_offload_fraction,
-        overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
-    )
-    optimizer.check_for_nan = opt.check_for_nan_in_loss_and_grad
+    optimizer = build_optimizer(model, mesh, run.optimizer)
     if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
         optimizer.overlap_param_gather(launch_all=ddp.overlap_param_gather_with_optimizer_step)
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
-    sched = run.scheduler
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        max_lr=sched.max_lr,
-        min_lr=sched.min_lr,
-        init_lr=sched.init_lr,
-        lr_warmup_steps=sched.lr_warmup_steps,
-        lr_decay_steps=sched.lr_decay_steps,
-        lr_decay_style=sched.lr_decay_style,
-        start_wd=sched.start_wd,
-        end_wd=sched.end_wd,
-        wd_incr_steps=sched.wd_incr_steps,
-        wd_incr_style=sched.wd_incr_style,
-        # Megatron's resume rule: neither flag = a changed schedule flag stops the run.
-        use_checkpoint_opt_param_scheduler=sched.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=sched.override_opt_param_scheduler,
-    )
+    scheduler = OptimizerParamScheduler(optimizer, run.scheduler)
     state = TrainState(args, run, mesh, config, model, optimizer, scheduler, rng, tokenizer)
     state.datasets = build_datasets(run, state)
     return state

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.configs import OptimizerConfig
 from megalite.optim import build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
@@ -132,7 +133,9 @@ def train(mesh, steps, *, distributed, dtype=torch.float32, bucket_size=500):
     ddp = DistributedDataParallel(
         make_model(dtype), mesh, bucket_size=bucket_size, use_distributed_optimizer=distributed
     )
-    opt = build_optimizer([ddp], mesh, params_dtype=dtype, use_distributed_optimizer=distributed, **HP)
+    opt = build_optimizer(
+        [ddp], mesh, OptimizerConfig(params_dtype=dtype, use_distributed_optimizer=distributed, **HP)
+    )
     states, grad_norms = [], []
     for step in range(steps):
         opt.zero_grad()
@@ -193,11 +196,13 @@ def check_fp16_overflow_agreed(mesh, distributed):
     opt = build_optimizer(
         [ddp],
         mesh,
-        params_dtype=torch.float16,
-        use_distributed_optimizer=distributed,
-        initial_loss_scale=1024.0,
-        hysteresis=1,
-        **HP,
+        OptimizerConfig(
+            params_dtype=torch.float16,
+            use_distributed_optimizer=distributed,
+            initial_loss_scale=1024.0,
+            hysteresis=1,
+            **HP,
+        ),
     )
     before = [p.detach().clone() for p in ddp.module.parameters()]
     ddp.grad_buffer.fill_(1.0)
@@ -231,8 +236,10 @@ def _dp_worker(ref_grads, ref_states):
         for got, want in zip(dist_states[step], ref_states[step]):
             torch.testing.assert_close(got, want, **TOL)
     assert abs(dist_norms[0] - ref_norm) <= 1e-5 * ref_norm
-    plain_bytes, dist_bytes = plain_opt.optimizer_state_bytes(), dist_opt.optimizer_state_bytes()
-    moments = lambda o: sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in o.inner.state.values())
+    plain_bytes, dist_bytes = plain_opt.device_bytes(), dist_opt.device_bytes()
+    moments = lambda o: sum(
+        s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in map(o.adamw.state_of, o.main_params)
+    )
     total_moments = torch.tensor([moments(dist_opt)])
     dist.all_reduce(total_moments, group=mesh.dp_group)
     assert total_moments.item() == moments(plain_opt)  # every element owned by exactly one rank
@@ -369,7 +376,7 @@ def _gpt_worker(layouts, ref_norms, ref_params):
             for c in build_model_chunks(cfg, mesh)
         ]
         assert sum(len(c.buckets) for c in chunks) >= 2
-        opt = build_optimizer(chunks, mesh, use_distributed_optimizer=distributed, **GPT_HP)
+        opt = build_optimizer(chunks, mesh, OptimizerConfig(use_distributed_optimizer=distributed, **GPT_HP))
         per_rank = GPT_BATCH // mesh.dp_size
         mb = per_rank // GPT_MICRO
         for step in range(GPT_STEPS):

@@ -198,27 +198,27 @@ KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"for
 
 def test_adamw_kernel_policy(monkeypatch):
     """Fused where torch has the kernel for the device (CUDA; CPU from torch 2.4), else foreach."""
-    from megalite.optim import base
+    from megalite.optim import step
 
     for dev in ("cpu", "cuda"):
-        kernel, why = base.adamw_kernel(torch.device(dev))
+        kernel, why = step.adamw_kernel(torch.device(dev))
         assert kernel == {"fused": True} and why.startswith("fused") and dev in why
-    monkeypatch.setattr(base, "_fused_adamw_devices", lambda: {"cuda"})  # torch 2.0 - 2.3
-    assert base.adamw_kernel(torch.device("cpu"))[0] == {"foreach": True}
-    assert base.adamw_kernel(torch.device("cuda"))[0] == {"fused": True}
-    monkeypatch.setattr(base, "_fused_adamw_devices", set)  # torch < 2.0
-    assert base.adamw_kernel(torch.device("cuda"))[0] == {"foreach": True}
+    monkeypatch.setattr(step, "_fused_adamw_devices", lambda: {"cuda"})  # torch 2.0 - 2.3
+    assert step.adamw_kernel(torch.device("cpu"))[0] == {"foreach": True}
+    assert step.adamw_kernel(torch.device("cuda"))[0] == {"fused": True}
+    monkeypatch.setattr(step, "_fused_adamw_devices", set)  # torch < 2.0
+    assert step.adamw_kernel(torch.device("cuda"))[0] == {"foreach": True}
 
 
 def _toy_optimizer(kernel: str, monkeypatch, *, dtype=torch.float32, **kw):
     """The toy DDP model of test_optimizer with megalite's optimizer on torch's ``kernel``."""
     from test_optimizer import toy
 
-    from megalite.optim import base
+    from megalite.optim import step
 
-    monkeypatch.setattr(base, "adamw_kernel", lambda device: (KERNELS[kernel], kernel))
+    monkeypatch.setattr(step, "adamw_kernel", lambda device: (KERNELS[kernel], kernel))
     ddp, opt = toy(dtype, weight_decay=0.1, **kw)
-    group = opt.inner.param_groups[0]
+    group = opt.param_groups[0]
     assert {k: group[k] for k in KERNELS[kernel]} == KERNELS[kernel]
     return ddp, opt
 
@@ -295,10 +295,10 @@ def test_adamw_state_dict_resumes_across_the_kernel_switch(before, after, monkey
     ddp2, opt2 = _toy_optimizer(after, monkeypatch, dtype=torch.bfloat16)
     ddp2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
-    for group in opt2.inner.param_groups:
+    for group in opt2.param_groups:
         assert bool(group["fused"]) == (after == "fused")
     for m in opt2.main_params:
-        st = opt2.inner.state[m.main]
+        st = opt2.adamw.state_of(m)
         assert float(st["step"]) == 3 and st["step"].device == m.main.device
     resumed = _train(ddp2, opt2, 3, start=3)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-5, atol=0)

@@ -29,7 +29,7 @@ from megalite.memory import (
     korthikanti_layer_bytes,
     layer_activation_bytes,
     layer_activation_terms,
-    optimizer_bytes,
+    optimizer_device_bytes,
     peak_in_flight,
     predict_rank,
     relative_error,
@@ -92,8 +92,8 @@ def test_grad_buffer_pads_buckets_to_lcm_dp_128_and_optimizer_shards_sum_to_the_
         assert padded % math.lcm(3, 128) == 0 and numel <= padded
         # Replicated: 8 B moments + 4 B main copy per element, 4 B step per param.
         n_params = sum(len(chunk_param_shapes(config, 1, c)) for c in stage_chunks(config, plain)[r])
-        assert optimizer_bytes(config, plain, r) == 12 * numel + 4 * n_params
-        shards = [optimizer_bytes(config, zero, r, d) for d in range(3)]
+        assert optimizer_device_bytes(config, plain, r) == 12 * numel + 4 * n_params
+        shards = [optimizer_device_bytes(config, zero, r, d) for d in range(3)]
         elements = sum(shards) - 4 * _pieces(config, zero, r)
         assert elements == 12 * numel
 

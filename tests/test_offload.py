@@ -212,7 +212,7 @@ def test_offload_fraction_without_offload_is_ignored_as_in_megatron():
     """Megatron reads --optimizer-offload-fraction only with --optimizer-cpu-offload; so do we."""
     args = validate_args(parse_args(BASE + HALF), 2)
     _, opt = _toy(torch.float32, optimizer_offload_fraction=args.optimizer_offload_fraction)
-    assert not opt.offload and opt.host_bytes() == 0
+    assert not opt.adamw.offload and opt.host_bytes() == 0
 
 
 def test_overlap_flag_is_megatrons():
@@ -256,30 +256,32 @@ def test_one_process_pipelined_step(dtype, grad_dtype):
         "zero": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.0},
     }.items():
         ddp, opt = _toy(dtype, grad_dtype, **kw)
-        buffers = [g.data_ptr() for g in opt._host_grads] if opt.offload else []
+        buffers = [g.data_ptr() for g in opt.adamw.host_grads] if opt.adamw.offload else []
         got[mode] = [train_step(ddp, opt, step % 4)[0] for step in range(10)]
         if mode == "half":  # some main params on each side; the device ones as without offload
             host = [m for m in opt.main_params if m.offloaded]
-            assert 0 < len(host) < len(opt.main_params) and len(opt._chunks) == len(host)
+            assert 0 < len(host) < len(opt.main_params) and len(opt.adamw.chunks) == len(host)
             for m in opt.main_params:
                 assert torch.equal(m.model, m.main.detach().to(m.model.dtype))
                 assert m.is_copy == (m.offloaded or dtype != torch.float32)
             copy = 4 if dtype != torch.float32 else 0
             device = [m.main.numel() for m in opt.main_params if not m.offloaded]
-            assert opt.optimizer_state_bytes() == sum((8 + copy) * n + 4 for n in device)
+            assert opt.device_bytes() == sum((8 + copy) * n + 4 for n in device)
             assert opt.host_bytes() == sum(16 * m.main.numel() + 4 for m in host)
-        elif opt.offload:
-            assert [g.data_ptr() for g in opt._host_grads] == buffers  # persistent: no allocation per step
+        elif opt.adamw.offload:
+            assert [
+                g.data_ptr() for g in opt.adamw.host_grads
+            ] == buffers  # persistent: no allocation per step
             n = len(opt.main_params)
-            assert len(opt._chunks) == (n if mode == "overlap" else 1) and n > 1
-            assert opt.adamw_kernel_reason.endswith("for cpu")
+            assert len(opt.adamw.chunks) == (n if mode == "overlap" else 1) and n > 1
+            assert opt.adamw.kernel_reason.endswith("for cpu")
             for m in opt.main_params:
                 assert m.main.device.type == "cpu" and m.main.grad is None and m.main.main_grad is None
                 assert torch.equal(m.model, m.main.detach().to(m.model.dtype))
-                assert all(t.device.type == "cpu" for t in opt.inner.state[m.main].values())
+                assert all(t.device.type == "cpu" for t in opt.adamw.state_of(m).values())
             elements = sum(m.main.numel() for m in opt.main_params)
             assert opt.host_bytes() == 16 * elements + 4 * n
-            assert opt.optimizer_state_bytes() == 0
+            assert opt.device_bytes() == 0
     assert got["overlap"] == got["offload"]
     assert got["zero"] == got["none"]  # fraction 0.0: nothing offloaded, the same step
     for mode in ("overlap", "half"):
@@ -311,6 +313,7 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
     H2D runs before the last AdamW has finished (the CPU step overlaps the copies)."""
     from torch import nn
 
+    from megalite.configs import OptimizerConfig
     from megalite.optim import build_optimizer
     from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
@@ -323,10 +326,10 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
         # Large enough that AdamW on the CPU takes milliseconds per param.
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]).to(device)
         ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
-        opt = build_optimizer(
-            [ddp], mesh, lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+        opt = build_optimizer([ddp], mesh, OptimizerConfig(
+            lr=1e-3, weight_decay=0.01, clip_grad=1.0,
             optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=overlap,
-        )  # fmt: skip
+        ))  # fmt: skip
         return ddp, opt
 
     def step(ddp, opt, seed):
@@ -343,10 +346,10 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
             step(ddp, opt, seed)
         torch.cuda.synchronize()
         results[overlap] = [p.detach().cpu() for p in ddp.module.parameters()]
-        for m, g in zip(opt.main_params, opt._host_grads):
+        for m, g in zip(opt.main_params, opt.adamw.host_grads):
             assert m.main.device.type == "cpu" and m.main.is_pinned() and g.is_pinned()
             assert m.model.device.type == "cuda"
-            assert all(t.device.type == "cpu" for t in opt.inner.state[m.main].values())
+            assert all(t.device.type == "cpu" for t in opt.adamw.state_of(m).values())
             assert torch.equal(m.model.detach().cpu(), m.main.detach())
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
 
@@ -387,6 +390,7 @@ def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
     few steps the params equal no offload's within rtol 1e-5 (CUDA's and the CPU's AdamW kernels)."""
     from torch import nn
 
+    from megalite.configs import OptimizerConfig
     from megalite.optim import build_optimizer
     from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
@@ -398,7 +402,7 @@ def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(device)
         ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
-        opt = build_optimizer([ddp], mesh, lr=1e-3, weight_decay=0.01, clip_grad=1.0, **kw)
+        opt = build_optimizer([ddp], mesh, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, **kw))
         for seed in range(3):
             opt.zero_grad()
             x = torch.randn(8, 64, device=device, generator=torch.Generator(device=device).manual_seed(seed))
@@ -417,7 +421,7 @@ def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
     for m in opt.main_params:
         where = "cpu" if m.offloaded else "cuda"
         assert m.main.device.type == where
-        assert opt.inner.state[m.main]["exp_avg"].device.type == where
+        assert opt.adamw.state_of(m)["exp_avg"].device.type == where
         if m.offloaded:
             assert m.main.is_pinned() and torch.equal(m.model.detach().cpu(), m.main.detach())
         else:

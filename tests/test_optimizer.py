@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from megalite.configs import OptimizerConfig, SchedulerConfig
 from megalite.optim import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -123,7 +124,11 @@ def _grad_norm_worker(layouts):
                 use_distributed_optimizer=distributed,
             )
             opt = build_optimizer(
-                [chunk], mesh, lr=1e-3, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=distributed
+                [chunk],
+                mesh,
+                OptimizerConfig(
+                    lr=1e-3, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=distributed
+                ),
             )
             for name, p in chunk.module.p.items():
                 p.main_grad.copy_(tagged_params(mesh, grads)[name].grad)  # same on every DP rank
@@ -170,7 +175,7 @@ def toy(dtype, grad_reduce_dtype=torch.float32, **opt_kw):
         ToyMLP().to(dtype), Mesh.single(), bucket_size=100, grad_reduce_dtype=grad_reduce_dtype
     )
     kw = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, params_dtype=dtype) | opt_kw
-    return ddp, build_optimizer([ddp], Mesh.single(), **kw)
+    return ddp, build_optimizer([ddp], Mesh.single(), OptimizerConfig(**kw))
 
 
 def toy_batch(step=0):
@@ -209,7 +214,7 @@ def test_fp16_overflow_skips_the_step_and_the_scale_adapts():
         assert torch.equal(p, b)
     for m, b in zip(opt.main_params, main_before):
         assert torch.equal(m.main, b)
-    assert not opt.inner.state  # Adam never ran
+    assert not any(map(opt.adamw.state_of, opt.main_params))  # Adam never ran
 
     # The returned norm is that of the UNSCALED grads: main_grad / loss scale.
     opt.zero_grad()
@@ -236,7 +241,7 @@ def test_fp16_default_scale_overflows_then_backs_off_with_hysteresis():
     assert opt.get_loss_scale() == 2.0**32
     assert train_step(ddp, opt)[1] == (False, None, None)
     assert opt.get_loss_scale() == 2.0**31
-    assert opt.optimizer_state_bytes() == sum(4 * p.numel() for p in ddp.module.parameters())  # copies only
+    assert opt.device_bytes() == sum(4 * p.numel() for p in ddp.module.parameters())  # copies only
 
 
 def test_bf16_params_with_fp32_main_params_train():
@@ -249,7 +254,7 @@ def test_bf16_params_with_fp32_main_params_train():
         assert torch.equal(m.model, m.main.detach().bfloat16())
     n = sum(p.numel() for p in ddp.module.parameters())
     # Adam moments (2 x fp32) + fp32 main copy + a 4-byte step per param.
-    assert opt.optimizer_state_bytes() == 12 * n + 4 * len(opt.main_params)
+    assert opt.device_bytes() == 12 * n + 4 * len(opt.main_params)
 
 
 def test_bf16_grad_buffer_still_steps_fp32_main_params():
@@ -277,7 +282,7 @@ def test_fp32_main_params_are_the_model_params_and_groups_follow_megatron():
     assert len(decay["params"]) == 2 and model.fc1.weight.dim() == 2
     train_step(ddp, opt)
     n = sum(p.numel() for p in model.parameters())
-    assert opt.optimizer_state_bytes() == 8 * n + 4 * len(opt.main_params)  # no main copies
+    assert opt.device_bytes() == 8 * n + 4 * len(opt.main_params)  # no main copies
 
 
 def test_state_dict_roundtrip_continues_identically():
@@ -302,13 +307,17 @@ def test_state_dict_roundtrip_continues_identically():
 
 def test_build_optimizer_rejects_bad_input():
     with pytest.raises(TypeError, match="DistributedDataParallel"):
-        build_optimizer([ToyMLP()], Mesh.single(), lr=1e-3, weight_decay=0.0)
+        build_optimizer([ToyMLP()], Mesh.single(), OptimizerConfig(lr=1e-3, weight_decay=0.0))
     ddp = DistributedDataParallel(ToyMLP(), Mesh.single())
     with pytest.raises(ValueError, match="--use-distributed-optimizer"):
-        build_optimizer([ddp], Mesh.single(), lr=1e-3, weight_decay=0.0, use_distributed_optimizer=True)
+        build_optimizer(
+            [ddp], Mesh.single(), OptimizerConfig(lr=1e-3, weight_decay=0.0, use_distributed_optimizer=True)
+        )
     with pytest.raises(ValueError, match="--bf16"):
-        build_optimizer([ddp], Mesh.single(), lr=1e-3, weight_decay=0.0, params_dtype=torch.float64)
-    opt = build_optimizer(ddp, Mesh.single(), lr=1e-3, weight_decay=0.0, loss_scale=8.0)
+        build_optimizer(
+            [ddp], Mesh.single(), OptimizerConfig(lr=1e-3, weight_decay=0.0, params_dtype=torch.float64)
+        )
+    opt = build_optimizer(ddp, Mesh.single(), OptimizerConfig(lr=1e-3, weight_decay=0.0, loss_scale=8.0))
     assert isinstance(opt.grad_scaler, ConstantGradScaler) and opt.get_loss_scale() == 8.0
 
 
@@ -362,7 +371,10 @@ def expected_lr(style, step):
 def test_lr_schedule_values(style):
     ddp, opt = toy(torch.float32, weight_decay=0.1)
     sched = OptimizerParamScheduler(
-        opt, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY, lr_decay_style=style
+        opt,
+        SchedulerConfig(
+            max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY, lr_decay_style=style
+        ),
     )
     assert opt.param_groups[0]["lr"] == 0.0  # step 0 of the warm-up
     seen = {}
@@ -387,7 +399,10 @@ def test_lr_schedule_values(style):
     # Resume: a fresh scheduler loading the state continues the same curve.
     state = sched.state_dict()
     again = OptimizerParamScheduler(
-        opt, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY, lr_decay_style=style
+        opt,
+        SchedulerConfig(
+            max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY, lr_decay_style=style
+        ),
     )
     again.load_state_dict(state)
     assert again.num_steps == 130 and again.get_lr() == seen[130]
@@ -396,8 +411,12 @@ def test_lr_schedule_values(style):
 def test_weight_decay_schedule_and_checks():
     ddp, opt = toy(torch.float32)
     common = dict(max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=100, lr_decay_style="linear")
-    lin = OptimizerParamScheduler(opt, start_wd=0.0, end_wd=0.1, wd_incr_style="linear", **common)
-    cos = OptimizerParamScheduler(opt, start_wd=0.0, end_wd=0.1, wd_incr_style="cosine", **common)
+    lin = OptimizerParamScheduler(
+        opt, SchedulerConfig(start_wd=0.0, end_wd=0.1, wd_incr_style="linear", **common)
+    )
+    cos = OptimizerParamScheduler(
+        opt, SchedulerConfig(start_wd=0.0, end_wd=0.1, wd_incr_style="cosine", **common)
+    )
     lin.step(25)
     cos.step(25)
     assert math.isclose(lin.get_wd(), 0.025) and math.isclose(cos.get_wd(), 0.1 * (1 - math.sqrt(0.5)) / 2)
@@ -406,22 +425,55 @@ def test_weight_decay_schedule_and_checks():
     assert lin.get_wd() == 0.1 and lin.get_lr() == 0.0
 
     with pytest.raises(ValueError, match="--lr-decay-style"):
-        OptimizerParamScheduler(opt, **(common | {"lr_decay_style": "step"}))
+        OptimizerParamScheduler(opt, SchedulerConfig(**(common | {"lr_decay_style": "step"})))
     with pytest.raises(ValueError, match="--lr-warmup-iters"):
-        OptimizerParamScheduler(opt, **(common | {"lr_warmup_steps": 100}))
+        OptimizerParamScheduler(opt, SchedulerConfig(**(common | {"lr_warmup_steps": 100})))
     with pytest.raises(ValueError, match="--weight-decay-incr-style"):
-        OptimizerParamScheduler(opt, start_wd=0.0, end_wd=0.1, **common)
+        OptimizerParamScheduler(opt, SchedulerConfig(start_wd=0.0, end_wd=0.1, **common))
     # Checkpoint values that differ from the flags: an error unless told which to keep.
     strict = OptimizerParamScheduler(
-        opt, use_checkpoint_opt_param_scheduler=False, **(common | {"max_lr": 2.0})
+        opt, SchedulerConfig(use_checkpoint_opt_param_scheduler=False, **(common | {"max_lr": 2.0}))
     )
     with pytest.raises(ValueError, match="--lr 2.0 .checkpoint 1.0."):
         strict.load_state_dict(lin.state_dict())
     keep = OptimizerParamScheduler(
         opt,
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True,
-        **(common | {"max_lr": 2.0}),
+        SchedulerConfig(
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+            **(common | {"max_lr": 2.0}),
+        ),
     )
     keep.load_state_dict(lin.state_dict())
     assert keep.max_lr == 2.0 and keep.num_steps == lin.num_steps
+
+
+@pytest.mark.parametrize(
+    "run, saved, changed, want",
+    [
+        (["--train-iters", "10"], ["--lr-warmup-iters", "1"], ["--lr-warmup-iters", "2"], "--lr-warmup-iters 2 (checkpoint 1)"),
+        (["--train-samples", "80"], ["--lr-warmup-samples", "8"], ["--lr-warmup-samples", "16"], "--lr-warmup-samples 16 (checkpoint 8)"),
+    ],
+)  # fmt: skip
+def test_resume_refusal_gives_lengths_in_the_unit_of_the_flags(run, saved, changed, want):
+    """The schedule counts samples (global batch 8 here); the refusal names the changed length flag
+    with values in that flag's unit, as typed: iterations for --*-iters, samples for --*-samples."""
+    from conftest import COMMON
+
+    from megalite.arguments import build_configs, parse_args, validate_args
+
+    dropped = {
+        i + k for i, a in enumerate(COMMON) if a in ("--train-iters", "--lr-warmup-iters") for k in (0, 1)
+    }
+    argv = [a for i, a in enumerate(COMMON) if i not in dropped] + run
+    assert "--global-batch-size" in argv and argv[argv.index("--global-batch-size") + 1] == "8"
+    _, opt = toy(torch.float32)
+
+    def scheduler(flags):
+        return OptimizerParamScheduler(
+            opt, build_configs(validate_args(parse_args(argv + flags), 1)).scheduler
+        )
+
+    with pytest.raises(ValueError) as e:
+        scheduler(changed).load_state_dict(scheduler(saved).state_dict())
+    assert want in str(e.value), str(e.value)

@@ -309,7 +309,7 @@ def test_memory_matches_prediction_and_zero_formulas(runs, strategy, dp):
         # this rank's pieces of its shard of each bucket (at most psi / d elements, padding excluded).
         main = rec["main_params"]
         state = 12 * main["elements"] + 4 * main["count"]
-        assert rec["optimizer_host_bytes"] == state
+        assert rec["optimizer_state_bytes"] == state
         assert meas["optimizer"] == (0 if offload else state)
         if shard_optim:
             assert main["elements"] <= psi // dp

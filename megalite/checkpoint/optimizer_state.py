@@ -16,7 +16,7 @@ plus AdamW's step count and the loss scaler in the JSON metadata. So a
 checkpoint written with or without the distributed optimizer loads into either,
 at any TP / PP / DP layout.
 
-ZeRO-1 on save: ``DistributedOptimizer.gather_state_dp_zero`` all-gathers the
+ZeRO on save: the optimizer's ``gather_state_dp_zero`` all-gathers the
 DP ranks' slices of each bucket, so every DP rank holds the full local TP shard
 of each state tensor (as Megatron's legacy ``distrib_optim.pt`` assembly does);
 DCP then writes each piece once. This costs, transiently, one fp32 copy of the
@@ -51,7 +51,7 @@ def stores_main_params(optimizer) -> bool:
 
 def adam_step(optimizer) -> int:
     """AdamW's step count (every main param steps together; 0 before the first step)."""
-    for state in optimizer.inner.state.values():
+    for state in map(optimizer.adamw.state_of, optimizer.main_params):
         if "step" in state:
             return int(state["step"].item()) if torch.is_tensor(state["step"]) else int(state["step"])
     return 0
@@ -105,8 +105,6 @@ class OptimizerLoad:
     @torch.no_grad()
     def apply(self, step: int) -> None:
         """Install the loaded moments (and fp32 main params) and AdamW's ``step``."""
-        inner = self.optimizer.inner
-        index = {p: i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
         state = {}
         for m in self.optimizer.main_params:
             lo, hi = m.model_range
@@ -114,11 +112,10 @@ class OptimizerLoad:
             for kind in MOMENTS:
                 flat = self.buffers[(kind, m.model)].view(-1)[lo:hi]
                 entry[kind] = flat.view(m.main.shape).to(m.main.device).clone()
-            state[index[m.main]] = entry
+            state[m.main] = entry
             if ("main", m.model) in self.buffers:
                 m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
-        groups = inner.state_dict()["param_groups"]  # keep this run's hyper-parameters
-        inner.load_state_dict({"state": state, "param_groups": groups})
+        self.optimizer.state.load_adamw_state(state)  # this run's hyper-parameters
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Global gradient norm and clipping across TP, PP and (with ZeRO-1) DP (plus the params norm and
+"""Global gradient norm and clipping across TP, PP and (with ZeRO) DP (plus the params norm and
 the zero count of ``--log-params-norm`` / ``--log-num-zeros-in-grad``, by the same rules).
 
 The norm must be that of the FULL model's gradient, every logical element
@@ -58,7 +58,7 @@ def get_grad_norm(
         params: this rank's parameters (or optimizer main params carrying the same
             attributes); their gradient is ``main_grad`` if present, else ``.grad``.
         norm_type: 2.0 or ``math.inf``.
-        dp_sharded: the grads are this DP rank's ZeRO-1 shard; sum over DP too.
+        dp_sharded: the grads are this DP rank's ZeRO shard (stage 1, 2 or 3); sum over DP too.
         poison: a bool tensor; True on any rank makes the norm NaN on every rank. The
             non-finite guard passes "this rank's loss is not finite" here, so the one
             all-reduce the norm needs anyway also tells every rank about the loss.

@@ -1,10 +1,10 @@
-"""The distributed optimizer (ZeRO-1): fp32 main params and Adam state sharded over DP.
+"""The distributed optimizer's main params (ZeRO-1, 2 and 3): fp32 main params and Adam state sharded over DP.
 
 DistributedDataParallel (``use_distributed_optimizer=True``) pads every grad
 bucket to a multiple of dp and reduce-scatters it, so DP rank ``r`` ends the
 backward with the averaged gradient of ``grad_data[r * n:(r + 1) * n]`` of each
-bucket. This optimizer keeps fp32 main params and Adam moments for exactly
-those elements:
+bucket (ZeRO-2 keeps only that shard; ZeRO-3 also the params'). :class:`ShardedMainParams`
+keeps fp32 main params (and so Adam moments) for exactly those elements:
 
     bucket     | p0 ........ | p1 ..... | p2 ...... |pad|
     DP ranks   |  rank 0        |  rank 1        | rank 2 ...
@@ -13,10 +13,11 @@ A parameter straddling a shard boundary is split: each rank's main param is
 its contiguous piece of the flattened parameter. After AdamW updates the
 shard, every bucket's updated values (in the model dtype) are all-gathered
 over DP and copied into the model params: before ``step`` returns, or, after
-:meth:`DistributedOptimizer.overlap_param_gather` (``--overlap-param-gather``), bucket by bucket
-during the next forward (:mod:`megalite.parallel.param_gather`). Per rank the optimizer state is
-about 1/dp of the replicated optimizer's. The same pack-and-all-gather gives a
-checkpoint whole per-parameter optimizer state (:meth:`gather_state_dp_zero`).
+:meth:`ShardedMainParams.overlap_param_gather` (``--overlap-param-gather``), bucket by bucket
+during the next forward (:mod:`megalite.parallel.param_gather`); under ZeRO-3 they go into the
+param shards instead. Per rank the optimizer state is about 1/dp of the replicated main params'.
+The same pack-and-all-gather gives a checkpoint whole per-parameter optimizer state
+(:meth:`ShardedMainParams.gather`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from megalite.optim.base import MainParam, MixedPrecisionOptimizer, make_main_param, offload_split
+from megalite.optim.base import MainParam, MainParams, make_main_param, offload_split
 from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
@@ -76,26 +77,24 @@ def dp_offload_split(
     return out
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
-    """AdamW on this DP rank's shard of every grad bucket; params all-gathered after the step."""
+class ShardedMainParams(MainParams):
+    """This DP rank's shard of every grad bucket; params all-gathered after the step."""
 
     dp_sharded = True
 
     def __init__(
-        self, model_chunks: list[DistributedDataParallel], mesh: Mesh, *, offload_fraction=0.0, **kwargs
+        self, model_chunks: list[DistributedDataParallel], mesh: Mesh, fraction: float, decoupled: bool
     ):
         self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
-        decoupled = kwargs.get("decoupled_lr") is not None
-        offload = dp_offload_split(self._buckets, mesh.dp_rank, offload_fraction, decoupled)
+        offload = dp_offload_split(self._buckets, mesh.dp_rank, fraction, decoupled)
         self._bucket_main_params = [
             shard_main_params(b, mesh.dp_rank, host) for b, host in zip(self._buckets, offload)
         ]
-        main_params = [m for ms in self._bucket_main_params for m in ms]
-        super().__init__(model_chunks, mesh, main_params, **kwargs)
+        super().__init__(model_chunks, mesh, [m for ms in self._bucket_main_params for m in ms])
         self._param_gathers: list[ParamGather] = []
 
     def overlap_param_gather(self, launch_all: bool = False) -> None:
-        """``--overlap-param-gather``: from now on :meth:`step` only starts the param all-gathers;
+        """``--overlap-param-gather``: from now on the step only starts the param all-gathers;
         each chunk's next forward waits for them bucket by bucket (``launch_all``:
         ``--overlap-param-gather-with-optimizer-step``, every bucket starts at the step's end)."""
         mains = dict(zip(map(id, self._buckets), self._bucket_main_params))
@@ -110,17 +109,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def finish_param_sync(self) -> None:
         """Wait for the outstanding param all-gathers (no-op without --overlap-param-gather)."""
         finish_param_sync(self.model_chunks)
-
-    def step(self, loss_not_finite: torch.Tensor | None = None):
-        # Before AdamW: fp32 main params share storage with the model params, so a bucket the last
-        # forward never waited for must land now, not after the update (it would overwrite it).
-        self.finish_param_sync()
-        return super().step(loss_not_finite)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.finish_param_sync()
-        super().load_state_dict(state_dict)
-        self.finish_param_sync()  # a load is not a step: the params are final when it returns
 
     def _updated(self, m: MainParam) -> torch.Tensor:
         """Where main param ``m``'s updated value is read for the all-gather: the main param itself,
@@ -163,7 +151,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             yield bucket, full
 
     @torch.no_grad()
-    def _copy_main_params_to_model_params(self) -> None:
+    def copy_to_model(self) -> None:
         if any(b.param_shard is not None for b in self._buckets):
             self._copy_main_params_to_param_shards()  # ZeRO-3: nothing to all-gather after the step
             return
@@ -182,17 +170,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         offloaded ones, the step's H2D wrote (each main param's home is its shard piece)."""
         for chunk in self.model_chunks:
             chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
-        for m in self.main_params:
+        for m in self.params:
             if m.is_copy and not m.offloaded:
                 m.shard.copy_(m.main.detach().view(-1))
 
     @torch.no_grad()
-    def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
-        """Collective over DP: ``{(kind, model param): fp32 tensor shaped like the param}`` for each
-        ``kind`` of :meth:`main_param_state`, on every DP rank (Megatron's get_parameter_state_dp_zero)."""
+    def gather(
+        self, value_of: Callable[[MainParam, str], torch.Tensor], kinds: list[str]
+    ) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
+        """Collective over DP: ``{(kind, model param): fp32 tensor shaped like the param}`` of
+        ``value_of(m, kind)``, on every DP rank."""
         out = {}
         for kind in kinds:
-            gathered = self._all_gather_buckets(lambda m, k=kind: self.main_param_state(m, k), torch.float32)
+            gathered = self._all_gather_buckets(lambda m, k=kind: value_of(m, k), torch.float32)
             for bucket, full in gathered:
                 for p, (p_lo, p_hi) in bucket.param_ranges.items():
                     out[(kind, p)] = full[p_lo:p_hi].view(p.shape)

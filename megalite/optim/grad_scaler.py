@@ -10,6 +10,26 @@ the host anyway (``found_inf`` is read there to decide whether to step).
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from megalite.configs import OptimizerConfig
+from megalite.optim.clip_grads import all_reduce_over
+from megalite.parallel.mesh import Mesh
+
+
+def found_non_finite(grads: list[torch.Tensor], mesh: Mesh, loss_not_finite: torch.Tensor | None) -> bool:
+    """True if any of ``grads`` or the loss flag on ANY rank is inf/NaN (one MAX all-reduce)."""
+    found_inf = mesh.zeros()
+    if loss_not_finite is not None:
+        found_inf = torch.maximum(found_inf, mesh.on_device(loss_not_finite).float())
+    for g in grads:
+        found_inf = torch.maximum(found_inf, mesh.on_device((~torch.isfinite(g)).any()).float())
+    # Every rank must take the same decision, or the next collective deadlocks:
+    # TP/PP ranks hold different params, and ZeRO DP ranks different shards.
+    all_reduce_over(found_inf, dist.ReduceOp.MAX, mesh.mp_group, mesh.dp_group)
+    return bool(found_inf.item() > 0)
+
 
 class _GradScaler:
     """What both scalers share: the current scale and its inverse (used to unscale grads)."""
@@ -23,6 +43,15 @@ class _GradScaler:
     @property
     def inv_scale(self) -> float:
         return 1.0 / self._scale
+
+    def unscale_and_update(self, grads: list[torch.Tensor], mesh: Mesh, loss_not_finite=None) -> bool:
+        """Divide ``grads`` by the scale in place; True if any grad or the loss (``loss_not_finite``, a
+        bool tensor or None) on ANY rank is inf/NaN: the step to skip. The scale moves on either way."""
+        if grads:
+            torch._foreach_mul_(grads, self.inv_scale)
+        found_inf = found_non_finite(grads, mesh, loss_not_finite)
+        self.update(found_inf)
+        return found_inf
 
 
 class ConstantGradScaler(_GradScaler):
@@ -108,3 +137,18 @@ class DynamicGradScaler(_GradScaler):
         self._scale = float(state_dict["scale"])
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+
+
+def build_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | DynamicGradScaler | None:
+    """A constant ``--loss-scale`` applies in any precision; without it, fp16 gets a dynamic
+    scaler and bf16 / fp32 none."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.params_dtype == torch.float16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from megalite.configs import SchedulerConfig
 from megalite.errors import MegaliteError
 
 _LR_STYLES = ("constant", "linear", "cosine")
@@ -28,71 +29,52 @@ class SchedulerError(MegaliteError, ValueError):
     """An LR / weight-decay schedule flag that cannot work, or that contradicts the checkpoint's."""
 
 
-# What load_state_dict compares, with the flag that sets each.
+# What load_state_dict compares, with the flag that sets each ({unit}: iters or samples, as passed).
 _FLAGS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters",
-    "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+    "lr_warmup_steps": "--lr-warmup-{unit}",
+    "lr_decay_steps": "--lr-decay-{unit} (default --train-{unit})",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--start-weight-decay (or --weight-decay)",
     "end_wd": "--end-weight-decay (or --weight-decay)",
-    "wd_incr_steps": "--train-iters (the weight-decay schedule's length)",
+    "wd_incr_steps": "--train-{unit} (the weight-decay schedule's length)",
     "wd_incr_style": "--weight-decay-incr-style",
 }
+_LENGTHS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
 class OptimizerParamScheduler:
     """Sets ``lr`` and ``weight_decay`` of every ``optimizer.param_groups`` entry at each step.
 
-    Args:
-        optimizer: anything with ``param_groups`` (the megalite optimizer or a torch one).
-        max_lr / min_lr: ``--lr`` / ``--min-lr`` (a param group's own ``max_lr`` / ``min_lr`` win).
-        init_lr: ``--lr-warmup-init``, where warm-up starts.
-        lr_warmup_steps / lr_decay_steps: ``--lr-warmup-iters`` / ``--lr-decay-iters``.
-        lr_decay_style: ``--lr-decay-style``, one of constant, linear, cosine.
-        start_wd / end_wd: ``--start-weight-decay`` / ``--end-weight-decay``; both ``None``
-            keeps the optimizer's own weight decay, constant.
-        wd_incr_steps: steps over which weight decay moves (default ``lr_decay_steps``).
-        wd_incr_style: ``--weight-decay-incr-style``.
-        use_checkpoint_opt_param_scheduler: on load, take schedule values from the checkpoint.
-        override_opt_param_scheduler: on load, keep this object's values.
-        (neither: values must match the checkpoint.)
+    ``optimizer``: anything with ``param_groups`` (the megalite optimizer or a torch one); a param
+    group's own ``max_lr`` / ``min_lr`` win over ``config``'s (:class:`~megalite.configs.SchedulerConfig`,
+    its fields named in :data:`_FLAGS`). Both ``start_wd`` and ``end_wd`` ``None`` keep the
+    optimizer's own weight decay, constant. On load, ``use_checkpoint_opt_param_scheduler`` takes the
+    checkpoint's values, ``override_opt_param_scheduler`` keeps this object's, neither wants them equal.
     """
 
-    def __init__(
-        self,
-        optimizer,
-        *,
-        max_lr: float,
-        min_lr: float,
-        lr_warmup_steps: int,
-        lr_decay_steps: int,
-        lr_decay_style: str,
-        start_wd: float | None = None,
-        end_wd: float | None = None,
-        wd_incr_steps: int | None = None,
-        wd_incr_style: str = "constant",
-        init_lr: float = 0.0,
-        use_checkpoint_opt_param_scheduler: bool = True,
-        override_opt_param_scheduler: bool = False,
-    ):
-        if lr_decay_style not in _LR_STYLES:
-            raise SchedulerError(f"--lr-decay-style must be one of {_LR_STYLES}, got {lr_decay_style!r}")
-        if wd_incr_style not in _WD_STYLES:
+    def __init__(self, optimizer, config: SchedulerConfig):
+        self.config = c = config
+        if c.lr_decay_style not in _LR_STYLES:
+            raise SchedulerError(f"--lr-decay-style must be one of {_LR_STYLES}, got {c.lr_decay_style!r}")
+        if c.wd_incr_style not in _WD_STYLES:
             raise SchedulerError(
-                f"--weight-decay-incr-style must be one of {_WD_STYLES}, got {wd_incr_style!r}"
+                f"--weight-decay-incr-style must be one of {_WD_STYLES}, got {c.wd_incr_style!r}"
             )
-        if not 0.0 <= min_lr <= max_lr:
-            raise SchedulerError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
-        if not 0.0 <= init_lr <= max_lr:
-            raise SchedulerError(f"need 0 <= --lr-warmup-init ({init_lr}) <= --lr ({max_lr})")
-        if lr_decay_steps <= 0:
-            raise SchedulerError(f"--lr-decay-iters must be > 0, got {lr_decay_steps}")
-        if not 0 <= lr_warmup_steps < lr_decay_steps:
+        if not 0.0 <= c.min_lr <= c.max_lr:
+            raise SchedulerError(f"need 0 <= --min-lr ({c.min_lr}) <= --lr ({c.max_lr})")
+        if not 0.0 <= c.init_lr <= c.max_lr:
+            raise SchedulerError(f"need 0 <= --lr-warmup-init ({c.init_lr}) <= --lr ({c.max_lr})")
+        unit, decay = c.length_unit, self._shown("lr_decay_steps", c.lr_decay_steps)
+        if c.lr_decay_steps <= 0:
+            raise SchedulerError(f"--lr-decay-{unit} must be > 0, got {decay}")
+        if not 0 <= c.lr_warmup_steps < c.lr_decay_steps:
+            warmup = self._shown("lr_warmup_steps", c.lr_warmup_steps)
             raise SchedulerError(
-                f"--lr-warmup-iters ({lr_warmup_steps}) must be >= 0 and < --lr-decay-iters ({lr_decay_steps})"
+                f"--lr-warmup-{unit} ({warmup}) must be >= 0 and < --lr-decay-{unit} ({decay})"
             )
+        start_wd, end_wd = c.start_wd, c.end_wd
         if (start_wd is None) != (end_wd is None):
             raise SchedulerError("give both --start-weight-decay and --end-weight-decay, or neither")
         if start_wd is None:
@@ -101,30 +83,36 @@ class OptimizerParamScheduler:
             raise SchedulerError(
                 f"need 0 <= --start-weight-decay ({start_wd}) <= --end-weight-decay ({end_wd})"
             )
-        if wd_incr_style == "constant" and start_wd != end_wd:
+        if c.wd_incr_style == "constant" and start_wd != end_wd:
             raise SchedulerError(
                 "--start-weight-decay differs from --end-weight-decay: set --weight-decay-incr-style "
                 "to linear or cosine"
             )
-        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
+        if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
             raise SchedulerError(
                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"
             )
         self.optimizer = optimizer
-        self.init_lr = float(init_lr)
-        self.max_lr = float(max_lr)
-        self.min_lr = float(min_lr)
-        self.lr_warmup_steps = lr_warmup_steps
-        self.lr_decay_steps = lr_decay_steps
-        self.lr_decay_style = lr_decay_style
+        self.init_lr = float(c.init_lr)
+        self.max_lr = float(c.max_lr)
+        self.min_lr = float(c.min_lr)
+        self.lr_warmup_steps = c.lr_warmup_steps
+        self.lr_decay_steps = c.lr_decay_steps
+        self.lr_decay_style = c.lr_decay_style
         self.start_wd = float(start_wd)
         self.end_wd = float(end_wd)
-        self.wd_incr_steps = lr_decay_steps if wd_incr_steps is None else wd_incr_steps
-        self.wd_incr_style = wd_incr_style
-        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.wd_incr_steps = c.lr_decay_steps if c.wd_incr_steps is None else c.wd_incr_steps
+        self.wd_incr_style = c.wd_incr_style
         self.num_steps = 0
         self.step(0)  # set the step-0 values (lr 0 when warming up)
+
+    def _shown(self, name: str, value):
+        """Schedule value ``name`` as its flag gives it: the schedule counts samples, so an --*-iters
+        run's lengths go back to iterations (``--lr-warmup-iters 2``, not the 16 samples of batch 8)."""
+        if name not in _LENGTHS or self.config.length_unit == "samples":
+            return value
+        iters = value / self.config.global_batch_size
+        return int(iters) if iters.is_integer() else iters
 
     def get_lr(self, param_group: dict | None = None) -> float:
         """The scheduled learning rate at ``num_steps`` of ``param_group`` (default: the main
@@ -192,7 +180,8 @@ class OptimizerParamScheduler:
         if self.wd_incr_style == "constant" and state_dict["wd_incr_style"] == "constant":
             ignore |= {"wd_incr_steps", "start_wd"}
         return [
-            f"{flag} {getattr(self, name)} (checkpoint {state_dict[name]})"
+            f"{flag.format(unit=self.config.length_unit)} {self._shown(name, getattr(self, name))} "
+            f"(checkpoint {self._shown(name, state_dict[name])})"
             for name, flag in _FLAGS.items()
             if name not in ignore and getattr(self, name) != state_dict[name]
         ]
@@ -206,12 +195,12 @@ class OptimizerParamScheduler:
         """
         diffs = self.differences(state_dict)
         notes = []
-        if diffs and self.override_opt_param_scheduler:
+        if diffs and self.config.override_opt_param_scheduler:
             notes.append(
                 "--override-opt_param-scheduler: this command line's schedule replaces the checkpoint's: "
                 + ", ".join(diffs)
             )
-        elif diffs and self.use_checkpoint_opt_param_scheduler:
+        elif diffs and self.config.use_checkpoint_opt_param_scheduler:
             notes.append(
                 "--use-checkpoint-opt_param-scheduler: the checkpoint's schedule is kept; ignored from this "
                 "command line: " + ", ".join(diffs)

@@ -85,6 +85,17 @@ def is_shared_embedding(param: torch.Tensor) -> bool:
     return getattr(param, "shared_embedding", False)
 
 
+# ---- the input embedding and the output layer (--decoupled-lr) ---------------------------------
+def mark_embedding_or_output(param: torch.Tensor) -> None:
+    """``param`` is the input embedding or the output layer: ``--decoupled-lr`` gives it its own LR."""
+    param.is_embedding_or_output_parameter = True
+
+
+def is_embedding_or_output(param: torch.Tensor) -> bool:
+    """True for the input embedding and the output layer (see :func:`mark_embedding_or_output`)."""
+    return getattr(param, "is_embedding_or_output_parameter", False)
+
+
 def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
     """Give ``target`` (e.g. an fp32 main param) the TP / tied-embedding tags of ``source``."""
     for name in _PARALLEL_ATTRIBUTES:

@@ -410,7 +410,7 @@ class MeasuredRun:
             "dp": d,
             "num_microbatches": run.training.num_microbatches,
             "memory": {k: memory[k] for k in ("measured", "predicted", "measured_extra")},
-            "optimizer_host_bytes": opt.optimizer_host_bytes(),
+            "optimizer_state_bytes": opt.state_bytes(),
             "main_params": {
                 "count": len(opt.main_params),
                 "elements": sum(m.main.numel() for m in opt.main_params),

@@ -1,0 +1,236 @@
+"""The AdamW step on the main params: on the training device, or offloaded to the host.
+
+``--optimizer-cpu-offload``: the main params and moments live in (pinned) host memory and AdamW
+runs on the CPU. Everything up to AdamW (unscale, inf check, norm, clipping) still runs on the
+device grads, as without offload; then the final grads go D2H into persistent pinned buffers,
+AdamW steps on the CPU, and the updated values go H2D into the device tensors the main params
+mirror (:attr:`MainParam.home`). ``--overlap-cpu-optimizer-d2h-h2d`` pipelines that over the
+main params (:class:`HostCopies`), as Megatron's HybridDeviceOptimizer does.
+``--optimizer-offload-fraction f`` offloads some main params (Megatron's rule,
+:func:`~megalite.optim.base.offload_split`); the others step on the device, as without offload.
+AdamW is elementwise (each main param's update reads only its own grad, moments and value), so
+stepping the main params in parts gives the values of one step; each keeps its own ``step`` count.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megalite.configs import OptimizerConfig
+from megalite.optim.base import MainParam, param_group_index
+from megalite.parallel.param_attributes import grad_of
+
+
+def _fused_adamw_devices() -> set[str]:
+    """Device types whose torch has a fused AdamW kernel: none before torch 2.0, CUDA from 2.0,
+    CPU (and others) from 2.4 (torch's own list where it keeps one)."""
+    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
+        return set()
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # torch 2.0: CUDA only, and no list
+        return {"cuda"}
+    return set(_get_fused_kernels_supported_devices())
+
+
+def adamw_kernel(device: torch.device) -> tuple[dict, str]:
+    """Which of torch's AdamW implementations steps fp32 main params on ``device``, and why:
+    ``({"fused": True}, why)`` or ``({"foreach": True}, why)``.
+
+    fused wherever torch has the kernel for the device: one kernel reads each param, grad and
+    moment once per step (CUDA: no per-op launches; CPU: about 6x foreach, measured by
+    ``bench/adamw.py``, which is what ``--optimizer-cpu-offload`` runs on, as Megatron's offload
+    does). Otherwise foreach, which torch itself picks on CUDA but not on the CPU (the
+    per-tensor loop there). All three give the same moments and params within a few fp32 ulps
+    (tests/test_fused.py), and their state dicts are interchangeable.
+
+    The fused kernel's own ``grad_scale`` / ``found_inf`` arguments are not used: the fp16 loss
+    scale must come off before clipping, whose norm needs the unscaled grads, and the inf
+    check must be agreed by every rank first; both already happen in the optimizer's ``step``.
+    """
+    fused = device.type in _fused_adamw_devices()
+    why = f"torch {torch.__version__} has {'a' if fused else 'no'} fused AdamW kernel for {device.type}"
+    return ({"fused": True}, "fused: " + why) if fused else ({"foreach": True}, "foreach: " + why)
+
+
+class HostCopies:
+    """The device <-> host copies of the offloaded step, and the events that order them.
+
+    On CUDA every copy is ``non_blocking`` between device memory and pinned host memory, issued
+    on a side stream per direction with ``overlap`` (``--overlap-cpu-optimizer-d2h-h2d``), else on
+    the current stream (as Megatron's HybridDeviceOptimizer). Each stream first waits for the
+    current one (the grads are final there, and the last backward may still read the params the
+    H2D overwrites); each batch of copies records an event. Three waits keep it correct:
+
+    * :meth:`host_waits` a D2H event before the CPU reads those grads;
+    * :meth:`host_waits` an H2D event before the CPU overwrites the main params it reads (the
+      next step's AdamW, a checkpoint load);
+    * :meth:`device_waits` the H2D events: the current stream, hence the next forward, reads the
+      params only once they landed.
+
+    With the model on the CPU (a CPU-only machine) both ends are host memory: ``copy_`` has
+    finished when it returns, so there is no stream to run on and no event to wait for. The
+    same calls run; the events are ``None`` and the waits return at once.
+    """
+
+    def __init__(self, device: torch.device, overlap: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._d2h = torch.cuda.Stream(device) if self.cuda and overlap else None
+        self._h2d = torch.cuda.Stream(device) if self.cuda and overlap else None
+
+    def _copy(self, side_stream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        if not self.cuda:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        stream = side_stream or current
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+            return stream.record_event()
+
+    def d2h(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        """Device grads ``srcs`` -> pinned host buffers ``dsts``; the event (None on the CPU)."""
+        return self._copy(self._d2h, dsts, srcs)
+
+    def h2d(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        """Pinned host main params ``srcs`` -> device ``dsts`` (cast to their dtype); the event."""
+        return self._copy(self._h2d, dsts, srcs)
+
+    @staticmethod
+    def host_waits(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def device_waits(self, events) -> None:
+        current = torch.cuda.current_stream(self.device) if self.cuda else None
+        for event in events:
+            if event is not None:
+                current.wait_event(event)
+
+
+def group_settings(config: OptimizerConfig) -> list[dict]:
+    """The AdamW param groups' settings, in :func:`param_group_index` order: decayed, not decayed
+    (``wd_mult`` 0), and with ``--decoupled-lr`` the embedding and output layer's, whose
+    ``max_lr`` / ``min_lr`` the LR scheduler reads instead of its own."""
+    decayed = {"wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": config.weight_decay}
+    groups = [decayed, {"wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0}]
+    if config.decoupled_lr is not None:
+        groups.append({**decayed, "max_lr": config.decoupled_lr})
+        if config.decoupled_min_lr is not None:
+            groups[2]["min_lr"] = config.decoupled_min_lr
+    return groups
+
+
+class AdamWStep:
+    """AdamW on the main params: one ``torch.optim.AdamW`` per part, each built once on its own main
+    params with the kernel of their device (:func:`adamw_kernel`), so a step rewrites no param group.
+
+    The main params on the device are one part. The offloaded ones are ``chunks`` (indices into
+    ``mains``), a part each: with ``--overlap-cpu-optimizer-d2h-h2d`` one per main param (Megatron's
+    granularity: the CPU steps a param as soon as its grad landed, while the next grads come down and
+    the last updates go up), else one of all. Every part has the same param groups
+    (:func:`group_settings`, some empty), which the LR scheduler writes through :attr:`param_groups`.
+    ``host_grads[j]``: the pinned buffer the j-th offloaded main param's grad lands in.
+    """
+
+    def __init__(self, mains: list[MainParam], config: OptimizerConfig, device: torch.device):
+        self.mains = mains
+        self.settings = group_settings(config)
+        self.group_of = [param_group_index(m.model, config.decoupled_lr is not None) for m in mains]
+        host = [i for i, m in enumerate(mains) if m.offloaded]
+        on_device = [i for i, m in enumerate(mains) if not m.offloaded]
+        self.offload = bool(host)
+        overlap = config.overlap_cpu_optimizer_d2h_h2d
+        self.chunks = [[i] for i in host] if overlap else [host] if host else []
+        self.device_part, self.host_parts, reasons = None, [], []
+        if on_device or not host:
+            kernel, why = adamw_kernel(device)
+            reasons.append(why)
+            self.device_part = self._adamw(on_device, config, kernel)
+        if host:
+            kernel, why = adamw_kernel(torch.device("cpu"))
+            reasons.append(("offloaded: " if on_device else "") + why)
+            self.host_parts = [self._adamw(chunk, config, kernel) for chunk in self.chunks]
+        self.kernel_reason = "; ".join(reasons)
+        self.parts = ([self.device_part] if self.device_part is not None else []) + self.host_parts
+        self._part_of = {p: part for part in self.parts for g in part.param_groups for p in g["params"]}
+        pin = device.type == "cuda"
+        self.host_grads = [
+            torch.empty(mains[i].main.shape, dtype=torch.float32, pin_memory=pin) for i in host
+        ]
+        self._host_grad_of = dict(zip(host, self.host_grads))
+        self._copies = HostCopies(device, overlap) if host else None
+        self._h2d_events = [None] * len(self.chunks)  # the last H2D of each chunk's main params
+
+    def _adamw(self, indices: list[int], config: OptimizerConfig, kernel: dict) -> torch.optim.AdamW:
+        groups = [
+            {"params": [self.mains[i].main for i in indices if self.group_of[i] == g], **settings}
+            for g, settings in enumerate(self.settings)
+        ]
+        betas = (config.adam_beta1, config.adam_beta2)
+        return torch.optim.AdamW(
+            groups, lr=config.lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay, **kernel
+        )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every part's param groups (one part without offload: decayed, not decayed, decoupled)."""
+        return [g for part in self.parts for g in part.param_groups]
+
+    def state_of(self, m: MainParam) -> dict:
+        """AdamW's state of main param ``m``: ``step``, ``exp_avg``, ``exp_avg_sq`` ({} before its first step)."""
+        return self._part_of[m.main].state.get(m.main, {})
+
+    def step(self) -> None:
+        """AdamW on every main param, whose grads are final (unscaled, clipped). Offloaded: all D2H
+        are queued at once (in chunk order, on one stream); the main params on the device step there
+        meanwhile (Megatron steps its GPU optimizer first too); then chunk k steps on the CPU as soon
+        as its grads landed, and its H2D is queued, while the later D2H and the earlier H2D run."""
+        if not self.offload:
+            self.device_part.step()
+            return
+        copies, mains = self._copies, self.mains
+        landed = [
+            copies.d2h([self._host_grad_of[i] for i in chunk], [grad_of(mains[i].main) for i in chunk])
+            for chunk in self.chunks
+        ]
+        if self.device_part is not None:
+            self.device_part.step()
+        for k, chunk in enumerate(self.chunks):
+            copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
+            copies.host_waits(landed[k])  # their grads are in the host buffers
+            for i in chunk:
+                mains[i].main.grad = self._host_grad_of[i]
+            self.host_parts[k].step()
+            self._upload_chunk(k)
+        copies.device_waits(self._h2d_events)
+
+    def _upload_chunk(self, k: int) -> None:
+        """Queue the H2D of chunk ``k``'s main params into their homes (cast to the model dtype)."""
+        mains = [self.mains[i] for i in self.chunks[k]]
+        self._h2d_events[k] = self._copies.h2d([m.home for m in mains], [m.main for m in mains])
+
+    def write_main_params(self, mains: list[MainParam], values: list[torch.Tensor]) -> None:
+        """``mains`` <- ``values`` outside a step (a checkpoint load): once every H2D reading them has
+        finished; offloaded, then H2D to their homes."""
+        for event in self._h2d_events:
+            self._copies.host_waits(event)
+        for m, value in zip(mains, values):
+            m.main.copy_(value)
+        if self.offload:
+            for k in range(len(self.chunks)):
+                self._upload_chunk(k)
+            self._copies.device_waits(self._h2d_events)
+
+    def state_bytes(self, offloaded: bool | None = None) -> int:
+        """Bytes of the AdamW state (moments, ``step``) and fp32 main copies (not views of model params)
+        of the main params offloaded (True), on the device (False) or all (None)."""
+        mains = [m for m in self.mains if offloaded in (None, m.offloaded)]
+        state = sum(t.nbytes for m in mains for t in self.state_of(m).values() if torch.is_tensor(t))
+        return state + sum(m.main.nbytes for m in mains if m.is_copy)
