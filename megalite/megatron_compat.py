@@ -76,6 +76,18 @@ IGNORED: tuple[CompatFlag, ...] = (
         "computed in fp32, so the result is the same",
     ),
     CompatFlag(
+        "--attention-softmax-in-fp32",
+        0,
+        "already the case: SDPA computes the attention softmax in fp32 for bf16/fp16 inputs",
+    ),
+    CompatFlag(
+        "--cross-entropy-fusion-impl",
+        1,
+        "megalite has no Transformer Engine kernel: --cross-entropy-loss-fusion always compiles the "
+        "native fusion (the same math)",
+        choices=("native", "te"),
+    ),
+    CompatFlag(
         "--empty-unused-memory-level",
         1,
         "megalite does not call torch.cuda.empty_cache() between steps",

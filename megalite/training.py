@@ -20,8 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
-from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
+from megalite.arguments import (
+    build_configs,
+    checkpoint_config,
+    model_config,
+    parse_args,
+    start_up_lines,
+    validate_args,
+)
+from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
@@ -569,7 +576,7 @@ def pretrain(
     sits above training in the layers.
     """
     args = parse_args(argv)
-    ckpt = CheckpointConfig.from_args(args)
+    ckpt = checkpoint_config(args)
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
     # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
     if done is not None and args.train_iters is not None and done >= args.train_iters:
@@ -590,7 +597,7 @@ def pretrain(
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         print(layout, flush=True)
-    warning = ignored_flags_warning(args)
+    warning = "\n".join(start_up_lines(args))  # validate_args' notes, the ignored Megatron flags
     if mesh.rank == 0:
         warning = "\n".join(w for w in (warning, preflight and preflight(state)) if w)
     if warning and mesh.rank == 0:

@@ -193,7 +193,7 @@ def iter_microbatches(state):
 
 def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
     from megalite import profiling
-    from megalite.arguments import parse_args
+    from megalite.arguments import parse_args, validate_args
     from megalite.metrics import TrainingMonitor
 
     args = parse_args(COMMON)
@@ -207,7 +207,7 @@ def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
         (["--manual-gc-interval", "-1"], "--manual-gc-interval"),
     ]:
         with pytest.raises(MegaliteError, match=needle) as e:
-            TrainingMonitor(parse_args(COMMON + flags), rank=0)
+            TrainingMonitor(validate_args(parse_args(COMMON + flags), 1), rank=0)  # the flags' checks
         assert "\n" not in str(e.value)
 
 
