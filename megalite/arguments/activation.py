@@ -1,10 +1,8 @@
 """Activation memory and compute: sequence parallelism, recompute and compilation (Megatron's meanings)."""
 
-from __future__ import annotations
-
 import argparse
 
-from megalite.arguments.spec import add_group, choice, need, switch, value
+from megalite.arguments.spec import choice, need, switch, value
 from megalite.configs import RecomputeConfig, check_activation_memory
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -53,11 +51,7 @@ COMPILE_FLAGS = (
         "too). --torch-compile includes it.",
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "activation memory: sequence parallelism and recompute", FLAGS)
-    add_group(parser, "compilation", COMPILE_FLAGS)
+GROUPS = (("activation memory: sequence parallelism and recompute", FLAGS), ("compilation", COMPILE_FLAGS))
 
 
 def sequence_parallel(args: argparse.Namespace) -> bool:

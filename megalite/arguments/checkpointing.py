@@ -1,11 +1,9 @@
 """Checkpoint save / resume, the run's exits, and the guards that stop a run rather than let it hang
 or train on garbage (docs/training.md); :func:`checkpoint_config` makes the ``CheckpointConfig``."""
 
-from __future__ import annotations
-
 import argparse
 
-from megalite.arguments.spec import add_group, flag, from_flags, need, switch, value
+from megalite.arguments.spec import flag, from_flags, need, switch, value
 from megalite.checkpoint import CheckpointConfig
 
 
@@ -57,11 +55,7 @@ FLAGS = (
         "--exit-signal-handler", "On SIGTERM finish the current step, save and exit 0 (SLURM preemption)."
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "fault tolerance", FAULT_FLAGS)
-    add_group(parser, "checkpointing", FLAGS)
+GROUPS = (("fault tolerance", FAULT_FLAGS), ("checkpointing", FLAGS))
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -70,18 +64,12 @@ def check(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _json_able(value) -> bool:
-    scalar = (bool, int, float, str)
-    return (
-        value is None
-        or isinstance(value, scalar)
-        or (isinstance(value, (list, tuple)) and all(isinstance(x, scalar) for x in value))
-    )
-
-
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     """The checkpoint flags; ``flags`` keeps every JSON-able flag of the run, for the record."""
+    plain = (bool, int, float, str, type(None))
     flags = {
-        k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vars(args).items() if _json_able(v)
+        k: list(v) if isinstance(v, (list, tuple)) else v
+        for k, v in vars(args).items()
+        if isinstance(v, plain) or isinstance(v, (list, tuple)) and all(isinstance(x, plain[:4]) for x in v)
     }
     return from_flags(CheckpointConfig, args, flags=flags)

@@ -1,11 +1,10 @@
 """Megatron-LM flags megalite accepts without building them: parsed from the one table
 (:mod:`megalite.megatron_compat`), refused in one line, or listed in one start-up warning."""
 
-from __future__ import annotations
-
 import argparse
 
 from megalite import megatron_compat as compat
+from megalite.arguments.spec import Flag, flag
 from megalite.errors import ArgumentError
 
 
@@ -13,22 +12,23 @@ class RefusedFlagError(ArgumentError):
     """Megatron-LM flags whose feature megalite does not build; the message names the feature."""
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    """Every flag of the table, with Megatron-LM's arity and choices."""
-    for title, flags in (
-        ("Megatron-LM flags accepted and ignored (one warning line lists them)", compat.IGNORED),
-        ("Megatron-LM flags refused (the run stops naming the feature)", compat.REFUSED),
-    ):
-        g = parser.add_argument_group(title)
-        for f in flags:
-            kw: dict = {"dest": f.dest, "default": None, "help": f.note}
-            if f.nargs == 0:
-                kw.update(action="store_const", const=True)
-            else:
-                kw.update(nargs=None if f.nargs == 1 else f.nargs, metavar="VALUE")
-                if f.choices:
-                    kw["choices"] = f.choices
-            g.add_argument(f.flag, **kw)
+def _flag(f: compat.CompatFlag) -> Flag:
+    """A row of the table as a flag spec, with Megatron-LM's arity and choices."""
+    if f.nargs == 0:
+        return flag(f.flag, dest=f.dest, default=None, help=f.note, action="store_const", const=True)
+    nargs = None if f.nargs == 1 else f.nargs
+    return flag(
+        f.flag, dest=f.dest, default=None, help=f.note, nargs=nargs, metavar="VALUE", choices=f.choices
+    )
+
+
+GROUPS = (
+    (
+        "Megatron-LM flags accepted and ignored (one warning line lists them)",
+        tuple(map(_flag, compat.IGNORED)),
+    ),
+    ("Megatron-LM flags refused (the run stops naming the feature)", tuple(map(_flag, compat.REFUSED))),
+)
 
 
 def _shown(f: compat.CompatFlag, value) -> str:

@@ -1,7 +1,5 @@
 """``build_configs``: the one place the validated flag namespace becomes the run's typed configs."""
 
-from __future__ import annotations
-
 import argparse
 
 import torch

@@ -1,15 +1,9 @@
-"""Training data and the tokenizer (Megatron-LM's names).
-
-The tokenizer flags are shared by pretrain_gpt.py, tools/preprocess_data.py and tools/generate.py
-(:func:`add_tokenizer_args`); :func:`tokenizer_kwargs` turns them into ``build_tokenizer``'s
-keyword arguments.
-"""
-
-from __future__ import annotations
+"""Training data and the tokenizer flags (Megatron-LM's names; shared with tools/preprocess_data.py
+and tools/generate.py), and ``build_tokenizer``'s keyword arguments from them."""
 
 import argparse
 
-from megalite.arguments.spec import add_group, choice, flag, need, switch, value
+from megalite.arguments.spec import Flag, add_group, choice, flag, need, switch, value
 from megalite.data.tokenizers import (
     TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
@@ -36,45 +30,42 @@ FLAGS = (
 )
 
 
-def tokenizer_flags(default_type: str | None, required: bool) -> tuple:
-    return (
-        choice(
-            "--tokenizer-type",
-            [*TOKENIZER_TYPES, *TOKENIZER_ALIASES],
-            default_type,
-            "GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
-            required=required,
-        ),
-        flag("--tokenizer-model", help="sentencepiece .model, or a local HF tokenizer directory"),
-        flag("--vocab-file", help="GPT-2 vocab.json"),
-        flag("--merge-file", help="GPT-2 merges.txt"),
-        value("--vocab-size", int, None, "NullTokenizer: ids before eod; TikTokenizer: the vocabulary"),
-        choice("--tiktoken-pattern", sorted(TIKTOKEN_PATTERNS), None, "TikTokenizer split"),
-        value(
-            "--tiktoken-num-special-tokens",
-            int,
-            TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
-            "TikTokenizer: ids reserved before the file's tokens",
-        ),
-        flag("--tiktoken-special-tokens", nargs="+", help="TikTokenizer: must include <unk> <s> </s>"),
-    )
+TOKENIZER_FLAGS = (  # after --tokenizer-type, whose default and requiredness each program sets
+    flag("--tokenizer-model", help="sentencepiece .model, or a local HF tokenizer directory"),
+    flag("--vocab-file", help="GPT-2 vocab.json"),
+    flag("--merge-file", help="GPT-2 merges.txt"),
+    value("--vocab-size", int, None, "NullTokenizer: ids before eod; TikTokenizer: the vocabulary"),
+    choice("--tiktoken-pattern", sorted(TIKTOKEN_PATTERNS), None, "TikTokenizer split"),
+    value(
+        "--tiktoken-num-special-tokens",
+        int,
+        TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+        "TikTokenizer: ids reserved before the file's tokens",
+    ),
+    flag("--tiktoken-special-tokens", nargs="+", help="TikTokenizer: must include <unk> <s> </s>"),
+)
 
 
-def add_tokenizer_args(
-    parser: argparse.ArgumentParser,
-    default_type: str | None = None,
-    required: bool = True,
-    title: str = "tokenizer",
-) -> argparse.ArgumentParser:
+def tokenizer_flags(default_type: str | None = None, required: bool = True) -> tuple[Flag, ...]:
     """Megatron-LM's tokenizer flags: the one definition pretrain_gpt.py, preprocessing and
     the tools share. ``default_type``/``required``: whether ``--tokenizer-type`` must be given."""
+    kind = choice(
+        "--tokenizer-type",
+        [*TOKENIZER_TYPES, *TOKENIZER_ALIASES],
+        default_type,
+        "GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
+        required=required,
+    )
+    return (kind, *TOKENIZER_FLAGS)
+
+
+def add_tokenizer_args(parser, default_type=None, required=True, title="tokenizer"):
+    """:func:`tokenizer_flags` in ``parser`` (tools/preprocess_data.py, tools/generate.py)."""
     add_group(parser, title, tokenizer_flags(default_type, required))
     return parser
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "data and tokenizer", FLAGS)
-    add_tokenizer_args(parser, default_type="NullTokenizer", required=False)
+GROUPS = (("data and tokenizer", FLAGS), ("tokenizer", tokenizer_flags("NullTokenizer", required=False)))
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:

@@ -1,10 +1,8 @@
 """The model's flags (GPT-2 / Llama flavours, Megatron-LM's names) and the ``ModelConfig`` they make."""
 
-from __future__ import annotations
-
 import argparse
 
-from megalite.arguments.spec import add_group, choice, from_flags, need, switch, value
+from megalite.arguments.spec import choice, from_flags, need, switch, value
 from megalite.model.config import ModelConfig
 
 FLAGS = (
@@ -68,10 +66,7 @@ FLAGS = (
         "Kernel implementation; only local (pure PyTorch) is built so far.",
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "model", FLAGS)
+GROUPS = (("model", FLAGS),)
 
 
 def max_position_embeddings(args: argparse.Namespace) -> int:

@@ -1,17 +1,12 @@
-"""Logging, evaluation, metric sinks (TensorBoard, wandb, JSON lines), profiling and manual GC.
-
-Megatron-LM's names and meanings; what they do is in ``megalite/metrics.py`` and
-``megalite/profiling.py``.
-"""
-
-from __future__ import annotations
+"""Logging, evaluation, metric sinks (TensorBoard, wandb, JSON lines), profiling and manual GC:
+Megatron-LM's names and meanings, done by ``megalite/metrics.py`` and ``megalite/profiling.py``."""
 
 import argparse
 import importlib.util
 
 import torch
 
-from megalite.arguments.spec import add_group, choice, flag, need, switch, value
+from megalite.arguments.spec import choice, flag, need, switch, value
 from megalite.metrics import WANDB_INSTALL
 
 LOG_FLAGS = (
@@ -131,16 +126,15 @@ PROFILING_FLAGS = (
         "How timers are printed across ranks: the max, the (min, max), or every rank's value.",
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "logging and evaluation", LOG_FLAGS)
-    add_group(parser, "TensorBoard and Weights & Biases (Megatron-LM's tags)", SINK_FLAGS)
-    add_group(parser, "profiling", PROFILING_FLAGS)
+GROUPS = (
+    ("logging and evaluation", LOG_FLAGS),
+    ("TensorBoard and Weights & Biases (Megatron-LM's tags)", SINK_FLAGS),
+    ("profiling", PROFILING_FLAGS),
+)
 
 
 def check(args: argparse.Namespace) -> list[str]:
-    """Log and evaluation intervals, the metric sinks; notes for flags that write nothing here."""
+    """Log, evaluation and profile intervals, the metric sinks; notes for flags that do nothing here."""
     need(args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}")
     if args.eval_interval is not None:
         need(args.eval_interval >= 1, f"--eval-interval must be >= 1, got {args.eval_interval}")
@@ -162,14 +156,6 @@ def check(args: argparse.Namespace) -> list[str]:
         )
         if on
     ]
-    notes = check_profiling(args)
-    if tb_only and not (args.tensorboard_dir or args.wandb_project):
-        notes.append(f"{', '.join(tb_only)} write nothing without --tensorboard-dir or --wandb-project")
-    return notes
-
-
-def check_profiling(args: argparse.Namespace) -> list[str]:
-    """The profile window and GC interval; notes where this machine has no CUDA to profile."""
     need(args.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     notes = []
     if args.profile:
@@ -188,4 +174,6 @@ def check_profiling(args: argparse.Namespace) -> list[str]:
             "--record-memory-history records the CUDA caching allocator; on CPU there is none, "
             "so no memory snapshot is written"
         )
+    if tb_only and not (args.tensorboard_dir or args.wandb_project):
+        notes.append(f"{', '.join(tb_only)} write nothing without --tensorboard-dir or --wandb-project")
     return notes

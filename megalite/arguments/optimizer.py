@@ -1,17 +1,12 @@
-"""AdamW, the LR / weight-decay schedule, mixed precision and loss scaling, optimizer offload.
-
-The schedule's lengths are derived in SAMPLES, as Megatron-LM counts them, whether the run is
-given in iterations or in samples (:func:`derive`).
-"""
-
-from __future__ import annotations
+"""AdamW, the LR / weight-decay schedule (its lengths derived in samples, as Megatron-LM counts
+them), mixed precision and loss scaling, optimizer offload."""
 
 import argparse
 
 import torch
 
 from megalite.arguments.schedule import by_samples
-from megalite.arguments.spec import add_flags, add_group, choice, flag, need, switch, value
+from megalite.arguments.spec import choice, exclusive, flag, need, switch, value
 
 LR_FLAGS = (
     value("--lr", float, 3e-4, "Peak learning rate."),
@@ -63,23 +58,22 @@ LR_FLAGS = (
     value("--adam-beta2", float, 0.999, None),
     value("--adam-eps", float, 1e-8, None),
     value("--clip-grad", float, 1.0, "Clip by global grad norm (0 disables)."),
-)
-
-RESUME_FLAGS = (  # on resume with a changed schedule; the two exclude each other
-    flag(
-        "--override-opt_param-scheduler",
-        "--override-opt-param-scheduler",
-        dest="override_opt_param_scheduler",
-        action="store_true",
-        help="On resume, this command line's LR / weight-decay schedule replaces the checkpoint's.",
-    ),
-    flag(
-        "--use-checkpoint-opt_param-scheduler",
-        "--use-checkpoint-opt-param-scheduler",
-        dest="use_checkpoint_opt_param_scheduler",
-        action="store_true",
-        help="On resume, keep the checkpoint's LR / weight-decay schedule (changed flags are ignored, "
-        "with a note). Neither flag: a changed schedule flag stops the run.",
+    exclusive(  # on resume with a changed schedule
+        flag(
+            "--override-opt_param-scheduler",
+            "--override-opt-param-scheduler",
+            dest="override_opt_param_scheduler",
+            action="store_true",
+            help="On resume, this command line's LR / weight-decay schedule replaces the checkpoint's.",
+        ),
+        flag(
+            "--use-checkpoint-opt_param-scheduler",
+            "--use-checkpoint-opt-param-scheduler",
+            dest="use_checkpoint_opt_param_scheduler",
+            action="store_true",
+            help="On resume, keep the checkpoint's LR / weight-decay schedule (changed flags are ignored, "
+            "with a note). Neither flag: a changed schedule flag stops the run.",
+        ),
     ),
 )
 
@@ -116,13 +110,11 @@ OFFLOAD_FLAGS = (
         "the rank's own shard. No effect without --optimizer-cpu-offload (as in Megatron).",
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    group = add_group(parser, "optimizer and learning rate", LR_FLAGS)
-    add_flags(group.add_mutually_exclusive_group(), RESUME_FLAGS)
-    add_group(parser, "mixed precision and loss scaling", PRECISION_FLAGS)
-    add_group(parser, "optimizer offload", OFFLOAD_FLAGS)
+GROUPS = (
+    ("optimizer and learning rate", LR_FLAGS),
+    ("mixed precision and loss scaling", PRECISION_FLAGS),
+    ("optimizer offload", OFFLOAD_FLAGS),
+)
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -168,11 +160,7 @@ def check(args: argparse.Namespace) -> list[str]:
         f"--optimizer-offload-fraction {args.optimizer_offload_fraction} must be in [0, 1] (the share "
         "of the optimizer state --optimizer-cpu-offload keeps in host memory)",
     )
-    return check_lr_lengths(args)
-
-
-def check_lr_lengths(args: argparse.Namespace) -> list[str]:
-    """Warm-up and decay lengths: in iterations for --train-iters runs, in samples for --train-samples."""
+    # Warm-up and decay lengths: in iterations for --train-iters runs, in samples for --train-samples.
     frac = args.lr_warmup_fraction
     if by_samples(args):
         need(args.lr_decay_iters is None, "--lr-decay-iters needs --train-iters (use --lr-decay-samples)")

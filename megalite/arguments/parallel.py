@@ -1,10 +1,8 @@
 """The parallel layout (TP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
 
-from __future__ import annotations
-
 import argparse
 
-from megalite.arguments.spec import add_group, choice, need, switch, value
+from megalite.arguments.spec import choice, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
@@ -80,11 +78,10 @@ DATA_PARALLEL_FLAGS = (
         "Accumulate and reduce gradients in fp32: already megalite's default.",
     ),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "parallel layout", LAYOUT_FLAGS)
-    add_group(parser, "data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS)
+GROUPS = (
+    ("parallel layout", LAYOUT_FLAGS),
+    ("data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS),
+)
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:

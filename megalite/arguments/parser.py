@@ -1,7 +1,5 @@
 """The parser of pretrain_gpt.py: every group's flags, a ``--config`` YAML, one-line errors."""
 
-from __future__ import annotations
-
 import argparse
 import difflib
 import os
@@ -20,19 +18,18 @@ from megalite.arguments import (
     parallel,
     schedule,
 )
-from megalite.arguments.compat import add_args as add_compat_flags
-from megalite.arguments.compat import check_megatron_compat
+from megalite.arguments import compat as compat_flags
+from megalite.arguments.compat import check_megatron_compat, ignored_flags_warning
+from megalite.arguments.spec import add_group
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
-GROUPS = (model, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
+MODULES = (model, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises one-line ArgumentErrors instead of printing usage and exiting.
-
-    ``--help`` still prints the full usage (that is not an error).
-    """
+    """argparse that raises one-line ArgumentErrors instead of printing usage and exiting
+    (``--help`` still prints the full usage)."""
 
     def error(self, message: str):
         raise ArgumentError(message)
@@ -49,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--config", default=None, help="YAML file whose keys are flag names (with - or _).")
-    for group in GROUPS:
-        group.add_args(p)
-    add_compat_flags(p)
+    for module in (*MODULES, compat_flags):
+        for title, flags in module.GROUPS:
+            add_group(p, title, flags)
     return p
 
 
@@ -155,13 +152,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             typos.append(flag)
     if typos:
         known = _long_options(parser)
-        listed = []
-        for flag in typos:
-            near = _nearest(flag, known)
-            listed.append(flag + (f" (did you mean {near}?)" if near else ""))
+        listed = [f + (f" (did you mean {near}?)" if (near := _nearest(f, known)) else "") for f in typos]
         raise UnknownFlagError(
             f"unknown flag{'s' if len(typos) > 1 else ''}: {', '.join(listed)}; "
             "pretrain_gpt.py --help or docs/flags.md lists every flag"
         )
     check_megatron_compat(args, refused)
     return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check the flags against ``world_size`` and complete ``args`` with the derived values.
+
+    Raises ArgumentError (or ModelConfigError) naming the flag; prints nothing: the notes are in
+    ``args.notes`` (:func:`start_up_lines`). May run twice on one namespace.
+    """
+    args.data_parallel_size = parallel.data_parallel_size(args, world_size)
+    notes = schedule.check(args) + model.check(args) + optimizer.check(args)
+    schedule.derive(args)  # batches, microbatches, step count: the checks below read them
+    optimizer.derive(args)
+    args.max_position_embeddings = model.max_position_embeddings(args)
+    for check in (
+        schedule.check_batches,
+        optimizer.check_warmup,
+        parallel.check_layout,
+        monitoring.check,
+        data.check,
+        checkpointing.check,
+        activation.check,
+        parallel.check_data_parallel,
+    ):
+        notes += check(args)
+    activation.derive(args)
+    parallel.derive(args)
+    model.model_config(args, vocab_size=args.vocab_size or 1).validate(args.tensor_model_parallel_size)
+    args.notes = notes
+    return args
+
+
+def start_up_lines(args: argparse.Namespace) -> list[str]:
+    """What start-up prints once (rank 0): the notes of :func:`validate_args`, then the one
+    warning line listing the ignored Megatron-LM flags."""
+    warning = ignored_flags_warning(args)
+    return [f"note: {n}" for n in getattr(args, "notes", [])] + ([warning] if warning else [])

@@ -1,14 +1,9 @@
-"""The training schedule: batch sizes (constant, ramp-up or stepped), step count, seed.
-
-Megatron-LM's rules: ``--train-iters`` or ``--train-samples`` (not both); a sample-based run's
-step count follows from its batch schedule.
-"""
-
-from __future__ import annotations
+"""The training schedule: batch sizes (constant, ramp-up or stepped), step count, seed; a
+``--train-samples`` run's step count follows from its batch schedule (Megatron-LM's rules)."""
 
 import argparse
 
-from megalite.arguments.spec import add_group, flag, need, value
+from megalite.arguments.spec import flag, need, value
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
 from megalite.errors import ArgumentError
 
@@ -39,10 +34,7 @@ FLAGS = (
     ),
     value("--seed", int, 1234, "Random seed (model init, data order, dropout)."),
 )
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, "training", FLAGS)
+GROUPS = (("training", FLAGS),)
 
 
 def by_samples(args: argparse.Namespace) -> bool:

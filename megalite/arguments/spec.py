@@ -1,10 +1,8 @@
 """What every flag group shares: flag specs as data, the one-line check, and flags -> config fields.
 
-A group module lists its flags as a tuple of :func:`switch` / :func:`value` / :func:`choice` specs and adds them
-with :func:`add_group`; its checks call :func:`need`, whose ArgumentError names the flag.
+A group module lists its flags in ``GROUPS``, (title, specs) pairs, built with :func:`switch`,
+:func:`value`, :func:`choice`; its checks call :func:`need`, whose ArgumentError names the flag.
 """
-
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -34,9 +32,17 @@ def choice(name: str, choices, default, help: str, **kwargs) -> Flag:
     return flag(name, choices=choices, default=default, help=help, **kwargs)
 
 
+def exclusive(*flags: Flag) -> Flag:
+    """Flags that exclude each other (argparse refuses two of them in one line)."""
+    return (), {"exclusive": flags}
+
+
 def add_flags(container, flags: tuple[Flag, ...]) -> None:
     for names, kwargs in flags:
-        container.add_argument(*names, **kwargs)
+        if names:
+            container.add_argument(*names, **kwargs)
+        else:
+            add_flags(container.add_mutually_exclusive_group(), kwargs["exclusive"])
 
 
 def add_group(parser: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...]):
