@@ -160,24 +160,20 @@ def check(args: argparse.Namespace) -> list[str]:
         f"--optimizer-offload-fraction {args.optimizer_offload_fraction} must be in [0, 1] (the share "
         "of the optimizer state --optimizer-cpu-offload keeps in host memory)",
     )
-    # Warm-up and decay lengths: in iterations for --train-iters runs, in samples for --train-samples.
-    frac = args.lr_warmup_fraction
-    if by_samples(args):
-        need(args.lr_decay_iters is None, "--lr-decay-iters needs --train-iters (use --lr-decay-samples)")
-        need(args.lr_warmup_iters == 0, "--lr-warmup-iters needs --train-iters (use --lr-warmup-samples)")
+    # Warm-up and decay lengths are in the run's unit: iterations with --train-iters, samples with
+    # --train-samples (Megatron-LM's rule); the other unit's flags are refused.
+    unit, other = ("samples", "iters") if by_samples(args) else ("iters", "samples")
+    for what, unset in (("decay", None), ("warmup", 0)):
         need(
-            frac is None or args.lr_warmup_samples == 0,
-            "--lr-warmup-fraction and --lr-warmup-samples exclude each other; pick one",
+            getattr(args, f"lr_{what}_{other}") == unset,
+            f"--lr-{what}-{other} needs --train-{other}; this run gives --train-{unit}: use --lr-{what}-{unit}",
         )
-        need(args.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {args.lr_warmup_samples}")
-    else:
-        need(args.lr_decay_samples is None, "--lr-decay-samples needs --train-samples (not --train-iters)")
-        need(args.lr_warmup_samples == 0, "--lr-warmup-samples needs --train-samples (not --train-iters)")
-        need(
-            frac is None or args.lr_warmup_iters == 0,
-            "--lr-warmup-fraction and --lr-warmup-iters exclude each other; pick one",
-        )
-        need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    frac, warmup = args.lr_warmup_fraction, getattr(args, f"lr_warmup_{unit}")
+    need(
+        frac is None or warmup == 0,
+        f"--lr-warmup-fraction and --lr-warmup-{unit} exclude each other; pick one",
+    )
+    need(warmup >= 0, f"--lr-warmup-{unit} must be >= 0, got {warmup}")
     need(frac is None or 0.0 <= frac < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {frac}")
     return []
 
