@@ -166,8 +166,8 @@ def main(argv=None) -> int:
     argv_run = pretrain_argv(a, world_size)
     results = {mode: run_mode(a, argv_run, compiled=mode == "compiled") for mode in a.modes}
 
-    from megalite.arguments import model_config, parse_args
-    from megalite.data.tokenizers import build_tokenizer, tokenizer_kwargs
+    from megalite.arguments import model_config, parse_args, tokenizer_kwargs
+    from megalite.data.tokenizers import build_tokenizer
 
     args = parse_args(argv_run)  # the model the runs built (tp 1), for its FLOPs per token
     config = model_config(args, vocab_size=build_tokenizer(**tokenizer_kwargs(args)).vocab_size)

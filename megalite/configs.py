@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megalite.errors import ArgumentError
+
+if TYPE_CHECKING:  # the checkpoint package sits above configs: a type only
+    from megalite.checkpoint import CheckpointConfig
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -307,5 +310,6 @@ class RunConfig:
     scheduler: SchedulerConfig
     training: TrainingConfig
     data: DataConfig
+    checkpoint: CheckpointConfig
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

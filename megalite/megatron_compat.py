@@ -75,6 +75,13 @@ IGNORED: tuple[CompatFlag, ...] = (
         "only rescales fp16 attention scores before an fp32 softmax; SDPA's softmax is already "
         "computed in fp32, so the result is the same",
     ),
+    CompatFlag("--attention-softmax-in-fp32", 0, "SDPA's softmax is already fp32 for bf16/fp16 inputs"),
+    CompatFlag(
+        "--cross-entropy-fusion-impl",
+        1,
+        "no Transformer Engine kernel: --cross-entropy-loss-fusion compiles the native fusion (same math)",
+        choices=("native", "te"),
+    ),
     CompatFlag(
         "--empty-unused-memory-level",
         1,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,7 +15,7 @@ from megalite.configs import LoggingConfig, ProfilingConfig
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 from megalite.parallel.mappings import all_gather_flat
-from megalite.profiling import Profiler, add_profiling_args, check_profiling_args
+from megalite.profiling import Profiler
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), by a substring of the device name.
 _PEAK_TFLOPS = {
@@ -71,93 +70,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# ---------------------------------------------------------------------------- flags
-def add_logging_args(parser) -> None:
-    """Megatron-LM's TensorBoard, wandb, profiling and GC flags (called once by build_parser)."""
-    g = parser.add_argument_group("TensorBoard and Weights & Biases (Megatron-LM's tags)")
-    g.add_argument(
-        "--tensorboard-log-interval",
-        type=int,
-        default=1,
-        help="Steps between Megatron-named TensorBoard/wandb scalars (lm loss, learning-rate, ...).",
-    )
-    g.add_argument(
-        "--tensorboard-queue-size",
-        type=int,
-        default=1000,
-        help="TensorBoard events buffered before a write to disk.",
-    )
-    g.add_argument(
-        "--log-timers-to-tensorboard",
-        action="store_true",
-        help="Write iteration-time (and with --log-throughput, throughput) at each log line, and "
-        "with --timing-log-level 1 or 2 Megatron's per-phase timers (forward-backward-time, ...).",
-    )
-    g.add_argument(
-        "--log-memory-to-tensorboard",
-        action="store_true",
-        help="Write mem-* allocator statistics (CUDA; on CPU the peak RSS, mem-max-rss-bytes).",
-    )
-    g.add_argument(
-        "--log-params-norm",
-        action="store_true",
-        help="Compute and log the global params norm (one all-reduce per TensorBoard step and log line).",
-    )
-    g.add_argument(
-        "--log-num-zeros-in-grad",
-        action="store_true",
-        help="Count and log the zero elements of the gradient (one all-reduce and host sync per step).",
-    )
-    g.add_argument(
-        "--log-validation-ppl-to-tensorboard",
-        action="store_true",
-        help="Also write validation perplexity (lm loss validation ppl).",
-    )
-    g.add_argument(
-        "--log-throughput",
-        action="store_true",
-        help="Log TFLOP/s per device as 'throughput' (megalite always prints it on the log line).",
-    )
-    g.add_argument(
-        "--no-log-loss-scale-to-tensorboard",
-        dest="log_loss_scale_to_tensorboard",
-        action="store_false",
-        help="Do not write loss-scale (written by default).",
-    )
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write world-size.")
-    g.add_argument(
-        "--wandb-project", default=None, help="Log to this Weights & Biases project (needs megalite[wandb])."
-    )
-    g.add_argument("--wandb-exp-name", default=None, help="The wandb run name.")
-    g.add_argument(
-        "--wandb-save-dir", default=None, help="Local wandb directory (default --save/wandb, else ./wandb)."
-    )
-    g.add_argument("--wandb-entity", default=None, help="The wandb entity (team or user).")
-    add_profiling_args(parser)
-
-
 WANDB_INSTALL = "pip install 'megalite[wandb]'"
-
-
-def check_logging_args(args) -> list[str]:
-    """Raise MegaliteError on bad logging/profiling flags; return one-line notes for rank 0."""
-    if args.tensorboard_log_interval < 1:
-        raise MegaliteError(f"--tensorboard-log-interval must be >= 1, got {args.tensorboard_log_interval}")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise MegaliteError(f"--wandb-project needs the wandb package: {WANDB_INSTALL}")
-    notes = check_profiling_args(args)
-    tb_only = [
-        flag
-        for flag, on in (
-            ("--log-timers-to-tensorboard", args.log_timers_to_tensorboard),
-            ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
-            ("--log-validation-ppl-to-tensorboard", args.log_validation_ppl_to_tensorboard),
-        )
-        if on
-    ]
-    if tb_only and not (args.tensorboard_dir or args.wandb_project):
-        notes.append(f"{', '.join(tb_only)} write nothing without --tensorboard-dir or --wandb-project")
-    return notes
 
 
 # ---------------------------------------------------------------------------- sinks

@@ -21,8 +21,15 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite import log
-from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
-from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
+from megalite.arguments import (
+    build_configs,
+    checkpoint_config,
+    model_config,
+    parse_args,
+    start_up_lines,
+    validate_args,
+)
+from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
@@ -32,7 +39,6 @@ from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
-    check_logging_args,
     detect_peak_tflops,
     model_flops_per_token,
     peak_memory_mb,
@@ -535,7 +541,7 @@ def pretrain(
     args = parse_args(argv)
     log.configure(args.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    ckpt = CheckpointConfig.from_args(args)
+    ckpt = checkpoint_config(args)
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
     # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
     if done is not None and args.train_iters is not None and done >= args.train_iters:
@@ -545,9 +551,6 @@ def pretrain(
                 "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return {}
-    for note in check_logging_args(args):  # bad values stop here, before anything is built
-        if rank0:
-            logger.warning(f"megalite: note: {note}")
     state = setup(args)
     monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
@@ -558,7 +561,7 @@ def pretrain(
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         logger.info(layout)
-    warning = ignored_flags_warning(args)
+    warning = "\n".join(start_up_lines(args))  # validate_args' notes, the ignored Megatron flags
     if mesh.rank == 0:
         warning = "\n".join(w for w in (warning, preflight and preflight(state)) if w)
     if warning and mesh.rank == 0:

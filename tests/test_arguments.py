@@ -194,3 +194,66 @@ def test_eod_mask_loss_reaches_the_samples():
         assert (tokens == eod).any(), "the mock stream has documents, so eod tokens"
         expected = (tokens != eod).float() if masked else torch.ones_like(mask)
         assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("flag", ["--use-torch-fsdp2", "--use-megatron-fsdp"])
+def test_fsdp_flags_say_which_zero3_runs(flag, capsys):
+    """The FSDP spellings run megalite's own ZeRO-3; start-up says so in one note (not validation)."""
+    from megalite.arguments import start_up_lines
+
+    a = parsed(flag)
+    assert a.data_parallel_sharding_strategy == "optim_grads_params" and a.use_distributed_optimizer
+    assert capsys.readouterr().out == ""  # validate_args returns its notes; pretrain prints them
+    notes = [line for line in start_up_lines(a) if "ZeRO-3" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: {flag} runs megalite's own ZeRO-3"), notes
+    assert "not torch's FSDP2 fully_shard" in notes[0] and "\n" not in notes[0]
+    assert not [line for line in start_up_lines(parsed()) if "ZeRO-3" in line]
+
+
+def test_every_flag_is_wired_or_in_the_compat_table():
+    """Each flag of build_parser() is read by megalite (``args.<dest>``, ``getattr(args, "<dest>"``,
+    or a config field that ``from_flags`` fills by its name) or is a row of megatron_compat's table,
+    whose warning says what megalite does instead: no flag is parsed and silently ignored."""
+    import ast
+    import dataclasses
+    import importlib
+    import re
+    from pathlib import Path
+
+    from megalite import megatron_compat
+    from megalite.arguments import build_parser
+
+    package = Path(__file__).resolve().parents[1] / "megalite"
+    sources = {p: p.read_text() for p in package.rglob("*.py")}
+    filled = set()  # config fields filled from the flag of the same name
+    for path in (package / "arguments").glob("*.py"):
+        module = importlib.import_module("megalite.arguments." + path.stem)
+        for node in ast.walk(ast.parse(sources[path])):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "from_flags":
+                given = {k.arg for k in node.keywords}
+                filled |= {f.name for f in dataclasses.fields(getattr(module, node.args[0].id))} - given
+    assert {"tensor_model_parallel_size", "lr", "save"} <= filled  # the scan sees from_flags
+    code = "\n".join(sources.values())
+    table = {f.dest for f in megatron_compat.ALL}
+    unread = [
+        a.option_strings[0]
+        for a in build_parser()._actions
+        if a.dest not in ("help", "config")  # --config is read before parsing
+        and a.dest not in table
+        and a.dest not in filled
+        and not re.search(rf"\bargs\.{a.dest}\b|getattr\(args, \"{a.dest}\"", code)
+    ]
+    assert not unread, f"parsed but never read; wire them or list them in megatron_compat: {unread}"
+
+
+def test_start_up_prints_the_notes_once(capsys):
+    """pretrain() prints validate_args' notes once, with the layout line, before training."""
+    from megalite.training import pretrain
+
+    pretrain([*BASE, "--train-iters", "1", "--hidden-size", "32", "--seq-length", "16",
+              "--use-torch-fsdp2", "--sequence-parallel"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    notes = [line for line in out if line.startswith("note: ")]
+    assert len(notes) == 2, out
+    assert notes[0] == "note: --sequence-parallel is a no-op with --tensor-model-parallel-size 1; disabled"
+    assert notes[1].startswith("note: --use-torch-fsdp2 runs megalite's own ZeRO-3")

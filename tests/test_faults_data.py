@@ -2,7 +2,7 @@
 
 Each failing case asserts exit code 2, one ``error:`` line naming the flag or the file,
 no traceback, and that the inputs are unchanged (hashed before and after). The entry
-points run in-process (``pretrain_gpt.main`` / ``preprocess.main``: the same code as
+points run in-process (``pretrain_gpt.main`` / ``preprocess_data.main``: the same code as
 the scripts), and once each as a real subprocess, to see the stderr a user sees.
 Damaged caches are not errors: they are rebuilt with a one-line warning.
 """
@@ -27,17 +27,25 @@ from megalite.data.blended_dataset import BlendedDataset
 from megalite.data.gpt_dataset import GPTDataset
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.integrity import TokenIdError, checked_batches, scan_token_range
-from megalite.data.preprocess import main as preprocess_main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL, BIG = 100, 1000  # NullTokenizer --vocab-size of the run / of the "bigger tokenizer"
 
 
-def _load_pretrain_gpt():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_entry", REPO / "pretrain_gpt.py")
+def _load_script(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_pretrain_gpt():
+    return _load_script("pretrain_gpt.py", "pretrain_gpt_entry")
+
+
+def preprocess_main(argv):
+    """tools/preprocess_data.py's main, in-process (its parser lives in the script)."""
+    return _load_script("tools/preprocess_data.py", "preprocess_data_entry").main(argv)
 
 
 def sha(*paths) -> dict:

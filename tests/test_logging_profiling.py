@@ -202,8 +202,7 @@ def _monitor(argv):
 
 def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
     from megalite import profiling
-    from megalite.arguments import parse_args
-    from megalite.metrics import check_logging_args
+    from megalite.arguments import parse_args, validate_args
 
     args = parse_args(COMMON)
     monitor = _monitor(COMMON)
@@ -216,7 +215,7 @@ def test_features_off_cost_nothing_and_bad_values_stop_in_one_line():
         (["--manual-gc-interval", "-1"], "--manual-gc-interval"),
     ]:
         with pytest.raises(MegaliteError, match=needle) as e:
-            check_logging_args(parse_args(COMMON + flags))
+            validate_args(parse_args(COMMON + flags), 1)  # the flags' checks
         assert "\n" not in str(e.value)
 
 

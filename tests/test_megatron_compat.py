@@ -474,7 +474,7 @@ def test_yaml_values_checked_like_the_command_line_all_at_once(tmp_path):
 
 def test_split_tokenizer_names_and_megatron_defaults():
     from megalite.data.gpt_dataset import parse_split
-    from megalite.data.tokenizers import _ALIASES
+    from megalite.data.tokenizers import TOKENIZER_ALIASES as _ALIASES
 
     assert parse_split("'99,1,0'") == parse_split("99,1,0") == parse_split("99/1/0") == [0.99, 0.01, 0.0]
     assert _ALIASES["Llama2Tokenizer"] == _ALIASES["GPTSentencePieceTokenizer"] == "SentencePieceTokenizer"

@@ -131,7 +131,7 @@ def test_recompute_layer_counts_follow_the_models_units():
     assert chunk_layer_counts(MemoryLayout(recompute_method="uniform", **full), 5) == {"full": 3, "none": 0}
     assert chunk_layer_counts(MemoryLayout(recompute_method="block", **full), 5) == {"full": 2, "none": 3}
     assert chunk_layer_counts(MemoryLayout(recompute_granularity="selective"), 2) == {"selective": 2}
-    # One validation: the flags' own (arguments.validate_sequence_parallel_and_recompute).
+    # One validation: the flags' own (configs.check_activation_memory, via arguments/activation.py).
     with pytest.raises(ArgumentError, match="--recompute-method needs --recompute-granularity full"):
         MemoryLayout(recompute_method="uniform").validate()
     with pytest.raises(ArgumentError, match="--seq-length .*--sequence-parallel"):

@@ -27,7 +27,7 @@ from conftest import (
     reference,
 )
 
-from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.arguments import ArgumentError, parse_args, start_up_lines, validate_args
 from megalite.configs import ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks, recompute_units
@@ -258,7 +258,11 @@ BASE = ["--mock-data", "--vocab-size", "100", "--seq-length", "10", "--train-ite
 
 
 def parsed(*flags, world=1):
-    return validate_args(parse_args([*BASE, *flags]), world)
+    """Validated flags; prints what start-up prints of them (validate_args itself prints nothing)."""
+    args = validate_args(parse_args([*BASE, *flags]), world)
+    for line in start_up_lines(args):
+        print(line)
+    return args
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ def render() -> str:
     out = [
         "# pretrain_gpt.py flags",
         "",
-        "Generated from `megalite/arguments.py` and `megalite/megatron_compat.py` by",
+        "Generated from `megalite/arguments/` and `megalite/megatron_compat.py` by",
         "`python tools/gen_flags_doc.py`; do not edit by hand.",
         "",
         "Every Megatron-LM flag falls in one of three classes:",

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.arguments import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
-from megalite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
 from megalite.errors import MegaliteError  # noqa: E402
 
 

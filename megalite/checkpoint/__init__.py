@@ -1,6 +1,6 @@
 """Sharded checkpoints on torch.distributed.checkpoint, resharded on load to any layout.
 
-Training (collective, every rank; ``config``: CheckpointConfig.from_args(args), default from ``state.args``)::
+Training (collective, every rank; ``config``: a CheckpointConfig, default ``state.configs.checkpoint``)::
 
     save_checkpoint(state, config)          # SAVE/iter_N + tracker, atomically
     load_checkpoint(state, config)          # --load / --ckpt-step / --finetune / --no-load-optim / --no-load-rng

@@ -16,7 +16,6 @@ tensors its own layout needs, whatever layout wrote them.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -46,7 +45,8 @@ logger = log.get_logger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """The run's checkpoint flags (Megatron-LM's names), all that this package reads of them."""
+    """The run's checkpoint flags (Megatron-LM's names), all that this package reads of them
+    (``megalite.arguments.checkpoint_config(args)``; a run's is ``state.configs.checkpoint``)."""
 
     save: str | None = None  # --save DIR
     save_interval: int | None = None
@@ -59,18 +59,6 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
     flags: dict = dataclasses.field(default_factory=dict)  # every flag of the run, kept in the metadata
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
-        """From parsed flags; ``flags`` keeps the JSON-able ones, for the record."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "flags"]
-        flags = {}
-        for k, v in vars(args).items():
-            if v is None or isinstance(v, (bool, int, float, str)):
-                flags[k] = v
-            elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
-                flags[k] = list(v)
-        return cls(**{k: getattr(args, k) for k in names}, flags=flags)
 
 
 def _log(mesh: Mesh, msg: str, level: int = logging.INFO) -> None:
@@ -173,9 +161,9 @@ def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False
 def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
     """Collective: write ``SAVE/iter_N`` for ``state.iteration`` and point the tracker at it.
 
-    ``config``: the checkpoint flags (default: read from ``state.args``).
+    ``config``: the checkpoint flags (default: ``state.configs.checkpoint``).
     """
-    config = config or CheckpointConfig.from_args(state.args)
+    config = config or state.configs.checkpoint
     mesh, optimizer, root, iteration = state.mesh, state.optimizer, Path(config.save), state.iteration
     start = time.perf_counter()
     if mesh.rank == 0:
@@ -292,9 +280,9 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     ``--finetune``: weights only; iteration, samples and optimizer start fresh.
     ``--no-load-optim``: fresh Adam moments / fp32 copies / loss scale; iteration,
     samples and LR schedule continue. ``--no-load-rng``: keep this run's seeded RNG.
-    ``config``: the checkpoint flags (default: read from ``state.args``).
+    ``config``: the checkpoint flags (default: ``state.configs.checkpoint``).
     """
-    config = config or CheckpointConfig.from_args(state.args)
+    config = config or state.configs.checkpoint
     mesh, model_config = state.mesh, state.config
     if not config.load:
         return False

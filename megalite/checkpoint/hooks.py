@@ -1,7 +1,7 @@
 """When the training loop saves and stops: ``--save-interval``, end of training, exit conditions.
 
 ``CheckpointHooks(state, config=None)`` is created after the checkpoint is loaded
-(``config``: a :class:`CheckpointConfig`, by default read from ``state.args``); the loop
+(``config``: a :class:`CheckpointConfig`, by default ``state.configs.checkpoint``); the loop
 calls ``after_step(state)`` after every iteration (True = save done, stop now)
 and ``at_end(state)`` once the loop is over.
 
@@ -47,7 +47,7 @@ class SignalFlag:
 
 class CheckpointHooks:
     def __init__(self, state, config: CheckpointConfig | None = None):
-        self.config = config or CheckpointConfig.from_args(state.args)
+        self.config = config or state.configs.checkpoint
         # Collective: --save is writable by every rank and no other job writes it (a lock, until close()).
         self.lock = claim_save_dir(self.config, state.mesh)
         self.start = time.monotonic()

@@ -28,7 +28,6 @@ import importlib
 _EXPORTS = {
     "build_tokenizer": "tokenizers",
     "Tokenizer": "tokenizers",
-    "add_tokenizer_args": "tokenizers",
     "IndexedDataset": "indexed_dataset",
     "IndexedDatasetBuilder": "indexed_dataset",
     "IndexedDatasetError": "indexed_dataset",

@@ -30,7 +30,6 @@ How it stays fast and small:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import glob
@@ -38,7 +37,6 @@ import gzip
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -48,10 +46,8 @@ import numpy as np
 from megalite.data.indexed_dataset import DType, IndexedDatasetBuilder
 from megalite.data.optional import require
 from megalite.data.progress import Progress
-from megalite.data.tokenizers import Tokenizer, add_tokenizer_args, build_tokenizer, tokenizer_kwargs
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import InputError, MegaliteError
-from megalite.log import configure as configure_log
-from megalite.log import error as log_error
 from megalite.log import get_logger
 
 logger = get_logger(__name__)
@@ -534,50 +530,3 @@ def preprocess(
             + ", ".join(p + ".bin/.idx" for p in stats["outputs"])
         )
     return stats
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Tokenize text corpora into Megatron-LM .bin/.idx files.")
-    g = p.add_argument_group("input data")
-    g.add_argument(
-        "--input",
-        required=True,
-        nargs="+",
-        help=".jsonl, .jsonl.gz, .jsonl.zst, .parquet files or save_to_disk folders; globs allowed",
-    )
-    g.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="keys / columns to extract (one output per key)"
-    )
-    add_tokenizer_args(p)
-    g = p.add_argument_group("output data")
-    g.add_argument(
-        "--output-prefix",
-        required=True,
-        nargs="+",
-        help="writes {prefix}_{key}_document.bin/.idx; one per input file when as many are given",
-    )
-    g.add_argument("--append-eod", action="store_true", help="append the eod id to every document")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, required=True, help="worker processes tokenizing in parallel")
-    g.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="input bytes per work item")
-    g.add_argument("--log-interval", type=int, default=1000, help="accepted (Megatron's); see docs/data.md")
-    return p
-
-
-def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    configure_log()  # INFO, on stderr
-    try:
-        return preprocess(
-            args.input,
-            args.output_prefix,
-            tokenizer_kwargs(args),
-            json_keys=tuple(args.json_keys),
-            workers=args.workers,
-            append_eod=args.append_eod,
-            chunk_bytes=args.chunk_bytes,
-            log_interval=args.log_interval,
-        )
-    except MegaliteError as e:
-        log_error("preprocess_data.py", str(e))
-        sys.exit(2)

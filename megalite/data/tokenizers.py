@@ -26,7 +26,6 @@ not, so data made with Megatron's ``GPTSentencePieceTokenizer`` has the same ids
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -47,7 +46,7 @@ TOKENIZER_TYPES = (
     "NullTokenizer",
 )
 # Megatron-LM's names for the same SentencePiece model (Llama2Tokenizer: Mixtral's script).
-_ALIASES = {
+TOKENIZER_ALIASES = {
     "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
     "Llama2Tokenizer": "SentencePieceTokenizer",
 }
@@ -466,7 +465,7 @@ def build_tokenizer(
     tiktoken_special_tokens: list[str] | None = None,
 ) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``, from the files of the other flags."""
-    kind = _ALIASES.get(tokenizer_type, tokenizer_type)
+    kind = TOKENIZER_ALIASES.get(tokenizer_type, tokenizer_type)
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(
             _need_file(tokenizer_model, "--tokenizer-model", kind, "a sentencepiece .model file")
@@ -499,61 +498,3 @@ def build_tokenizer(
             )
         return NullTokenizer(int(vocab_size))
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def add_tokenizer_args(
-    parser: argparse.ArgumentParser,
-    default_type: str | None = None,
-    required: bool = True,
-    title: str = "tokenizer",
-) -> argparse.ArgumentParser:
-    """Megatron-LM's tokenizer flags: the one definition pretrain_gpt.py, preprocessing and
-    the tools share. ``default_type``/``required``: whether ``--tokenizer-type`` must be given."""
-    g = parser.add_argument_group(title)
-    g.add_argument(
-        "--tokenizer-type",
-        required=required,
-        default=default_type,
-        choices=[*TOKENIZER_TYPES, *_ALIASES],
-        help="GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
-    )
-    g.add_argument(
-        "--tokenizer-model", default=None, help="sentencepiece .model, or a local HF tokenizer directory"
-    )
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    g.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="NullTokenizer: ids before eod; TikTokenizer: the vocabulary",
-    )
-    g.add_argument(
-        "--tiktoken-pattern", default=None, choices=sorted(TIKTOKEN_PATTERNS), help="TikTokenizer split"
-    )
-    g.add_argument(
-        "--tiktoken-num-special-tokens",
-        type=int,
-        default=TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
-        help="TikTokenizer: ids reserved before the file's tokens",
-    )
-    g.add_argument(
-        "--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: must include <unk> <s> </s>"
-    )
-    return parser
-
-
-def tokenizer_kwargs(args: argparse.Namespace) -> dict:
-    """The ``build_tokenizer`` keyword arguments of parsed ``add_tokenizer_args`` flags."""
-    kwargs = dict(
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=getattr(args, "tokenizer_model", None),
-        vocab_file=getattr(args, "vocab_file", None),
-        merge_file=getattr(args, "merge_file", None),
-        vocab_size=getattr(args, "vocab_size", None),
-        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
-        tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
-    )
-    if getattr(args, "tiktoken_num_special_tokens", None) is not None:
-        kwargs["tiktoken_num_special_tokens"] = args.tiktoken_num_special_tokens
-    return kwargs

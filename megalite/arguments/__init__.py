@@ -1,0 +1,58 @@
+"""Command-line flags, with Megatron-LM's names, plus an optional YAML ``--config``.
+
+One module per concern, each with its flags (as data) and its checks next to them:
+
+- ``model``          the model's shape and flavour; ``model_config(args, vocab_size)``
+- ``activation``     sequence parallelism, recompute, compilation
+- ``parallel``       the layout (TP, PP, virtual stages, DP) and the ZeRO sharding strategy
+- ``schedule``       batch sizes, ramp-up, step count
+- ``optimizer``      AdamW, LR / weight-decay schedule, mixed precision, offload
+- ``data``           data paths and the tokenizer flags (shared with the tools)
+- ``monitoring``     logging, evaluation, TensorBoard / wandb, profiling
+- ``checkpointing``  save / resume / exit, fault tolerance; ``checkpoint_config(args)``
+- ``compat``         Megatron-LM flags accepted-and-ignored or refused (:mod:`megalite.megatron_compat`)
+
+``parse_args(argv)`` returns an ``argparse.Namespace`` (``parser``); ``validate_args(args,
+world_size)`` runs the checks, which are pure (a one-line ArgumentError naming the flag, or notes
+that start-up prints: ``start_up_lines``), and the derivations, which complete the namespace
+(dp size, microbatches, the LR schedule in samples, ...); ``build_configs(args)`` (``configs``)
+makes the typed configs. docs/flags.md is generated from ``build_parser()``.
+"""
+
+from megalite.arguments.activation import COMPILE_MODES
+from megalite.arguments.checkpointing import checkpoint_config
+from megalite.arguments.compat import RefusedFlagError, check_megatron_compat, ignored_flags_warning
+from megalite.arguments.configs import build_configs
+from megalite.arguments.data import add_tokenizer_args, tokenizer_kwargs
+from megalite.arguments.model import model_config
+from megalite.arguments.optimizer import params_dtype
+from megalite.arguments.parallel import SHARDING_STRATEGIES, sharding_strategy
+from megalite.arguments.parser import (
+    UnknownFlagError,
+    build_parser,
+    parse_args,
+    start_up_lines,
+    validate_args,
+)
+from megalite.errors import ArgumentError
+
+__all__ = [
+    "COMPILE_MODES",
+    "SHARDING_STRATEGIES",
+    "ArgumentError",
+    "RefusedFlagError",
+    "UnknownFlagError",
+    "add_tokenizer_args",
+    "build_configs",
+    "build_parser",
+    "check_megatron_compat",
+    "checkpoint_config",
+    "ignored_flags_warning",
+    "model_config",
+    "params_dtype",
+    "parse_args",
+    "sharding_strategy",
+    "start_up_lines",
+    "tokenizer_kwargs",
+    "validate_args",
+]

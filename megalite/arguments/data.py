@@ -1,0 +1,94 @@
+"""Training data and the tokenizer flags (Megatron-LM's names; shared with tools/preprocess_data.py
+and tools/generate.py), and ``build_tokenizer``'s keyword arguments from them."""
+
+import argparse
+
+from megalite.arguments.spec import Flag, add_group, choice, flag, need, switch, value
+from megalite.data.tokenizers import (
+    TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+    TIKTOKEN_PATTERNS,
+    TOKENIZER_ALIASES,
+    TOKENIZER_TYPES,
+)
+
+FLAGS = (
+    flag(
+        "--data-path", nargs="*", help="Dataset prefix(es), optionally weighted: 'PREFIX' or '0.3 A 0.7 B'."
+    ),
+    flag(
+        "--split",
+        default="969,30,1",
+        help="Train/valid/test split weights, Megatron's syntax ('99,1,0', '98/2/0'; quotes allowed).",
+    ),
+    flag("--data-cache-path", help="Where index caches go (default next to the data)."),
+    switch("--mock-data", "Train on a deterministic synthetic token stream."),
+    switch(
+        "--eod-mask-loss",
+        "No loss on predicting the token after an end-of-document token (Megatron's meaning).",
+    ),
+    value("--num-workers", int, 0, "DataLoader worker processes (Megatron: 2; here 0, the main process)."),
+)
+
+
+TOKENIZER_FLAGS = (  # after --tokenizer-type, whose default and requiredness each program sets
+    flag("--tokenizer-model", help="sentencepiece .model, or a local HF tokenizer directory"),
+    flag("--vocab-file", help="GPT-2 vocab.json"),
+    flag("--merge-file", help="GPT-2 merges.txt"),
+    value("--vocab-size", int, None, "NullTokenizer: ids before eod; TikTokenizer: the vocabulary"),
+    choice("--tiktoken-pattern", sorted(TIKTOKEN_PATTERNS), None, "TikTokenizer split"),
+    value(
+        "--tiktoken-num-special-tokens",
+        int,
+        TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
+        "TikTokenizer: ids reserved before the file's tokens",
+    ),
+    flag("--tiktoken-special-tokens", nargs="+", help="TikTokenizer: must include <unk> <s> </s>"),
+)
+
+
+def tokenizer_flags(default_type: str | None = None, required: bool = True) -> tuple[Flag, ...]:
+    """Megatron-LM's tokenizer flags: the one definition pretrain_gpt.py, preprocessing and
+    the tools share. ``default_type``/``required``: whether ``--tokenizer-type`` must be given."""
+    kind = choice(
+        "--tokenizer-type",
+        [*TOKENIZER_TYPES, *TOKENIZER_ALIASES],
+        default_type,
+        "GPTSentencePieceTokenizer and Llama2Tokenizer name the SentencePieceTokenizer.",
+        required=required,
+    )
+    return (kind, *TOKENIZER_FLAGS)
+
+
+def add_tokenizer_args(parser, default_type=None, required=True, title="tokenizer"):
+    """:func:`tokenizer_flags` in ``parser`` (tools/preprocess_data.py, tools/generate.py)."""
+    add_group(parser, title, tokenizer_flags(default_type, required))
+    return parser
+
+
+GROUPS = (("data and tokenizer", FLAGS), ("tokenizer", tokenizer_flags("NullTokenizer", required=False)))
+
+
+def tokenizer_kwargs(args: argparse.Namespace) -> dict:
+    """The ``build_tokenizer`` keyword arguments of parsed :func:`add_tokenizer_args` flags."""
+    kwargs = dict(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_file=getattr(args, "vocab_file", None),
+        merge_file=getattr(args, "merge_file", None),
+        vocab_size=getattr(args, "vocab_size", None),
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
+    )
+    if getattr(args, "tiktoken_num_special_tokens", None) is not None:
+        kwargs["tiktoken_num_special_tokens"] = args.tiktoken_num_special_tokens
+    return kwargs
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    need(
+        args.mock_data or args.data_path,
+        "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",
+    )
+    if args.tokenizer_type == "NullTokenizer":
+        need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    return []

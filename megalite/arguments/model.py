@@ -1,0 +1,111 @@
+"""The model's flags (GPT-2 / Llama flavours, Megatron-LM's names) and the ``ModelConfig`` they make."""
+
+import argparse
+
+from megalite.arguments.spec import choice, from_flags, need, switch, value
+from megalite.model.config import ModelConfig
+
+FLAGS = (
+    value("--num-layers", int, 2, "Number of transformer layers."),
+    value("--hidden-size", int, 64, "Transformer hidden size h."),
+    value(
+        "--ffn-hidden-size",
+        int,
+        None,
+        "MLP hidden size (default 4h; SwiGLU: 8h/3 rounded down to a multiple of 64, as Megatron).",
+    ),
+    value("--num-attention-heads", int, 4, "Attention heads."),
+    switch("--group-query-attention", "Use grouped-query attention (needs --num-query-groups)."),
+    value("--num-query-groups", int, None, "Key/value groups for GQA."),
+    value("--kv-channels", int, None, "Head dimension (default h / heads)."),
+    value("--seq-length", int, 128, "Tokens per sample."),
+    value("--max-position-embeddings", int, None, "Learned positions (default seq length)."),
+    choice(
+        "--position-embedding-type",
+        ["learned_absolute", "rope"],
+        "learned_absolute",
+        "learned_absolute (GPT-2) or rope (Llama).",
+    ),
+    value("--rotary-base", float, 10000.0, "RoPE base frequency."),
+    value(
+        "--rotary-percent",
+        float,
+        1.0,
+        "Fraction of each head's dimensions that RoPE rotates (the rest pass through).",
+    ),
+    choice("--normalization", ["LayerNorm", "RMSNorm"], "LayerNorm", "Norm layer type."),
+    value("--norm-epsilon", float, 1e-5, "Epsilon of the norm layers."),
+    switch(
+        "--apply-layernorm-1p",
+        "Zero-centred gamma: norm weights are stored as gamma - 1 (init 0) and applied as 1 + w.",
+    ),
+    switch("--swiglu", "SwiGLU MLP (Llama) instead of GELU."),
+    switch("--openai-gelu", "tanh-approximated GELU (HF GPT-2's gelu_new)."),
+    switch(
+        "--untie-embeddings-and-output-weights",
+        "Separate output layer instead of reusing the input embedding.",
+    ),
+    switch("--disable-bias-linear", "No biases in linear layers (Llama)."),
+    value("--hidden-dropout", float, 0.1, "Dropout on residual branches (Megatron's 0.1)."),
+    value("--attention-dropout", float, 0.1, "Dropout on attention probabilities (Megatron's 0.1)."),
+    value("--init-method-std", float, 0.02, "Std of the normal weight init."),
+    value(
+        "--make-vocab-size-divisible-by",
+        int,
+        128,
+        "Pad the vocab to a multiple of this times TP size (Megatron's rule).",
+    ),
+    switch(
+        "--calculate-per-token-loss",
+        "Loss = sum over the global batch's unmasked tokens / their number (not a mean of microbatch means).",
+    ),
+    choice(
+        "--transformer-impl",
+        ["local", "transformer_engine"],
+        "local",
+        "Kernel implementation; only local (pure PyTorch) is built so far.",
+    ),
+)
+GROUPS = (("model", FLAGS),)
+
+
+def max_position_embeddings(args: argparse.Namespace) -> int:
+    """``--max-position-embeddings``, by default ``--seq-length``."""
+    given = args.max_position_embeddings
+    return args.seq_length if given is None else given
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    """The model flags' own rules (the shape rules are ``ModelConfig.validate``'s)."""
+    need(args.seq_length >= 1, f"--seq-length must be >= 1, got {args.seq_length}")
+    need(
+        args.position_embedding_type == "rope" or max_position_embeddings(args) >= args.seq_length,
+        f"--max-position-embeddings ({max_position_embeddings(args)}) is smaller than --seq-length "
+        f"({args.seq_length})",
+    )
+    need(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    if args.group_query_attention:
+        need(args.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    else:
+        need(
+            args.num_query_groups is None,
+            "--num-query-groups is set without --group-query-attention; add the flag or drop the value",
+        )
+    need(
+        args.transformer_impl == "local",
+        "--transformer-impl transformer_engine: megalite does not build Transformer Engine layers yet; "
+        "use --transformer-impl local (the default; attention already uses PyTorch's fused SDPA kernels)",
+    )
+    return []
+
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    """The ModelConfig these flags describe (vocab size comes from the tokenizer)."""
+    return from_flags(
+        ModelConfig,
+        args,
+        vocab_size=vocab_size,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        add_bias_linear=not args.disable_bias_linear,
+    )

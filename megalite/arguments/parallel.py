@@ -1,0 +1,202 @@
+"""The parallel layout (TP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
+
+import argparse
+
+from megalite.arguments.spec import choice, need, switch, value
+from megalite.configs import ShardingStrategy
+from megalite.errors import ArgumentError
+from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
+
+SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
+_FSDP_HELP = (
+    "Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params (megalite's "
+    "own ZeRO-3 on its DDP buckets, not torch's FSDP2; start-up says so in one note)."
+)
+
+LAYOUT_FLAGS = (
+    value("--tensor-model-parallel-size", int, 1, "TP size (within a node)."),
+    value("--pipeline-model-parallel-size", int, 1, "PP size (stages)."),
+    value(
+        "--num-layers-per-virtual-pipeline-stage",
+        int,
+        None,
+        "Layers per virtual stage: enables the interleaved 1F1B schedule.",
+    ),
+    choice(
+        "--pipeline-schedule",
+        ["1f1b", "gpipe"],
+        "1f1b",
+        "Non-interleaved pipeline schedule (gpipe is a baseline).",
+    ),
+    value("--decoder-first-pipeline-num-layers", int, None, "Layers on the first stage (uneven split)."),
+    value("--decoder-last-pipeline-num-layers", int, None, "Layers on the last stage (uneven split)."),
+    choice(
+        "--distributed-backend", ["nccl", "gloo"], None, "Default: nccl when CUDA is available, else gloo."
+    ),
+)
+
+DATA_PARALLEL_FLAGS = (
+    switch(
+        "--use-distributed-optimizer",
+        "Shard fp32 main params and optimizer state over data-parallel ranks (ZeRO-1): the "
+        "short form of --data-parallel-sharding-strategy optim.",
+    ),
+    choice(
+        "--data-parallel-sharding-strategy",
+        SHARDING_STRATEGIES,
+        None,
+        "What is sharded over data-parallel ranks: no_shard (default), optim (ZeRO-1: optimizer "
+        "state), optim_grads (ZeRO-2: also the gradients), optim_grads_params (ZeRO-3 / FSDP: also the "
+        "parameters, each transformer layer all-gathered just in time in forward and backward). Wins "
+        "over the short forms when they agree.",
+    ),
+    switch("--use-torch-fsdp2", _FSDP_HELP),
+    switch("--use-megatron-fsdp", _FSDP_HELP),
+    value("--ddp-bucket-size", int, 40_000_000, "Elements per gradient all-reduce bucket."),
+    switch(
+        "--overlap-grad-reduce",
+        "Start each bucket's DP reduction during backward; without it every bucket is reduced "
+        "after backward (Megatron's default). Same result either way.",
+    ),
+    switch(
+        "--overlap-param-gather",
+        "With the distributed optimizer: the optimizer step only starts the parameter "
+        "all-gather; the next forward waits for each bucket just before its first use, so the "
+        "gather overlaps the forward. Under ZeRO-3 (optim_grads_params) each layer's all-gather is "
+        "prefetched one layer ahead in forward and backward. Needs --use-distributed-optimizer and "
+        "--overlap-grad-reduce. Same result either way.",
+    ),
+    switch(
+        "--overlap-param-gather-with-optimizer-step",
+        "With --overlap-param-gather and interleaved pipelining: start every bucket's parameter "
+        "all-gather at the end of the optimizer step rather than one bucket ahead of the forward "
+        "(megalite's optimizer step is one AdamW call, so it only moves the start). Same result.",
+    ),
+    switch("--grad-reduce-in-bf16", "Keep the gradient buffer and its DP reduction in bf16 (default fp32)."),
+    switch(
+        "--accumulate-allreduce-grads-in-fp32",
+        "Accumulate and reduce gradients in fp32: already megalite's default.",
+    ),
+)
+GROUPS = (
+    ("parallel layout", LAYOUT_FLAGS),
+    ("data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS),
+)
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """world / (tp x pp); the mesh owns the rule, here it is a flag error like the others."""
+    try:
+        return check_parallel_sizes(
+            world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        )
+    except ParallelConfigError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def virtual_pipeline_size(args: argparse.Namespace) -> int:
+    """Model chunks per pipeline rank (1 without ``--num-layers-per-virtual-pipeline-stage``)."""
+    vpl = args.num_layers_per_virtual_pipeline_stage
+    return 1 if vpl is None else args.num_layers // (args.pipeline_model_parallel_size * vpl)
+
+
+def _fsdp_flags(args: argparse.Namespace) -> list[str]:
+    given = (("--use-torch-fsdp2", args.use_torch_fsdp2), ("--use-megatron-fsdp", args.use_megatron_fsdp))
+    return [f for f, on in given if on]
+
+
+def sharding_strategy(args: argparse.Namespace) -> ShardingStrategy:
+    """``--data-parallel-sharding-strategy`` and its short forms, as one strategy.
+
+    ``--use-distributed-optimizer`` means at least ``optim``; ``--use-torch-fsdp2`` /
+    ``--use-megatron-fsdp`` mean ``optim_grads_params``. An explicit strategy wins when they agree
+    (Megatron's FSDP scripts pass all three); a contradiction is a one-line ArgumentError.
+    """
+    fsdp, explicit = _fsdp_flags(args), args.data_parallel_sharding_strategy
+    if explicit is None:
+        return ShardingStrategy(
+            "optim_grads_params" if fsdp else "optim" if args.use_distributed_optimizer else "no_shard"
+        )
+    if fsdp:
+        need(
+            explicit == "optim_grads_params",
+            f"{fsdp[0]} means --data-parallel-sharding-strategy optim_grads_params, which contradicts "
+            f"--data-parallel-sharding-strategy {explicit}; drop one",
+        )
+    need(
+        not (args.use_distributed_optimizer and explicit == "no_shard"),
+        "--use-distributed-optimizer shards the optimizer, which contradicts "
+        "--data-parallel-sharding-strategy no_shard; drop one",
+    )
+    return ShardingStrategy(explicit)
+
+
+def check_layout(args: argparse.Namespace) -> list[str]:
+    """Virtual pipeline stages; needs the derived dp size and batch schedule (:mod:`.schedule`)."""
+    vpl, pp = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_size
+    if vpl is None:
+        return []
+    need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    need(vpl >= 1, f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {vpl}")
+    need(
+        args.num_layers % (pp * vpl) == 0,
+        f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size ({pp}) x "
+        f"--num-layers-per-virtual-pipeline-stage ({vpl})",
+    )
+    for gbs in args.batch_schedule.batch_sizes():
+        m = gbs // (args.micro_batch_size * args.data_parallel_size)
+        need(
+            m % pp == 0,
+            f"the interleaved schedule needs the number of microbatches ({m} = global batch {gbs} / "
+            f"(--micro-batch-size x dp)) to be a multiple of --pipeline-model-parallel-size ({pp})",
+        )
+    return []
+
+
+def check_data_parallel(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's rules for the reduction and overlap flags; which ZeRO-3 the FSDP flags run."""
+    need(
+        not (args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32),
+        "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other; pick one",
+    )
+    need(not args.grad_reduce_in_bf16 or args.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    if args.overlap_param_gather:
+        need(
+            sharding_strategy(args).shards_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (or --data-parallel-sharding-strategy "
+            "optim / optim_grads): only the distributed optimizer all-gathers parameters",
+        )
+        need(
+            args.overlap_grad_reduce,
+            "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it",
+        )
+    if args.overlap_param_gather_with_optimizer_step:
+        need(
+            args.overlap_param_gather,
+            "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather "
+            "(and --use-distributed-optimizer); add them",
+        )
+        need(
+            virtual_pipeline_size(args) > 1,
+            "--overlap-param-gather-with-optimizer-step needs interleaved pipelining (as in Megatron-LM): "
+            "add --num-layers-per-virtual-pipeline-stage, or drop the flag",
+        )
+    fsdp = _fsdp_flags(args)
+    if not fsdp:
+        return []
+    # Said at start-up: a Megatron script asking for torch's FSDP2 gets a different implementation.
+    return [
+        f"{' / '.join(fsdp)} runs megalite's own ZeRO-3 (--data-parallel-sharding-strategy "
+        "optim_grads_params on its DDP buckets), not torch's FSDP2 fully_shard nor Megatron-FSDP: it "
+        "keeps the layout-free checkpoints, the memory model's bucket-exact prediction and the ZeRO-1/2 "
+        "code path (docs/parallelism.md)"
+    ]
+
+
+def derive(args: argparse.Namespace) -> None:
+    """The virtual pipeline size, and the sharding strategy resolved from its short forms
+    (``use_distributed_optimizer`` then says whether the optimizer state is sharded)."""
+    args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(args)
+    strategy = sharding_strategy(args)
+    args.data_parallel_sharding_strategy = strategy.value
+    args.use_distributed_optimizer = strategy.shards_optimizer

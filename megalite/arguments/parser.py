@@ -1,0 +1,197 @@
+"""The parser of pretrain_gpt.py: every group's flags, a ``--config`` YAML, one-line errors."""
+
+import argparse
+import difflib
+import os
+import sys
+
+import yaml
+
+from megalite import megatron_compat as compat
+from megalite.arguments import (
+    activation,
+    checkpointing,
+    data,
+    model,
+    monitoring,
+    optimizer,
+    parallel,
+    schedule,
+)
+from megalite.arguments import compat as compat_flags
+from megalite.arguments.compat import check_megatron_compat, ignored_flags_warning
+from megalite.arguments.spec import add_group
+from megalite.errors import ArgumentError
+
+# Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
+MODULES = (model, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises one-line ArgumentErrors instead of printing usage and exiting
+    (``--help`` still prints the full usage)."""
+
+    def error(self, message: str):
+        raise ArgumentError(message)
+
+
+class UnknownFlagError(ArgumentError):
+    """Flags no parser knows; the message lists them with the nearest known spelling."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT model with DP x TP x PP parallelism (Megatron-LM flag names).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", default=None, help="YAML file whose keys are flag names (with - or _).")
+    for module in (*MODULES, compat_flags):
+        for title, flags in module.GROUPS:
+            add_group(p, title, flags)
+    return p
+
+
+def _long_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+
+
+def _nearest(flag: str, known) -> str | None:
+    close = difflib.get_close_matches(flag, list(known), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _yaml_tokens(flag: str, action: argparse.Action, value) -> list[str]:
+    """One YAML ``key: value`` as the command-line tokens that mean the same."""
+    if value is None:
+        return []
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ArgumentError(f"expected true or false, got {value!r}")
+        return [flag] if value else []
+    if isinstance(value, (list, tuple)):
+        return [flag, *map(str, value)]
+    if isinstance(value, str) and action.nargs in ("*", "+"):
+        return [flag, *value.split()]
+    return [flag, str(value)]
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _yaml_argv(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """``--config FILE`` as argv tokens placed before the command line (which therefore wins).
+
+    Each key is parsed by the same parser as the command line, so types and choices are
+    checked identically; every bad key is reported at once, in one line.
+    """
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: file not found")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"--config {path}: cannot be read ({e})") from None
+    if not isinstance(values, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    options = {
+        s.lstrip("-").replace("_", "-"): (s, a)
+        for s, a in _long_options(parser).items()
+        if a.dest not in ("config", "help")
+    }
+    tokens, problems = [], []
+    for key, value in values.items():
+        found = options.get(str(key).lstrip("-").replace("_", "-"))
+        if found is None:
+            near = _nearest(str(key).lstrip("-").replace("_", "-"), options)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {near!r}?)" if near else ""))
+            continue
+        flag, action = found
+        try:
+            these = _yaml_tokens(flag, action, value)
+            parser.parse_args(these)  # types and choices exactly as on the command line
+        except ArgumentError as e:
+            problems.append(f"{key}: {e}")
+            continue
+        tokens += these
+    if problems:
+        raise ArgumentError(f"--config {path}: " + "; ".join(problems))
+    return tokens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) after the ``--config`` YAML's values.
+
+    Unknown flags stop with one line naming them and the nearest known spelling; Megatron-LM
+    flags of a feature megalite does not build stop naming the feature
+    (:mod:`megalite.megatron_compat`); ignored ones are listed in ``args.megatron_ignored``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    path = _config_path(argv)
+    yaml_argv = _yaml_argv(parser, path) if path else []
+    args, extras = parser.parse_known_args(yaml_argv + argv)
+    unknown = [t.split("=", 1)[0] for t in extras if t.startswith("-")]
+    if extras and not unknown:
+        raise ArgumentError(f"unexpected value(s) {' '.join(extras)}: every value follows its --flag")
+    refused: dict[str, list[str]] = {}
+    typos = []
+    for flag in unknown:
+        feature = compat.refused_feature_for_prefix(flag)
+        if feature is not None:
+            refused.setdefault(feature, []).append(flag)
+        else:
+            typos.append(flag)
+    if typos:
+        known = _long_options(parser)
+        listed = [f + (f" (did you mean {near}?)" if (near := _nearest(f, known)) else "") for f in typos]
+        raise UnknownFlagError(
+            f"unknown flag{'s' if len(typos) > 1 else ''}: {', '.join(listed)}; "
+            "pretrain_gpt.py --help or docs/flags.md lists every flag"
+        )
+    check_megatron_compat(args, refused)
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check the flags against ``world_size`` and complete ``args`` with the derived values.
+
+    Raises ArgumentError (or ModelConfigError) naming the flag; prints nothing: the notes are in
+    ``args.notes`` (:func:`start_up_lines`). May run twice on one namespace.
+    """
+    args.data_parallel_size = parallel.data_parallel_size(args, world_size)
+    notes = schedule.check(args) + model.check(args) + optimizer.check(args)
+    schedule.derive(args)  # batches, microbatches, step count: the checks below read them
+    optimizer.derive(args)
+    args.max_position_embeddings = model.max_position_embeddings(args)
+    for check in (
+        schedule.check_batches,
+        optimizer.check_warmup,
+        parallel.check_layout,
+        monitoring.check,
+        data.check,
+        checkpointing.check,
+        activation.check,
+        parallel.check_data_parallel,
+    ):
+        notes += check(args)
+    activation.derive(args)
+    parallel.derive(args)
+    model.model_config(args, vocab_size=args.vocab_size or 1).validate(args.tensor_model_parallel_size)
+    args.notes = notes
+    return args
+
+
+def start_up_lines(args: argparse.Namespace) -> list[str]:
+    """What start-up prints once (rank 0): the notes of :func:`validate_args`, then the one
+    warning line listing the ignored Megatron-LM flags."""
+    warning = ignored_flags_warning(args)
+    return [f"note: {n}" for n in getattr(args, "notes", [])] + ([warning] if warning else [])
