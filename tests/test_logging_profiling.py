@@ -348,7 +348,7 @@ def test_logging_level_hides_the_notes_not_the_metric_lines(capsys):
         for level, shown in ((None, True), ("40", False)):
             pretrain(argv + (["--logging-level", level] if level else []))
             out = capsys.readouterr().out
-            assert ("megalite: note: --log-timers-to-tensorboard write nothing" in out) == shown, out
+            assert ("note: --log-timers-to-tensorboard write nothing" in out) == shown, out
             assert ("megalite: world 1 = tp 1" in out) == shown, out
             assert " iteration       1/1 | consumed samples 8 | loss " in out, out
     finally:
