@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite import planner
-from megalite.arguments import ignored_flags_warning, model_config, parse_args, validate_args
+from megalite.arguments import build_configs, ignored_flags_warning, model_config, parse_args, validate_args
 from megalite.checkpoint import CheckpointConfig, CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import resume_iteration
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
@@ -134,22 +134,7 @@ def setup(args: argparse.Namespace) -> TrainState:
         compile_layers(chunks, args.torch_compile_mode)
     elif args.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
-    model = [
-        DistributedDataParallel(
-            c,
-            mesh,
-            bucket_size=args.ddp_bucket_size,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            shard_grads=args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
-            shard_params=args.data_parallel_sharding_strategy == "optim_grads_params",
-            # ZeRO-3's --overlap-param-gather: each unit's all-gather one unit ahead (zero3.py).
-            prefetch_params=args.overlap_param_gather
-            and args.data_parallel_sharding_strategy == "optim_grads_params",
-        )
-        for c in chunks
-    ]
+    model = [DistributedDataParallel(c, mesh, build_configs(args).data_parallel) for c in chunks]
     optimizer = build_optimizer(
         model,
         mesh,

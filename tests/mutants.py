@@ -260,7 +260,7 @@ MUTANTS = [
     # ---- parallel/data_parallel.py -------------------------------------------------------------
     Mutant(
         "ddp-sum-not-mean",
-        "megalite/parallel/data_parallel.py",
+        "megalite/parallel/sharding/no_shard.py",
         "bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM",
         "pass",
         (DP + "::test_dp_matches_single_process",),
@@ -276,7 +276,7 @@ MUTANTS = [
     ),
     Mutant(
         "ddp-grad-overwrites",
-        "megalite/parallel/data_parallel.py",
+        "megalite/parallel/sharding/no_shard.py",
         "param.main_grad.add_(param.grad)",
         "param.main_grad.copy_(param.grad)",
         (DP + "::test_single_process_ddp_accumulates_like_plain_backward",),
@@ -285,15 +285,15 @@ MUTANTS = [
     Mutant(
         "ddp-zero-grad-keeps-buffer",
         "megalite/parallel/data_parallel.py",
-        "                bucket.grad_data = None\n        self.grad_buffer.zero_()",
-        "                bucket.grad_data = None",
+        "        self.strategy.zero_grad()\n        self.grad_buffer.zero_()",
+        "        self.strategy.zero_grad()",
         (DP + "::test_second_grad_without_no_sync_is_an_error",),
         "last iteration's grads leak into the next",
     ),
     Mutant(
         "zero2-flushes-twice-per-microbatch",
-        "megalite/parallel/data_parallel.py",
-        "        if not self._staged_since_flush:\n            return\n",
+        "megalite/parallel/sharding/optim_grads.py",
+        "        if not self._staged:\n            return False  # the end-of-backward callback synced this backward already\n",
         "",
         ("tests/test_zero_sweep.py::test_zero2_reduce_scatters_once_per_microbatch",),
         "finish_grad_sync re-sends every bucket (of zeros) after the end-of-backward flush: m + 1 rounds",
@@ -327,7 +327,7 @@ MUTANTS = [
     ),
     Mutant(
         "zero3-load-skips-the-shards",
-        "megalite/parallel/zero3.py",
+        "megalite/parallel/sharding/optim_grads_params.py",
         "                    b.param_shard.copy_(b.param_data[lo:hi])",
         "                    pass",
         ("tests/test_zero.py::test_checkpoint_saved_under_zero1_resumes_under_zero3",),
@@ -336,8 +336,8 @@ MUTANTS = [
     ),
     Mutant(
         "ddp-broadcast-from-global-rank-0",
-        "megalite/parallel/data_parallel.py",
-        "dist.broadcast(p.data, src=self.mesh.dp_ranks[0], group=self.dp_group)",
+        "megalite/parallel/sharding/no_shard.py",
+        "dist.broadcast(p.data, src=self.ddp.mesh.dp_ranks[0], group=self.dp_group)",
         "dist.broadcast(p.data, src=0, group=self.dp_group)",
         ("tests/test_parallel_edges.py::test_vocab_shard_boundaries_and_dp_broadcast_source",),
         "src is a global rank: 0 is not in the DP group of other TP/PP ranks",
@@ -352,9 +352,9 @@ MUTANTS = [
     ),
     Mutant(
         "zero-tied-embedding-shares-bucket",
-        "megalite/parallel/data_parallel.py",
-        "return use_distributed_optimizer and is_shared_embedding(param)",
-        "return False",
+        "megalite/parallel/sharding/optim.py",
+        "        return is_shared_embedding(param)",
+        "        return False",
         (DP + "::test_gpt_3d_training_matches_single_process",),
         "ZeRO shards of the tied embedding differ between first and last stage",
     ),

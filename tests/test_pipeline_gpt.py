@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from conftest import forward_step, gather_full, microbatches, reference
 
+from megalite.configs import DataParallelConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -68,7 +69,9 @@ def _run(layouts):
                 m = times * pp + extra
                 chunks = build_model_chunks(config, mesh, vp=vp, **(FULL_RECOMPUTE if recompute else {}))
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
-                    chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
+                    chunks = [
+                        DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=5000)) for c in chunks
+                    ]
                 losses = forward_backward(
                     forward_step_func=forward_step,
                     microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),

@@ -28,6 +28,7 @@ from conftest import (
 )
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.configs import DataParallelConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks, recompute_units
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -123,7 +124,9 @@ def _run():
         for flavour, config in flavours().items():
             chunks = build_model_chunks(config, mesh, vp=vp, sequence_parallel=True, **recompute)
             if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
-                chunks = [DistributedDataParallel(c, mesh, bucket_size=3000) for c in chunks]
+                chunks = [
+                    DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=3000)) for c in chunks
+                ]
             losses = forward_backward(
                 forward_step_func=forward_step,
                 microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),

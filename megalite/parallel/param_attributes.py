@@ -1,4 +1,4 @@
-"""The attributes megalite hangs on parameters: the whole contract, read and written here only.
+"""The attributes megalite hangs on parameters: the whole contract, read and written through here.
 
 Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
 ``state_dict`` see ordinary tensors); the parallel code tags them instead:
@@ -20,12 +20,16 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     (norm weights and biases, the row-parallel bias, learned positions under
     ``--sequence-parallel``): each TP rank's grad covers only its own tokens, so
     ``finalize_model_grads`` sums these grads over TP.
+``is_embedding_or_output_parameter`` (bool, Megatron's name)
+    The word embedding or the output layer's weight: ``--decoupled-lr`` gives them their own group.
 ``main_grad`` (Tensor)
-    Set by ``DistributedDataParallel``: a view of the flat fp32 grad buffer
-    that backward accumulates into and the optimizer reads.
+    DDP's view of the flat fp32 grad buffer that backward accumulates into (no_shard, ZeRO-1). The
+    one writer outside this module: the optimizer, on its offloaded main params (a host tensor
+    cannot hold the device grad as ``.grad``; ``grad_of`` reads it there).
 
-Readers use the functions below, which give the defaults for untagged
-parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
+Everything else writes and reads them with the functions below, which give the
+defaults for untagged parameters (a plain ``nn.Linear`` counts as replicated, with
+no main_grad).
 """
 
 from __future__ import annotations
@@ -83,6 +87,15 @@ def mark_shared_embedding(param: torch.Tensor) -> None:
 
 def is_shared_embedding(param: torch.Tensor) -> bool:
     return getattr(param, "shared_embedding", False)
+
+
+def mark_embedding_or_output(param: torch.Tensor) -> None:
+    """``param`` is the word embedding or the output layer's weight (``--decoupled-lr``'s group)."""
+    param.is_embedding_or_output_parameter = True
+
+
+def is_embedding_or_output(param: torch.Tensor) -> bool:
+    return getattr(param, "is_embedding_or_output_parameter", False)
 
 
 def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
