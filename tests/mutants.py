@@ -277,8 +277,8 @@ MUTANTS = [
     Mutant(
         "ddp-grad-overwrites",
         "megalite/parallel/sharding/no_shard.py",
-        "param.main_grad.add_(param.grad)",
-        "param.main_grad.copy_(param.grad)",
+        "grad_of(param).add_(param.grad)",
+        "grad_of(param).copy_(param.grad)",
         (DP + "::test_single_process_ddp_accumulates_like_plain_backward",),
         "microbatch grads overwrite instead of accumulating",
     ),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.configs import ShardingStrategy
-from megalite.parallel.param_attributes import set_main_grad
+from megalite.parallel.param_attributes import grad_of, set_main_grad
 
 if TYPE_CHECKING:
     from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
@@ -68,7 +68,7 @@ class NoShard:
         """Take ``param.grad``, this backward's (``sync``: False inside ``no_sync``); return whether
         DDP should launch the buckets complete by now."""
         if param.grad is not None:
-            param.main_grad.add_(param.grad)
+            grad_of(param).add_(param.grad)  # into main_grad
             param.grad = None  # main_grad holds it now; free the model-dtype copy
         if not sync or not self.overlap:
             return False  # no overlap: finish_grad_sync launches every bucket after backward
@@ -103,7 +103,7 @@ class NoShard:
 
     def local_grad(self, param: nn.Parameter, bucket: Bucket) -> torch.Tensor:
         """The part of ``param``'s reduced gradient this rank holds (here: all of it)."""
-        return param.main_grad
+        return grad_of(param)  # main_grad
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
