@@ -21,15 +21,14 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     ``--sequence-parallel``): each TP rank's grad covers only its own tokens, so
     ``finalize_model_grads`` sums these grads over TP.
 ``is_embedding_or_output_parameter`` (bool, Megatron's name)
-    The word embedding or the output layer's weight: ``--decoupled-lr`` gives them their own group.
+    The word embedding or the output layer's weight (marked by the model): the params of ``--decoupled-lr``.
 ``main_grad`` (Tensor)
-    DDP's view of the flat fp32 grad buffer that backward accumulates into (no_shard, ZeRO-1). The
-    one writer outside this module: the optimizer, on its offloaded main params (a host tensor
-    cannot hold the device grad as ``.grad``; ``grad_of`` reads it there).
+    Set by DDP on the model params (no_shard, ZeRO-1): a view of the flat fp32 grad buffer that
+    backward accumulates into. Set by the optimizer on its offloaded main params: a host tensor
+    cannot hold the device grad as ``.grad`` (``grad_of`` reads it there).
 
-Everything else writes and reads them with the functions below, which give the
-defaults for untagged parameters (a plain ``nn.Linear`` counts as replicated, with
-no main_grad).
+Writers and readers use the functions below, which give the defaults for untagged
+parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
 """
 
 from __future__ import annotations
