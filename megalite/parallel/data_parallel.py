@@ -209,8 +209,8 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (params without a grad this step), wait for all.
 
-        Afterwards ``main_grad`` holds the DP average: for every parameter with
-        all-reduce; only this rank's shard of each bucket with reduce-scatter.
+        Afterwards ``main_grad`` holds the DP average: for every parameter with all-reduce; only
+        this rank's shard of each bucket with reduce-scatter (ZeRO-2/3: ``shard_grad`` holds it).
         """
         if not self.strategy.begin_sync():
             return
