@@ -161,7 +161,7 @@ IGNORED: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("--straggler-minmax-count", 1, "megalite has no straggler detector"),
     # Megatron-FSDP's memory and buffer switches (examples/megatron_fsdp/): megalite's ZeRO-3
-    # (zero3.py) allocates a unit's full buffer when it gathers the unit and frees it after.
+    # (sharding/optim_grads_params.py) allocates a unit's full buffer when it gathers it, frees it after.
     CompatFlag(
         "--init-model-with-meta-device",
         0,

@@ -9,8 +9,8 @@ Prediction (pure arithmetic on shapes, no processes, no tensors allocated):
   being computed (the chunk's root unit and one transformer layer, or one recomputed group; with
   ``--overlap-param-gather`` one prefetched layer more) are the transient ``params_gathered``
   (:func:`gathered_param_bytes`).
-* **grads**: DistributedDataParallel's flat fp32 buffer: its own bucket split and padding
-  (``split_into_buckets`` / ``padded_bucket_numel``), run on meta tensors.
+* **grads**: DistributedDataParallel's flat fp32 buffer: its own bucket split and the sharding
+  strategy's padding (``split_into_buckets``, ``padded_numel``), run on meta tensors.
 * **optimizer**: AdamW's two fp32 moments and its ``step`` scalar per main param, plus the fp32
   main copy when params are bf16 / fp16; under the distributed optimizer only this DP rank's
   pieces of each bucket (``shard_pieces``, run on meta tensors); the main params that
@@ -42,17 +42,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.configs import RecomputeConfig, RunConfig, check_activation_memory
+from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
-from megalite.parallel import zero3
-from megalite.parallel.data_parallel import Bucket, padded_bucket_numel, split_into_buckets
-from megalite.parallel.param_attributes import mark_shared_embedding
+from megalite.parallel.data_parallel import Bucket, split_into_buckets
+from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
+from megalite.parallel.param_gather import ROOT, unit_of_name
 from megalite.parallel.pipeline_layout import stage_layer_ranges
 from megalite.parallel.schedules import schedule_plan
+from megalite.parallel.sharding import strategy_class
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
@@ -99,6 +100,10 @@ class MemoryLayout:
     last_stage_layers: int | None = None
     ddp_bucket_size: int = 40_000_000
     device_type: str = "cpu"
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:  # each switch needs the one before
+        return list(ShardingStrategy)[self.use_distributed_optimizer + self.shard_grads + self.shard_params]
 
     @property
     def sp(self) -> bool:
@@ -235,38 +240,40 @@ def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.
         p = torch.nn.Parameter(torch.empty(s.shape, dtype=dtype, device="meta"))
         if s.shared_embedding:
             mark_shared_embedding(p)
-        # GPTModel's attribute (--decoupled-lr's param group, which orders the offload split).
+        # GPTModel's mark (--decoupled-lr's param group, which orders the offload split).
         if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            p.is_embedding_or_output_parameter = True
+            mark_embedding_or_output(p)
         params.append(p)
     return params
 
 
 def _units(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[str] | None:
-    """ZeRO-3's unit name of each param of the chunk (registration order), by zero3's own rule:
+    """ZeRO-3's unit name of each param of the chunk (registration order), by param_gather's rule:
     each transformer layer (an element of the ``decoder.layers`` ModuleDict), else the root unit."""
     if not layout.shard_params:
         return None
     prefixes = [f"decoder.layers.{i}" for i in range(*chunk.layer_range)]
-    return [zero3.unit_of_name(s.name, prefixes) for s in chunk_param_shapes(config, layout.tp, chunk)]
+    return [unit_of_name(s.name, prefixes) for s in chunk_param_shapes(config, layout.tp, chunk)]
 
 
 def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[tuple[Bucket, str]]:
     """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory), each
-    with its ZeRO-3 unit name (:data:`~megalite.parallel.zero3.ROOT` when params are not sharded)."""
+    with its ZeRO-3 unit name (:data:`~megalite.parallel.param_gather.ROOT` when params are not sharded)."""
     params = _meta_params(chunk_param_shapes(config, layout.tp, chunk), layout.params_dtype)
-    units = _units(config, layout, chunk) or [zero3.ROOT] * len(params)
+    units = _units(config, layout, chunk) or [ROOT] * len(params)
     unit_of = {id(p): u for p, u in zip(params, units)}
+    level = strategy_class(layout.sharding_strategy)
     groups = split_into_buckets(
         list(reversed(params)),
         layout.ddp_bucket_size,
-        layout.use_distributed_optimizer,
+        level.own_bucket,
         [unit_of[id(p)] for p in reversed(params)] if layout.shard_params else None,
     )
     out = []
     for i, group in enumerate(groups):
-        size = padded_bucket_numel(sum(p.numel() for p in group), layout.dp, layout.use_distributed_optimizer)
-        out.append((Bucket(i, group, torch.empty(size, device="meta"), layout.dp), unit_of[id(group[0])]))
+        bucket = Bucket(i, group, level.padded_numel(sum(p.numel() for p in group), layout.dp), layout.dp)
+        level.bind(bucket, torch.empty(level.held_numel(bucket.numel_padded, layout.dp), device="meta"))
+        out.append((bucket, unit_of[id(group[0])]))
     return out
 
 
@@ -292,7 +299,7 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
     recompute group (``uniform``: ``--recompute-num-layers`` layers) is gathered together while
     its forward is rerun in backward. Chunks run one at a time. 0 without ZeRO-3.
 
-    With ``--overlap-param-gather`` one more unit is in flight (zero3.py's prefetch): the next
+    With ``--overlap-param-gather`` one more unit is in flight (ZeRO-3's prefetch): the next
     layer while a layer runs its forward (layers i and i + 1), the layer before while a layer or
     a recompute group runs its backward (the group starting at layer a, and layer a - 1).
     """
@@ -305,7 +312,7 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
         numel: dict[str, int] = {}
         for bucket, unit in _unit_buckets(config, layout, c):
             numel[unit] = numel.get(unit, 0) + bucket.numel_padded
-        root = numel.pop(zero3.ROOT, 0)
+        root = numel.pop(ROOT, 0)
         layers = [numel[f"decoder.layers.{i}"] for i in range(*c.layer_range)]
         group = 1
         if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
@@ -663,6 +670,11 @@ class SavedTensorMeter:
             yield self
 
 
+def _param_shardings(model_chunks) -> list:
+    """Each ZeRO-3 chunk's units (``ParamSharding``). Chunks run one at a time: the peak is their max."""
+    return [s for c in model_chunks if (s := getattr(c, "param_sharding", None)) is not None]
+
+
 def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves: the params'
     storages as allocated now (each once: ZeRO-3's are bucket buffers, freed between uses) plus
@@ -670,7 +682,7 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     storages = {
         p.untyped_storage()._cdata: p.untyped_storage().nbytes() for c in model_chunks for p in c.parameters()
     }
-    shards = sum(s.shard_bytes() for c in model_chunks if (s := getattr(c, "param_sharding", None)))
+    shards = sum(s.shard_bytes() for s in _param_shardings(model_chunks))
     return {
         "params": sum(storages.values()) + shards,
         "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
@@ -698,7 +710,8 @@ class MemoryProbe:
             return
         params = [p for c in self.state.model for p in c.parameters()]
         self.meter = SavedTensorMeter(params)
-        zero3.reset_gathered_peak()
+        for sharding in _param_shardings(self.state.model):
+            sharding.reset_peak()
         if self.state.mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.state.mesh.device)
         with self.meter.track():
@@ -730,7 +743,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_rank)
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
-    measured_extra = {"params_gathered": zero3.gathered_peak_bytes()}
+    measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}
     if mesh.device.type == "cuda":
         measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
     return {

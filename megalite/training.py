@@ -140,23 +140,9 @@ def setup(args: argparse.Namespace) -> TrainState:
         compile_layers(chunks, train.torch_compile_mode)
     elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
-    ddp = run.data_parallel
-    model = [
-        DistributedDataParallel(
-            c,
-            mesh,
-            bucket_size=ddp.bucket_size,
-            use_distributed_optimizer=ddp.use_distributed_optimizer,
-            grad_reduce_dtype=ddp.grad_reduce_dtype,
-            overlap_grad_reduce=ddp.overlap_grad_reduce,
-            shard_grads=ddp.sharding_strategy.shards_grads,
-            shard_params=ddp.sharding_strategy.shards_params,
-            # ZeRO-3's --overlap-param-gather: each unit's all-gather one unit ahead (zero3.py).
-            prefetch_params=ddp.overlap_param_gather and ddp.sharding_strategy.shards_params,
-        )
-        for c in chunks
-    ]
+    model = [DistributedDataParallel(c, mesh, run.data_parallel) for c in chunks]
     optimizer = build_optimizer(model, mesh, run.optimizer)
+    ddp = run.data_parallel
     if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
         optimizer.overlap_param_gather(launch_all=ddp.overlap_param_gather_with_optimizer_step)

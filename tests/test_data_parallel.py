@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.configs import OptimizerConfig
+from megalite.configs import DataParallelConfig, OptimizerConfig
 from megalite.optim import build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
@@ -106,6 +106,11 @@ def dp_backward(ddp, mesh, step, log=None):
             (loss_fn(ddp, xs, ys) / MICROBATCHES).backward()
 
 
+def dp_config(distributed: bool = False, **kwargs) -> DataParallelConfig:
+    """ZeRO-1 (the distributed optimizer) or plain DP."""
+    return DataParallelConfig(sharding_strategy="optim" if distributed else "no_shard", **kwargs)
+
+
 def record_launches(ddp, log):
     """After each param's grad hook (DDP's runs first), note how many buckets have launched."""
     for p in ddp.module.parameters():
@@ -113,7 +118,7 @@ def record_launches(ddp, log):
 
 
 def check_overlap_and_grads(mesh, ref_grads):
-    ddp = DistributedDataParallel(make_model(), mesh, bucket_size=500)
+    ddp = DistributedDataParallel(make_model(), mesh, dp_config(bucket_size=500))
     assert len(ddp.buckets) >= 3
     # Buckets follow backward order: the first bucket holds the LAST registered params.
     assert ddp.buckets[0].params[0] is ddp.module.fc3.bias
@@ -130,9 +135,7 @@ def check_overlap_and_grads(mesh, ref_grads):
 
 
 def train(mesh, steps, *, distributed, dtype=torch.float32, bucket_size=500):
-    ddp = DistributedDataParallel(
-        make_model(dtype), mesh, bucket_size=bucket_size, use_distributed_optimizer=distributed
-    )
+    ddp = DistributedDataParallel(make_model(dtype), mesh, dp_config(distributed, bucket_size=bucket_size))
     opt = build_optimizer(
         [ddp], mesh, OptimizerConfig(params_dtype=dtype, use_distributed_optimizer=distributed, **HP)
     )
@@ -151,7 +154,7 @@ def train(mesh, steps, *, distributed, dtype=torch.float32, bucket_size=500):
 def assert_reduced_grads(ddp, mesh, ref_grads):
     """All-reduce: every main_grad is the average. Reduce-scatter: this rank's shard of each bucket is."""
     ref = dict(zip(ddp.module.parameters(), ref_grads))
-    if not ddp.use_distributed_optimizer:
+    if not ddp.config.use_distributed_optimizer:
         for p, g in ref.items():
             torch.testing.assert_close(p.main_grad, g, **TOL)
         return
@@ -165,7 +168,7 @@ def assert_reduced_grads(ddp, mesh, ref_grads):
 
 
 def check_reduce_scatter_shard(mesh, ref_grads):
-    ddp = DistributedDataParallel(make_model(), mesh, bucket_size=500, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(make_model(), mesh, dp_config(True, bucket_size=500))
     dp_backward(ddp, mesh, 0)
     ddp.finish_grad_sync()
     assert_reduced_grads(ddp, mesh, ref_grads[0])
@@ -175,7 +178,7 @@ def check_unused_params(mesh, distributed):
     """A param with no grad must not hang its bucket; finish_grad_sync launches it."""
     for _ in range(2):  # twice: bucket state resets between iterations
         ddp = DistributedDataParallel(
-            make_model(with_unused=True), mesh, bucket_size=500, use_distributed_optimizer=distributed
+            make_model(with_unused=True), mesh, dp_config(distributed, bucket_size=500)
         )
         ref = make_model(with_unused=True)
         loss_fn(ref, *batch(0)).backward()
@@ -190,9 +193,7 @@ def check_unused_params(mesh, distributed):
 
 def check_fp16_overflow_agreed(mesh, distributed):
     """Only one DP rank sees an inf: every rank skips the step and backs off the scale."""
-    ddp = DistributedDataParallel(
-        make_model(torch.float16), mesh, bucket_size=500, use_distributed_optimizer=distributed
-    )
+    ddp = DistributedDataParallel(make_model(torch.float16), mesh, dp_config(distributed, bucket_size=500))
     opt = build_optimizer(
         [ddp],
         mesh,
@@ -286,7 +287,7 @@ def test_dp_matches_single_process(world):
 
 
 def test_second_grad_without_no_sync_is_an_error():
-    ddp = DistributedDataParallel(make_model(), Mesh.single(), bucket_size=500)
+    ddp = DistributedDataParallel(make_model(), Mesh.single(), dp_config(bucket_size=500))
     x, y = batch(0)
     loss_fn(ddp, x, y).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
@@ -298,7 +299,7 @@ def test_second_grad_without_no_sync_is_an_error():
 
 def test_single_process_ddp_accumulates_like_plain_backward():
     """dp = 1: main_grad is the plain .grad sum over microbatches; no process group needed."""
-    ddp = DistributedDataParallel(make_model(), Mesh.single(), bucket_size=500)
+    ddp = DistributedDataParallel(make_model(), Mesh.single(), dp_config(bucket_size=500))
     ref = copy.deepcopy(ddp.module)
     x, y = batch(0)
     with ddp.no_sync():
@@ -372,7 +373,7 @@ def _gpt_worker(layouts, ref_norms, ref_params):
         mesh = initialize_model_parallel(tp, pp)
         cfg = ModelConfig.gpt2(**GPT_CFG)
         chunks = [
-            DistributedDataParallel(c, mesh, bucket_size=3000, use_distributed_optimizer=distributed)
+            DistributedDataParallel(c, mesh, dp_config(distributed, bucket_size=3000))
             for c in build_model_chunks(cfg, mesh)
         ]
         assert sum(len(c.buckets) for c in chunks) >= 2

@@ -313,7 +313,7 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
     H2D runs before the last AdamW has finished (the CPU step overlaps the copies)."""
     from torch import nn
 
-    from megalite.configs import OptimizerConfig
+    from megalite.configs import DataParallelConfig, OptimizerConfig
     from megalite.optim import build_optimizer
     from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
@@ -325,7 +325,7 @@ def test_cuda_offload_overlaps_copies_with_the_cpu_step(tmp_path):
         torch.manual_seed(0)
         # Large enough that AdamW on the CPU takes milliseconds per param.
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]).to(device)
-        ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
+        ddp = DistributedDataParallel(model, mesh, DataParallelConfig(bucket_size=10**9))
         opt = build_optimizer([ddp], mesh, OptimizerConfig(
             lr=1e-3, weight_decay=0.01, clip_grad=1.0,
             optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=overlap,
@@ -390,7 +390,7 @@ def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
     few steps the params equal no offload's within rtol 1e-5 (CUDA's and the CPU's AdamW kernels)."""
     from torch import nn
 
-    from megalite.configs import OptimizerConfig
+    from megalite.configs import DataParallelConfig, OptimizerConfig
     from megalite.optim import build_optimizer
     from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
@@ -401,7 +401,7 @@ def test_cuda_offload_fraction_splits_between_device_and_host(overlap):
     def run(**kw):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(device)
-        ddp = DistributedDataParallel(model, mesh, bucket_size=10**9)
+        ddp = DistributedDataParallel(model, mesh, DataParallelConfig(bucket_size=10**9))
         opt = build_optimizer([ddp], mesh, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, **kw))
         for seed in range(3):
             opt.zero_grad()

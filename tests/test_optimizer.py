@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from megalite.configs import OptimizerConfig, SchedulerConfig
+from megalite.configs import DataParallelConfig, OptimizerConfig, SchedulerConfig
 from megalite.optim import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -120,8 +120,7 @@ def _grad_norm_worker(layouts):
             chunk = DistributedDataParallel(
                 Tagged(tagged_params(mesh, grads, set_grad=False)),
                 mesh,
-                bucket_size=20,
-                use_distributed_optimizer=distributed,
+                DataParallelConfig("optim" if distributed else "no_shard", bucket_size=20),
             )
             opt = build_optimizer(
                 [chunk],
@@ -172,7 +171,9 @@ class ToyMLP(nn.Module):
 def toy(dtype, grad_reduce_dtype=torch.float32, **opt_kw):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(
-        ToyMLP().to(dtype), Mesh.single(), bucket_size=100, grad_reduce_dtype=grad_reduce_dtype
+        ToyMLP().to(dtype),
+        Mesh.single(),
+        DataParallelConfig(bucket_size=100, grad_reduce_dtype=grad_reduce_dtype),
     )
     kw = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, params_dtype=dtype) | opt_kw
     return ddp, build_optimizer([ddp], Mesh.single(), OptimizerConfig(**kw))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from conftest import forward_step, gather_full, microbatches, reference
 
-from megalite.configs import ParallelConfig, RecomputeConfig
+from megalite.configs import DataParallelConfig, ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -70,7 +70,9 @@ def _run(layouts):
                 parallel = ParallelConfig(virtual_pipeline_model_parallel_size=vp)
                 chunks = build_model_chunks(config, mesh, parallel, **(FULL_RECOMPUTE if recompute else {}))
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
-                    chunks = [DistributedDataParallel(c, mesh, bucket_size=5000) for c in chunks]
+                    chunks = [
+                        DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=5000)) for c in chunks
+                    ]
                 losses = forward_backward(
                     forward_step_func=forward_step,
                     microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from megalite.arguments import ArgumentError, parse_args, start_up_lines, validate_args
-from megalite.configs import ParallelConfig, RecomputeConfig
+from megalite.configs import DataParallelConfig, ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks, recompute_units
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -125,7 +125,9 @@ def _run():
             sp = ParallelConfig(virtual_pipeline_model_parallel_size=vp, sequence_parallel=True)
             chunks = build_model_chunks(config, mesh, sp, **recompute)
             if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
-                chunks = [DistributedDataParallel(c, mesh, bucket_size=3000) for c in chunks]
+                chunks = [
+                    DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=3000)) for c in chunks
+                ]
             losses = forward_backward(
                 forward_step_func=forward_step,
                 microbatches=microbatches(m, mesh.dp_rank, config.vocab_size, B, S),

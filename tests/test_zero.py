@@ -273,18 +273,13 @@ def test_bad_sharding_flags(flags, words):
 
 def one_process_zero3(config, prefetch: bool = False, **gpt_kwargs):
     """A GPT on one process (dp=1, no collectives) wrapped for ZeRO-3, prefetching or not."""
+    from megalite.configs import DataParallelConfig
     from megalite.model.gpt import GPTModel
     from megalite.parallel.data_parallel import DistributedDataParallel
     from megalite.parallel.mesh import Mesh
 
-    return DistributedDataParallel(
-        GPTModel(config, Mesh.single(), **gpt_kwargs),
-        Mesh.single(),
-        use_distributed_optimizer=True,
-        shard_grads=True,
-        shard_params=True,
-        prefetch_params=prefetch,
-    )
+    zero3 = DataParallelConfig("optim_grads_params", overlap_param_gather=prefetch)
+    return DistributedDataParallel(GPTModel(config, Mesh.single(), **gpt_kwargs), Mesh.single(), zero3)
 
 
 @pytest.mark.parametrize("recompute", [None, "full"])
@@ -338,7 +333,6 @@ def test_zero3_prefetch_one_process(recompute):
 
     from megalite.memory import MemoryLayout, gathered_param_bytes
     from megalite.model.config import ModelConfig
-    from megalite.parallel import zero3
 
     config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
     method, n = recompute or (None, None)
@@ -362,15 +356,15 @@ def test_zero3_prefetch_one_process(recompute):
             demand(u, backward)
 
         sharding._launch, sharding.demand = launch, demand
-        zero3.reset_gathered_peak()
+        sharding.reset_peak()
         ddp(input_ids=tokens, labels=tokens).mean().backward()
         ddp.finish_grad_sync()
-        assert zero3._Gathered.live == 0 and all(not u.gathered for u in sharding.units.values())
+        assert sharding.live == 0 and all(not u.gathered for u in sharding.units.values())
         layout = MemoryLayout(use_distributed_optimizer=True, shard_grads=True, shard_params=True, **kwargs)
         layout = dataclasses.replace(layout, overlap_param_gather=prefetch)
-        assert zero3.gathered_peak_bytes() == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
+        assert sharding.peak == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
         grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}
-        seen[prefetch] = (events, zero3.gathered_peak_bytes(), grads)
+        seen[prefetch] = (events, sharding.peak, grads)
     (sync, sync_peak, sync_grads), (pre, pre_peak, pre_grads) = seen[False], seen[True]
     launches = [u for what, u in pre if what == "launch"]
     assert launches == [u for what, u in sync if what == "launch"]  # the same gathers, same order

@@ -33,7 +33,7 @@ from megalite.checkpoint.storage import Shard
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import is_tensor_parallel
+from megalite.parallel.param_attributes import is_tensor_parallel, partition_dim
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -114,7 +114,7 @@ def logical_piece(
     vocab = name in VOCAB_TABLES
     if not sharded and not vocab:
         return local
-    dim = param.partition_dim if sharded else 0
+    dim = partition_dim(param) if sharded else 0
     offsets = [0] * local.dim()
     shape = list(local.shape)
     if sharded:

@@ -67,6 +67,7 @@ from megalite.parallel.layers import (
 from megalite.parallel.mappings import split_along_sequence_dim
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import (
+    mark_embedding_or_output,
     mark_replicated,
     mark_sequence_parallel,
     mark_shared_embedding,
@@ -589,7 +590,7 @@ class GPTModel(nn.Module):
             self.output_layer.weight if self.output_layer is not None else None,
         ):
             if w is not None:
-                w.is_embedding_or_output_parameter = True
+                mark_embedding_or_output(w)
         if self.tied and pre_process != post_process:
             # The two copies of one tied matrix live on different pipeline stages.
             mark_shared_embedding(self.shared_embedding_or_output_weight())

@@ -1,80 +1,43 @@
 """Data parallelism: gradients reduced over the DP group in buckets, while backward runs.
 
-Megatron-Core's DistributedDataParallel, in one readable file:
-
-* Every parameter's gradient lives in ONE flat, contiguous buffer (fp32 by
-  default, whatever the parameter dtype) and the parameter gets
-  ``param.main_grad``, a view of its slice. A post-accumulate-grad hook adds
-  ``param.grad`` into ``main_grad`` and frees ``param.grad``, so the model never
-  holds two copies of its gradients, and microbatch gradients accumulate in
-  fp32.
-* The buffer is cut into buckets in the REVERSE of parameter registration order
-  (the order backward produces gradients). When every parameter of a bucket has
-  its gradient, the bucket's collective starts asynchronously over
-  ``mesh.dp_group`` while backward carries on with earlier layers: an
-  all-reduce, or a reduce-scatter when the distributed optimizer (ZeRO-1) only
-  needs this rank's 1/dp shard of each bucket.
-* Buckets launch strictly in bucket order. Every DP rank then issues the same
-  collectives in the same order even when some parameter gets no gradient (an
-  unused layer): its bucket, and the ones after it, wait for
-  :meth:`finish_grad_sync`, which launches whatever is left and waits for all.
-* Gradients are averaged over DP by scaling the bucket by ``1/dp`` and then
-  summing: gloo refuses ``PREMUL_SUM`` (and some versions ``AVG``), and one
-  code path is the rule for CPU and GPU.
-
-Gradient accumulation over microbatches: run all but the last microbatch under
-:meth:`no_sync` (gradients just accumulate in ``main_grad``), the last one
-outside it, then call :func:`finalize_model_grads` before the optimizer step (it
-finishes every chunk's DP sync, sums the sequence-parallel params' grads over TP and
-the tied embedding's grads over the first and last pipeline stage) and :meth:`zero_grad_buffer` before the next iteration.
+Megatron-Core's DistributedDataParallel: every parameter's gradient has a place in ONE flat buffer,
+cut into :class:`Bucket` s in the REVERSE of parameter registration order (backward's). A grad hook
+per parameter hands its grad to the chunk's sharding strategy (:mod:`megalite.parallel.sharding`);
+a complete bucket's all-reduce or reduce-scatter starts over DP while backward carries on. Buckets
+launch strictly in bucket order: every DP rank issues the same collectives in the same order, even
+when a parameter gets no gradient (its bucket and the later ones wait for :meth:`finish_grad_sync`).
+Then :func:`finalize_model_grads` before the step, :meth:`zero_grad_buffer` before the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.parallel import zero3
-from megalite.parallel.mappings import reduce_scatter_flat
+from megalite.configs import DataParallelConfig
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import (
-    grad_of,
-    is_sequence_parallel,
-    is_shared_embedding,
-    set_main_grad,
-)
+from megalite.parallel.param_attributes import grad_of, is_sequence_parallel, is_shared_embedding
 from megalite.parallel.param_gather import finish_param_sync
+from megalite.parallel.sharding import strategy_class
 from megalite.profiling import profiled
 
 
 class Bucket:
     """A contiguous slice of the grad buffer holding the gradients of a few parameters.
 
-    ``grad_data`` [numel_padded] is a view of the flat buffer; ``param_ranges``
-    maps each parameter to its ``(start, end)`` inside ``grad_data``. With the
-    distributed optimizer ``numel_padded`` is a multiple of dp and DP rank ``r``
-    owns ``grad_data[r * shard_size:(r + 1) * shard_size]``; ``shard_grad`` is that
-    shard's gradient: a view of ``grad_data`` (ZeRO-1), or, when gradients are sharded
-    (ZeRO-2), the persistent [shard_size] buffer while ``grad_data`` is a transient
-    staging buffer that lives from the bucket's first grad to its reduce-scatter.
-    """
+    ``param_ranges``: each param's ``(start, end)`` in its [numel_padded] elements; DP rank ``r`` owns
+    ``[r * shard_size, (r + 1) * shard_size)``. The strategy's ``bind`` gives ``grad_data``, a view of
+    the flat buffer, or (ZeRO-2) ``shard_grad``, the persistent shard; ``grad_data`` is then staged."""
 
-    def __init__(
-        self,
-        index: int,
-        params: list[nn.Parameter],
-        grad_data: torch.Tensor | None,
-        dp_size: int,
-        shard_grad: torch.Tensor | None = None,
-    ):
+    def __init__(self, index: int, params: list[nn.Parameter], numel_padded: int, dp_size: int):
         self.index = index
         self.params = params  # backward order
-        self.grad_data = grad_data
+        self.grad_data: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None
         self.dtype = params[0].dtype  # every parameter of a bucket has one dtype (param all-gather)
         self.param_ranges: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
@@ -82,11 +45,10 @@ class Bucket:
             self.param_ranges[p] = (offset, offset + p.numel())
             offset += p.numel()
         self.numel = offset
-        self.numel_padded = grad_data.numel() if shard_grad is None else shard_grad.numel() * dp_size
-        self.shard_size = self.numel_padded // dp_size
-        self.shard_grad = shard_grad
-        # ZeRO-3 (megalite.parallel.zero3): the full param buffer the params are views of (its
-        # storage freed between uses) and this rank's persistent shard of it.
+        self.numel_padded = numel_padded
+        self.shard_size = numel_padded // dp_size
+        # ZeRO-3 (sharding/optim_grads_params.py): the full param buffer the params are views of
+        # (its storage freed between uses) and this rank's persistent shard of it.
         self.param_data: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
         self.ready: set[nn.Parameter] = set()
@@ -116,6 +78,12 @@ class Bucket:
     def is_complete(self) -> bool:
         return len(self.ready) == len(self.params)
 
+    def wait(self) -> None:
+        """Wait for the bucket's collective, if one is in flight."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
     def reset(self) -> None:
         self.ready.clear()
         self.handle = None
@@ -125,112 +93,45 @@ class Bucket:
 def split_into_buckets(
     params: list[nn.Parameter],
     bucket_size: int,
-    use_distributed_optimizer: bool,
+    own_bucket: Callable[[nn.Parameter], bool] = lambda p: False,
     units: list[str] | None = None,
 ) -> list[list[nn.Parameter]]:
-    """Group params (already in backward order) into buckets of about ``bucket_size`` elements.
-
-    A bucket closes once it reaches ``bucket_size`` elements, and before a
-    parameter of a different dtype (the param all-gather of the distributed
-    optimizer works on one dtype per bucket) or, with ``units`` (ZeRO-3: each param's
-    unit name), of another unit. :func:`own_bucket` params get a bucket to themselves.
-    """
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    numel = 0
-
-    def close():
-        nonlocal current, numel
-        if current:
-            buckets.append(current)
-        current, numel = [], 0
-
+    """Group params (in backward order) into buckets closed once they reach ``bucket_size`` elements,
+    and before a param of another dtype (the param all-gather works on one dtype per bucket) or, with
+    ``units`` (each param's ZeRO-3 unit), of another unit; ``own_bucket(p)`` params go alone."""
+    buckets: list[list[nn.Parameter]] = [[]]  # the last one is open
     unit_of = dict(zip(map(id, params), units)) if units is not None else {}
     for p in params:
-        alone = own_bucket(p, use_distributed_optimizer)
+        alone, current = own_bucket(p), buckets[-1]
         other_unit = current and unit_of.get(id(p)) != unit_of.get(id(current[0]))
         if current and (p.dtype != current[0].dtype or alone or other_unit):
-            close()
+            buckets.append(current := [])
         current.append(p)
-        numel += p.numel()
-        if numel >= bucket_size or alone:
-            close()
-    close()
-    return buckets
-
-
-def padded_bucket_numel(numel: int, dp_size: int, use_distributed_optimizer: bool) -> int:
-    """Elements a bucket of ``numel`` gradient elements takes in the flat buffer.
-
-    Under the distributed optimizer it is padded to a multiple of lcm(dp, 128): every DP rank
-    owns an equal shard, 128-element aligned for NCCL. (``megalite.memory`` predicts the
-    buffer with this same function.)
-    """
-    pad_to = math.lcm(dp_size, 128) if use_distributed_optimizer else 1
-    return math.ceil(numel / pad_to) * pad_to
+        if alone or sum(q.numel() for q in current) >= bucket_size:  # buckets hold few params
+            buckets.append([])
+    return [b for b in buckets if b]
 
 
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so its gradients are averaged over ``mesh.dp_group`` during backward.
 
-    Args:
-        module: the model chunk; its parameters may carry TP attributes, DDP ignores them.
-        mesh: supplies ``dp_group`` / ``dp_size`` / ``dp_rank``.
-        bucket_size: elements per bucket (Megatron's ``--ddp-bucket-size``); smaller
-            buckets start communicating earlier, larger ones use the network better.
-        use_distributed_optimizer: reduce-scatter instead of all-reduce; each bucket is
-            padded to a multiple of dp so every rank owns an equal contiguous shard.
-        grad_reduce_dtype: dtype of the grad buffer and of the collectives
-            (fp32 = Megatron's ``--accumulate-allreduce-grads-in-fp32``; bf16 =
-            ``--grad-reduce-in-bf16``).
-        overlap_grad_reduce: start each bucket's collective as soon as its grads are ready
-            (Megatron's ``--overlap-grad-reduce``); False launches every bucket in
-            :meth:`finish_grad_sync`, after backward. Same result either way.
-        shard_grads: ZeRO-2, only this rank's shard of each bucket's grads persists.
-        shard_params: ZeRO-3 (needs ``shard_grads``), only this rank's shard of each bucket's params
-            persists; units are gathered just in time (:mod:`megalite.parallel.zero3`).
-        prefetch_params: ZeRO-3 with ``--overlap-param-gather``: each unit's all-gather starts one
-            unit ahead, while the unit before it computes (forward and backward).
+    ``config``: the sharding level (``self.strategy``), ``bucket_size`` (elements; smaller buckets
+    start communicating earlier, larger ones use the network better), ``grad_reduce_dtype`` of the
+    buffer and collectives, ``overlap_grad_reduce`` (False: every bucket launches in
+    :meth:`finish_grad_sync`; same result), ZeRO-3's ``overlap_param_gather`` (unit prefetch).
 
     Wrap the module after moving it to its device and dtype: ``main_grad`` views
     and the grad hooks are bound to the parameter objects present at construction.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        mesh: Mesh,
-        *,
-        bucket_size: int = 40_000_000,
-        use_distributed_optimizer: bool = False,
-        grad_reduce_dtype: torch.dtype = torch.float32,
-        overlap_grad_reduce: bool = True,
-        shard_grads: bool = False,
-        shard_params: bool = False,
-        prefetch_params: bool = False,
-    ):
+    def __init__(self, module: nn.Module, mesh: Mesh, config: DataParallelConfig = DataParallelConfig()):
         super().__init__()
-        if prefetch_params and not shard_params:
-            raise ValueError("prefetch_params needs shard_params (ZeRO-3 gathers the params per unit)")
-        if shard_params and not shard_grads:
-            raise ValueError(
-                "shard_params (ZeRO-3) needs shard_grads (ZeRO-2's reduce-scatter per microbatch)"
-            )
-        if shard_grads and not use_distributed_optimizer:
-            raise ValueError(
-                "shard_grads (ZeRO-2) needs use_distributed_optimizer (the optimizer owns the shard)"
-            )
-        if bucket_size < 1:
-            raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {bucket_size}")
+        if config.bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
         self.module = module
         self.mesh = mesh
-        self.dp_size = mesh.dp_size
-        self.dp_rank = mesh.dp_rank
-        self.dp_group = mesh.dp_group
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.grad_reduce_dtype = grad_reduce_dtype
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.shard_grads = shard_grads
+        self.config = config
+        self.dp_size, self.dp_rank, self.dp_group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
 
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -238,48 +139,31 @@ class DistributedDataParallel(nn.Module):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"all parameters of a model chunk must be on one device, found {devices}")
-        for p in params:
-            if not p.is_contiguous():
-                raise ValueError(
-                    "DistributedDataParallel needs contiguous parameters (main_grad is a flat view)"
-                )
+        if not all(p.is_contiguous() for p in params):
+            raise ValueError("DistributedDataParallel needs contiguous parameters (main_grad is a flat view)")
 
-        units = zero3.param_units(module) if shard_params else None
+        level = strategy_class(config.sharding_strategy)
+        units = level.units(module)
         order = list(reversed(params))
         groups = split_into_buckets(
-            order, bucket_size, use_distributed_optimizer, [units[p] for p in order] if units else None
+            order, config.bucket_size, level.own_bucket, [units[p] for p in order] if units else None
         )
-        sizes = [
-            padded_bucket_numel(sum(p.numel() for p in g), self.dp_size, use_distributed_optimizer)
-            for g in groups
+        self.buckets = [
+            Bucket(i, g, level.padded_numel(sum(p.numel() for p in g), self.dp_size), self.dp_size)
+            for i, g in enumerate(groups)
         ]
-        # ZeRO-2 keeps only this rank's shard of each bucket: the persistent buffer is 1/dp the size.
-        held = [s // self.dp_size for s in sizes] if shard_grads else sizes
-        self.grad_buffer = torch.zeros(sum(held), dtype=grad_reduce_dtype, device=devices.pop())
-
-        self.buckets: list[Bucket] = []
-        self._bucket_of: dict[nn.Parameter, Bucket] = {}
-        start = 0
-        for i, (group, size) in enumerate(zip(groups, held)):
-            view = self.grad_buffer[start : start + size]
-            if shard_grads:  # no main_grad: a param's full grad exists only while its bucket is staged
-                bucket = Bucket(i, group, None, self.dp_size, shard_grad=view)
-            else:
-                bucket = Bucket(i, group, view, self.dp_size)
-                for p in group:
-                    lo, hi = bucket.param_ranges[p]
-                    set_main_grad(p, bucket.grad_data[lo:hi].view(p.shape))
-            for p in group:
-                self._bucket_of[p] = bucket
-            self.buckets.append(bucket)
-            start += size
-        self._end_of_backward_queued = False
-        self._staged_since_flush = False  # ZeRO-2: a backward staged grads not yet reduce-scattered
+        held = [level.held_numel(b.numel_padded, self.dp_size) for b in self.buckets]
+        self.grad_buffer = torch.zeros(sum(held), dtype=config.grad_reduce_dtype, device=devices.pop())
+        for bucket, view in zip(self.buckets, self.grad_buffer.split(held)):
+            level.bind(bucket, view)
+        self._bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
 
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        self.param_sharding = zero3.ParamSharding(self, units, prefetch_params) if shard_params else None
+        self.strategy = level(self)
+        self.param_sharding = self.strategy.param_sharding  # ZeRO-3's gathered units; else None
+        self.use_distributed_optimizer = config.use_distributed_optimizer  # the optimizer checks it
 
     # Forward / state pass straight through, so parameter names stay the model's.
     def forward(self, *args, **kwargs):
@@ -287,97 +171,19 @@ class DistributedDataParallel(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         finish_param_sync([self])  # --overlap-param-gather: never hand out a param still in flight
-        if self.param_sharding is None:
-            return self.module.state_dict(*args, **kwargs)
-        with zero3.gathered_params([self]):  # ZeRO-3: collective over DP; copies of the whole params
-            return {k: v.clone() for k, v in self.module.state_dict(*args, **kwargs).items()}
+        return self.strategy.state_dict(*args, **kwargs)  # ZeRO-3: gathered (collective), copies
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        # Copies into the existing params (never assign=True): main_grad views and the
-        # grad hooks belong to these parameter objects. A gather still in flight would land later.
-        # ZeRO-3: into the shards (collective).
+        # Copies into the existing params (never assign=True): main_grad views and the grad hooks
+        # belong to them. A gather still in flight would land later. ZeRO-3: into the shards.
         finish_param_sync([self])
-        with zero3.gathered_params([self]):
+        with self.strategy.whole_params():
             return self.module.load_state_dict(state_dict, strict=strict)
 
-    # Backward hook -------------------------------------------------------------
+    # Backward hook and the bucket order -------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
-        if self.shard_grads:
-            self._stage_grad(param)
-            return
-        if param.grad is not None:
-            param.main_grad.add_(param.grad)
-            param.grad = None  # main_grad holds it now; free the model-dtype copy
-        if not self._sync_enabled or not self.overlap_grad_reduce:
-            return  # no overlap: finish_grad_sync launches every bucket after backward
-        bucket = self._bucket_of[param]
-        if param in bucket.ready or bucket.launched:
-            raise RuntimeError(
-                "a parameter received a second gradient before finish_grad_sync(): run all but the "
-                "last microbatch under ddp.no_sync(), then call finish_grad_sync() and zero_grad_buffer()"
-            )
-        bucket.ready.add(param)
-        self._launch_complete_buckets()
-
-    # ZeRO-2: every microbatch reduce-scatters; between microbatches only the shards remain ---------
-    def _stage_grad(self, param: nn.Parameter) -> None:
-        """Add ``param.grad`` into its bucket's staging buffer; launch the bucket once complete.
-
-        Under ZeRO-2 ``no_sync`` is ignored: every backward (microbatch) reduce-scatters each bucket
-        and adds the shard into the persistent shard buffer, so no full-size gradient outlives a
-        microbatch (the price: m reduce-scatters per step instead of one). An autograd callback at
-        the end of the backward launches the buckets still incomplete and folds every shard in.
-        """
-        self._queue_end_of_backward()
-        self._staged_since_flush = True
-        bucket = self._bucket_of[param]
-        if bucket.grad_data is None:
-            bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
-        if param.grad is not None:
-            lo, hi = bucket.param_ranges[param]
-            bucket.grad_data[lo:hi].view(param.shape).add_(param.grad)
-            param.grad = None
-        bucket.ready.add(param)  # a set: a param seen twice before its bucket launched just accumulates
-        if self.param_sharding is not None:  # ZeRO-3: the unit's backward is done once all its grads are
-            self.param_sharding.grad_ready(param)
-        if self.overlap_grad_reduce:
+        if self.strategy.grad_ready(param, self._bucket_of[param], self._sync_enabled):
             self._launch_complete_buckets()
-
-    def _queue_end_of_backward(self) -> None:
-        if not self._end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_of_backward_queued = True
-
-    def _end_of_backward(self) -> None:
-        self._end_of_backward_queued = False
-        self._flush_sharded()
-        if self.param_sharding is not None:
-            self.param_sharding.free_all()
-
-    def _flush_sharded(self) -> None:
-        """ZeRO-2: launch every bucket not launched yet, wait, add each staged shard into ``shard_grad``.
-
-        Once per backward: the end-of-backward callback flushes, and ``finish_grad_sync`` after it
-        finds nothing staged, so a step sends m reduce-scatter rounds for m microbatches, not m + 1
-        (every DP rank stages the same buckets, so all skip together)."""
-        if not self._staged_since_flush:
-            return
-        self._staged_since_flush = False
-        while self._next_bucket < len(self.buckets):
-            self._launch(self.buckets[self._next_bucket])
-        for bucket in self.buckets:
-            self._fold(bucket)
-        self._reset_buckets()
-
-    def _fold(self, bucket: Bucket) -> None:
-        """Wait for a launched ZeRO-2 bucket; add its reduced shard into ``shard_grad``; free the staging."""
-        if bucket.handle is not None:
-            bucket.handle.wait()
-            bucket.handle = None
-        if bucket.launched and bucket.grad_data is not None:
-            lo, hi = bucket.shard_range(self.dp_rank)
-            bucket.shard_grad.add_(bucket.grad_data[lo:hi])
-            bucket.grad_data = None
 
     def _launch_complete_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].is_complete:
@@ -385,26 +191,14 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         assert bucket.index == self._next_bucket and not bucket.launched
-        if self.shard_grads and bucket.grad_data is None:  # no grad this backward: the peers still wait
-            bucket.grad_data = self.grad_buffer.new_zeros(bucket.numel_padded)
-        if self.dp_size > 1:
-            bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
-            if self.use_distributed_optimizer:
-                lo, hi = bucket.shard_range(self.dp_rank)
-                bucket.handle = reduce_scatter_flat(
-                    bucket.grad_data[lo:hi], bucket.grad_data, self.dp_group, async_op=True
-                )
-            else:
-                bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
-        bucket.launched = True
         self._next_bucket += 1
-        if self.shard_grads and bucket.index > 0:  # at most two staged buckets in flight
-            self._fold(self.buckets[bucket.index - 1])
+        self.strategy.launch(bucket)
+        bucket.launched = True
 
     # Public API ------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Inside, backward only accumulates into ``main_grad``; no DP communication."""
+        """Inside, backward only accumulates into ``main_grad``; no DP communication (not ZeRO-2/3)."""
         previous = self._sync_enabled
         self._sync_enabled = False
         try:
@@ -415,28 +209,23 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (params without a grad this step), wait for all.
 
-        Afterwards ``main_grad`` holds the DP average: for every parameter with
-        all-reduce; only this rank's shard of each bucket with reduce-scatter.
+        Afterwards ``main_grad`` holds the DP average: for every parameter with all-reduce; only
+        this rank's shard of each bucket with reduce-scatter (ZeRO-2/3: ``shard_grad`` holds it).
         """
-        if self.shard_grads:
-            self._flush_sharded()
+        if not self.strategy.begin_sync():
             return
         while self._next_bucket < len(self.buckets):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
+            self.strategy.finish(bucket)
         self._reset_buckets()
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (call before each iteration's first microbatch)."""
         for bucket in self.buckets:
-            if bucket.handle is not None:  # never zero memory a collective still writes
-                bucket.handle.wait()
+            bucket.wait()  # never zero memory a collective still writes
         self._reset_buckets()
-        for bucket in self.buckets:
-            if self.shard_grads:
-                bucket.grad_data = None
+        self.strategy.zero_grad()
         self.grad_buffer.zero_()
         for p in self._bucket_of:
             p.grad = None
@@ -448,23 +237,28 @@ class DistributedDataParallel(nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
-        if self.dp_size == 1 or self.param_sharding is not None:  # ZeRO-3: each rank holds its own shard
-            return
-        for p in self._bucket_of:
-            dist.broadcast(p.data, src=self.mesh.dp_ranks[0], group=self.dp_group)
+        self.strategy.broadcast_params()
 
     def local_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The part of ``param``'s reduced gradient this rank holds: its ``main_grad`` view (no_shard,
-        ZeRO-1), or under ZeRO-2 the flat piece of it inside this rank's shard (maybe empty)."""
-        if not self.shard_grads:
-            return param.main_grad
-        bucket = self._bucket_of[param]
-        lo, hi = bucket.param_shard_piece(param, self.dp_rank)
-        return bucket.shard_grad[lo:hi]
+        ZeRO-1), or under ZeRO-2/3 the flat piece of it inside this rank's shard (maybe empty)."""
+        return self.strategy.local_grad(param, self._bucket_of[param])
 
     def num_buckets_launched(self) -> int:
         """How many buckets have started their collective since the last sync (for tests / logs)."""
         return sum(b.launched for b in self.buckets)
+
+
+@contextlib.contextmanager
+def gathered_params(model_chunks: list[nn.Module]) -> Iterator[None]:
+    """Collective over DP: every ZeRO-3 chunk's params whole inside (e.g. to save or load a
+    checkpoint); on exit each rank's shard takes what the params hold then, and they are freed.
+    A no-op for other strategies."""
+    with contextlib.ExitStack() as stack:
+        for chunk in model_chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                stack.enter_context(chunk.strategy.whole_params())
+        yield
 
 
 # ---- finishing the step's gradients -----------------------------------------------------------
@@ -498,10 +292,7 @@ def _local_grads(model_chunks: list[nn.Module], predicate) -> list[torch.Tensor]
         for p in chunk.parameters():
             if not predicate(p):
                 continue
-            if isinstance(chunk, DistributedDataParallel) and chunk.shard_grads:
-                out.append(chunk.local_grad(p))
-                continue
-            grad = grad_of(p)
+            grad = chunk.local_grad(p) if isinstance(chunk, DistributedDataParallel) else grad_of(p)
             if grad is None:
                 p.grad = grad = torch.zeros_like(p)
             out.append(grad)
@@ -523,13 +314,3 @@ def _allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], mesh: Mesh
     dist.all_reduce(flat, group=mesh.tp_group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(summed.view_as(g))
-
-
-def own_bucket(param: nn.Parameter, use_distributed_optimizer: bool) -> bool:
-    """The tied embedding gets a DP grad bucket to itself under ZeRO-1 (as in Megatron-Core).
-
-    Why: after the reduce-scatter each DP rank holds only its shard of a bucket; alone in its
-    bucket, the embedding is sharded identically on the first and last stage, so the
-    embedding-group all-reduce of :func:`finalize_model_grads` sums matching shards.
-    """
-    return use_distributed_optimizer and is_shared_embedding(param)

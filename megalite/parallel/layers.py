@@ -40,7 +40,6 @@ from megalite.parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_gather import wait_for_params
 
 InitFn = Callable[[torch.Tensor, "torch.Generator | None"], object]
 
@@ -146,9 +145,6 @@ def column_parallel_linears(
     once in backward), or with ``sequence_parallel`` this rank's ``[b, s/t, in]``
     (all-gathered once before the matmuls).
     """
-    # The caller may not own these weights (a tied output layer, a fused SwiGLU pair): under
-    # --overlap-param-gather no module pre-hook has waited for them yet.
-    wait_for_params(*(t for pair in params for t in pair))
     if sequence_parallel:
         flat = [t for pair in params for t in pair]
         return _LinearWithSequenceParallelInput.apply(x, group, *flat)

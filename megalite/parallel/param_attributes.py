@@ -1,4 +1,4 @@
-"""The attributes megalite hangs on parameters: the whole contract, read and written here only.
+"""The attributes megalite hangs on parameters: the whole contract, read and written through here.
 
 Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
 ``state_dict`` see ordinary tensors); the parallel code tags them instead:
@@ -20,11 +20,14 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     (norm weights and biases, the row-parallel bias, learned positions under
     ``--sequence-parallel``): each TP rank's grad covers only its own tokens, so
     ``finalize_model_grads`` sums these grads over TP.
+``is_embedding_or_output_parameter`` (bool, Megatron's name)
+    The word embedding or the output layer's weight (marked by the model): the params of ``--decoupled-lr``.
 ``main_grad`` (Tensor)
-    Set by ``DistributedDataParallel``: a view of the flat fp32 grad buffer
-    that backward accumulates into and the optimizer reads.
+    Set by DDP on the model params (no_shard, ZeRO-1): a view of the flat fp32 grad buffer that
+    backward accumulates into. Set by the optimizer on its offloaded main params: a host tensor
+    cannot hold the device grad as ``.grad`` (``grad_of`` reads it there).
 
-Readers use the functions below, which give the defaults for untagged
+Writers and readers use the functions below, which give the defaults for untagged
 parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
 """
 

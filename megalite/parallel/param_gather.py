@@ -1,28 +1,19 @@
-"""``--overlap-param-gather``: the distributed optimizer's parameter all-gather, overlapped with the next forward.
+"""Parameter all-gathers: the **units** params are gathered by, and ``--overlap-param-gather`` under ZeRO-1/2.
 
-Under ZeRO-1/2 each DP rank updates only its shard of every grad bucket; the updated shards are then
-all-gathered over DP into the model params. Without the flag the optimizer step does that itself and
-waits. With it (Megatron-Core's ``overlap_param_gather``) the step only *starts* the all-gathers, and
-the next forward waits for each bucket just before it needs it:
+A unit is an element of an ``nn.ModuleList`` / ``nn.ModuleDict`` (a repeated block: a transformer
+layer); all other params of a chunk form the **root unit** (:data:`ROOT`). ZeRO-3 gathers by units.
 
-* Buckets are gathered in forward order: the reverse of the grad buckets (those follow backward).
-* The step starts the first bucket's all-gather. Before bucket ``i`` is waited on, bucket ``i + 1``'s
-  all-gather is started, so its communication runs while the modules of bucket ``i`` compute: at most
-  two buckets are in flight, each holding one [numel_padded] buffer in the model dtype.
-  (``--overlap-param-gather-with-optimizer-step``: the step starts every bucket at once instead.)
-* The waits sit in a forward pre-hook of every module that owns a parameter, and go strictly in
-  bucket order: waiting for bucket ``j`` first finishes every earlier bucket. A function that reads a
-  parameter outside its module's forward (the output layer reading a weight it does not own, a fused
-  SwiGLU pair) calls :func:`wait_for_params`.
-* Launches and waits follow the forward, which every DP rank runs identically, and the bucket order,
-  so every rank of the DP group issues the same collectives in the same order.
-* Whatever reads the params outside a forward (checkpoint save and load, evaluation, the end of
-  training, the next optimizer step) calls :func:`finish_param_sync` first, which waits for the rest.
-  The next step calls it before AdamW runs: fp32 main params share storage with the model params, so a
-  late copy would overwrite the new values.
-
-The result is bitwise the one of the synchronous gather: the same bytes reach the same params, only
-later. This module knows buckets and modules, not the optimizer: ``pack`` writes this rank's shard.
+With ``--overlap-param-gather`` under ZeRO-1/2 (Megatron-Core's ``overlap_param_gather``) the step only
+*starts* the all-gather of the updated shards; the next forward waits for each bucket, in forward
+order, after starting the next one's (it travels while this one's modules compute;
+``--overlap-param-gather-with-optimizer-step``: the step starts all). The waits are forward hooks:
+a unit waits for all its params, so a layer may read any of them (the fused SwiGLU pair); each other
+module for its own; a compiled module for all of its, before its graph; and the end of the last
+unit's forward for everything left, so what follows the blocks may read its params anywhere (GPT's
+head, inside a compiled region). Price: a layer's later buckets do not overlap its own compute. Every
+DP rank runs the same forward: the same collectives in the same order. Whatever reads params outside
+a forward (checkpoints, evaluation, the next step, whose fp32 main params share storage with the
+params) calls :func:`finish_param_sync` first. Bitwise the synchronous gather's result.
 """
 
 from __future__ import annotations
@@ -40,19 +31,36 @@ from megalite.profiling import named_range
 if TYPE_CHECKING:
     from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 
-# Every parameter under an overlapped gather points to its ParamGather (for wait_for_params).
-_ATTR = "_megalite_param_gather"
+ROOT = ""  # the unit name of the params outside every repeated block
+
+
+def unit_prefixes(module: nn.Module) -> list[str]:
+    """Module names of ``module``'s units: the elements of its ``ModuleList``/``ModuleDict``s."""
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            out += [f"{name}.{child}" if name else child for child, _ in m.named_children()]
+    return out
+
+
+def unit_of_name(param_name: str, prefixes: list[str]) -> str:
+    """The unit a parameter belongs to: the outermost unit module holding it, else :data:`ROOT`."""
+    matches = [p for p in prefixes if param_name.startswith(p + ".")]
+    return min(matches, key=len) if matches else ROOT
+
+
+def param_units(module: nn.Module) -> dict[nn.Parameter, str]:
+    """``{param: unit name}`` for every parameter of ``module`` (memory.py derives the same by name)."""
+    prefixes = unit_prefixes(module)
+    return {p: unit_of_name(n, prefixes) for n, p in module.named_parameters()}
 
 
 class ParamGather:
     """One model chunk's post-step parameter all-gathers, bucket by bucket in forward order.
 
-    Args:
-        ddp: the chunk (its buckets and its module's pre-hooks).
-        pack: ``pack(bucket, full)`` writes this DP rank's updated shard into its slice of the
-            bucket's flat ``full`` [numel_padded] (model dtype).
-        launch_all: start every bucket in :meth:`start` (``--overlap-param-gather-with-optimizer-step``)
-            rather than one ahead of the forward.
+    ``ddp``: the chunk; ``pack(bucket, full)`` writes this DP rank's updated shard into its slice of
+    the bucket's flat ``full`` [numel_padded] (model dtype); ``launch_all``: :meth:`start` launches
+    every bucket (``--overlap-param-gather-with-optimizer-step``), not one ahead of the forward.
     """
 
     def __init__(
@@ -73,22 +81,27 @@ class ParamGather:
         self._launched = self._finished = n
         self._index = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self._hooks = []
-        inside_compiled: set[nn.Module] = set()
-        for module in ddp.module.modules():  # parents before children
-            if module in inside_compiled:
+        units = unit_prefixes(ddp.module)
+        covered: set[nn.Module] = set()  # inside a unit or a compiled module: its hook waited
+        for name, module in ddp.module.named_modules():  # parents before children
+            if module in covered:
                 continue
-            if has_compiled_forward(module):
-                # --torch-compile: one wait for the whole compiled module, before its graph runs
-                # (a hook inside would be traced); nothing inside it needs wait_for_params then.
-                inside_compiled.update(module.modules())
-                params = [p for p in module.parameters() if p in self._index]
-            else:
-                params = [p for p in module.parameters(recurse=False) if p in self._index]
-                for p in params:
-                    setattr(p, _ATTR, self)
+            whole = name in units or has_compiled_forward(module)
+            if whole:
+                covered.update(module.modules())
+            params = [p for p in module.parameters(recurse=whole) if p in self._index]
             if params:
                 last = max(self._index[p] for p in params)
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(last)))
+        # What follows the last block (GPTModel's head: a weight read outside its module's forward,
+        # inside a compiled region under --torch-compile) is made final once that block's forward
+        # ends; without blocks, when the chunk's starts.
+        outer = [u for u in units if unit_of_name(u, units) == ROOT]
+        rest = self._pre_hook(n - 1)
+        if outer:
+            self._hooks.append(ddp.module.get_submodule(outer[-1]).register_forward_hook(rest))
+        else:
+            self._hooks.append(ddp.module.register_forward_pre_hook(rest))
 
     @property
     def pending(self) -> bool:
@@ -105,17 +118,11 @@ class ParamGather:
         """Wait for every bucket; afterwards every param of the chunk is final."""
         self._finish_through(len(self.buckets) - 1)
 
-    def wait_for(self, param: torch.Tensor) -> None:
-        """Make ``param`` (a parameter of this chunk) final."""
-        i = self._index.get(param)
-        if i is not None:
-            self._finish_through(i)
-
     # --------------------------------------------------------------------------------------------
     def _pre_hook(self, last: int):
         # Never traced by torch.compile: it waits on collectives and reads counters that change.
         @torch.compiler.disable
-        def hook(module, args):
+        def hook(module, *_):  # a forward pre-hook or (after the last block) a forward hook
             if last >= self._finished:
                 self._finish_through(last)
 
@@ -170,21 +177,3 @@ def finish_param_sync(model_chunks: Iterable[nn.Module]) -> None:
         gather = param_gather_of(chunk)
         if gather is not None:
             gather.finish()
-
-
-def wait_for_params(*tensors: torch.Tensor | None) -> None:
-    """Make these parameters final before a read outside their own module's forward (cheap otherwise)."""
-    for t in tensors:
-        gather = getattr(t, _ATTR, None) if t is not None else None
-        if gather is not None:
-            _wait_for(gather, t)
-
-
-# Outside any compiled graph: --torch-compile compiles the output region (GPTModel.output), which
-# reads the output weight (or the tied embedding) here; traced, the wait would be guarded on
-# counters that change every step or dropped. Only params of an --overlap-param-gather chunk get
-# here, so without that flag the compiled regions see no break.
-@torch.compiler.disable
-def _wait_for(gather: ParamGather, t: torch.Tensor) -> None:
-    if gather.pending:
-        gather.wait_for(t)

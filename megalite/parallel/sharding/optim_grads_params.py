@@ -1,107 +1,33 @@
-"""ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``): parameters sharded over DP.
+"""``optim_grads_params`` (ZeRO-3): ZeRO-2, and of each bucket's params only this rank's shard persists.
 
-Built on DistributedDataParallel's grad buckets, as Megatron-Core's own FSDP is, so every
-guarantee of ZeRO-1/2 holds unchanged (grads reduce-scattered per microbatch while backward
-runs, the tied embedding alone in its bucket, grad norm over shards, fp16 loss scaling,
-logical checkpoints):
-
-* Each bucket has a flat full-size param buffer ``param_data`` [numel_padded] (the bucket's
-  padding included); the bucket's params are views of it. What persists is only this DP
-  rank's shard of it, ``param_shard`` [numel_padded / dp]: the optimizer's fp32 main params are
-  views of it (or fp32 copies, for bf16 / fp16 / offload), and the step writes into it. The
-  full buffer's storage is freed (``untyped_storage().resize_(0)``): the params, and the
-  references autograd saved for backward, stay valid objects and see the values again once
-  the storage is re-materialised and all-gathered into (as torch's FSDP1 does).
-* The params are grouped into **units** gathered together: each element of an
-  ``nn.ModuleList`` / ``nn.ModuleDict`` (the repeated blocks: a transformer layer), and the
-  **root unit** of all other params of the chunk (embedding, final norm, output layer).
-  A bucket never spans two units. A unit's buckets are all-gathered in the forward pre-hook
-  of its module and freed in its forward post-hook; the module's outputs pass through an
-  identity whose backward all-gathers the unit again before the unit's backward; the unit is
-  freed once every param of it has its gradient for this backward (the grads are then staged
-  for their bucket's reduce-scatter, as ZeRO-2). The root unit is the chunk itself: gathered
-  for the chunk's whole forward and whole backward. Why: GPTModel uses the output head's
-  weight (and, tied, the embedding matrix a second time) outside any submodule's forward,
-  where no module hook could bracket it; the root unit is correct for any model code.
-* Full recompute reruns a layer's forward inside backward: the forward pre-hook gathers it
-  again and the post-hook leaves it gathered (we are inside backward: its backward follows).
-* Nothing is all-gathered after the optimizer step: the next forward gathers each unit.
-* ``--overlap-param-gather`` (``prefetch``; what Megatron-FSDP does with that flag): a unit's
-  gather is started one unit ahead, asynchronously, so its communication runs while the unit
-  before it computes. Forward order is the root unit, then the units in module order (a
-  GPT chunk's layers); backward order is the root unit, then the units in reverse. When unit
-  ``i`` is demanded (its forward pre-hook, or its gather before backward) it is waited for and
-  the all-gather of the next unit in that pass's order starts. A forward pre-hook that runs
-  inside backward (a full recompute) counts as backward: it prefetches the unit before it.
-  Prefetches stay inside one chunk's forward pass or one backward pass: the last unit of a
-  pass prefetches nothing, and the chunk's forward post-hook and the end-of-backward callback
-  wait for and free whatever is still gathered. So no gather is ever in flight across a
-  pipeline send / receive, another chunk or another microbatch, and every DP rank issues the
-  same all-gathers in the same order (the order is a function of the model, not of timing).
-  Gathered at once: the root unit, the unit computing (or the recompute group being rerun)
-  and one prefetched unit (``megalite.memory.gathered_param_bytes``). The same all-gathers
-  as without the flag, only earlier: the same bytes, and bitwise the same params.
-
-Communication per step per rank, Ψ the chunk's parameter elements: an all-gather of every
-unit in every microbatch's forward and again in its backward (2·m·(d-1)/d·Ψ received, m
-microbatches), plus ZeRO-2's per-microbatch reduce-scatter of the grads (m·(d-1)/d·Ψ).
+Built on ZeRO-2's strategy and buckets, as Megatron-Core's own FSDP is, so ZeRO-1/2's guarantees hold
+(docs/parallelism.md, "ZeRO-3 as built", tells the design). A bucket's params are views of one flat
+``param_data`` [numel_padded] whose storage is freed between uses (``resize_(0)``: the params and what
+autograd saved stay valid, as in torch's FSDP1); ``param_shard`` [numel_padded / dp] persists and holds
+the optimizer's values. Params are gathered by **units** (:mod:`megalite.parallel.param_gather`),
+which no bucket spans: in the unit's forward pre-hook and before its backward (an identity on its
+outputs), freed after its forward (unless a recompute inside backward) and once all its params have
+their grads. The root unit is whole for the chunk's forward and backward: GPTModel reads the head's
+weight (tied: the embedding's, a second time) outside any submodule's forward. ``--overlap-param-gather``
+(``prefetch``): a demanded unit starts the next unit's all-gather in its pass (forward: root, then the
+layers; backward and recompute: the reverse), never beyond the pass, so every DP rank issues the same
+all-gathers in the same order (``megalite.memory.gathered_param_bytes`` counts the prefetched unit).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from megalite.configs import ShardingStrategy
 from megalite.parallel.mappings import all_gather_flat
+from megalite.parallel.param_gather import ROOT, param_units, unit_prefixes
+from megalite.parallel.sharding.no_shard import in_backward
+from megalite.parallel.sharding.optim_grads import ShardOptimGrads
 from megalite.profiling import named_range
-
-ROOT = ""  # the unit name of the params outside every repeated block
-
-
-def unit_prefixes(module: nn.Module) -> list[str]:
-    """Module names of ``module``'s ZeRO-3 units: the elements of its ``ModuleList``/``ModuleDict``s."""
-    out = []
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            out += [f"{name}.{child}" if name else child for child, _ in m.named_children()]
-    return out
-
-
-def unit_of_name(param_name: str, prefixes: list[str]) -> str:
-    """The unit a parameter belongs to: the outermost unit module holding it, else :data:`ROOT`."""
-    matches = [p for p in prefixes if param_name.startswith(p + ".")]
-    return min(matches, key=len) if matches else ROOT
-
-
-def param_units(module: nn.Module) -> dict[nn.Parameter, str]:
-    """``{param: unit name}`` for every parameter of ``module`` (memory.py derives the same by name)."""
-    prefixes = unit_prefixes(module)
-    return {p: unit_of_name(n, prefixes) for n, p in module.named_parameters()}
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward (full recompute reruns forwards there)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _Gathered:
-    """Bytes of full param buffers materialised on this process, now and at the peak (all chunks)."""
-
-    live = 0
-    peak = 0
-
-
-def reset_gathered_peak() -> None:
-    """Start a new peak of :func:`gathered_peak_bytes` (the memory report's first iteration)."""
-    _Gathered.peak = _Gathered.live
-
-
-def gathered_peak_bytes() -> int:
-    """The most bytes of gathered full params this process held at once since the last reset."""
-    return _Gathered.peak
 
 
 class Unit:
@@ -131,21 +57,20 @@ class _GatherBeforeBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.sharding.demand(ctx.unit, backward=True)
-        ctx.sharding.ddp._queue_end_of_backward()  # frees whatever this backward leaves gathered
+        ctx.sharding.on_backward()  # frees whatever this backward leaves gathered
         return (None, None, *grads)
 
 
 class ParamSharding:
-    """ZeRO-3 of one DistributedDataParallel chunk: param shards, units, their hooks.
+    """ZeRO-3's param shards, units and hooks for one chunk. ``units``: ``{param: unit name}``;
+    ``prefetch``: each unit's all-gather one unit ahead; ``on_backward()``: a backward needs a unit
+    (every unit is freed when it ends). ``live`` / ``peak``: bytes of this chunk's full param buffers
+    materialised now / at most since :meth:`reset_peak`."""
 
-    ``units``: ``{param: unit name}`` (:func:`param_units`); DDP's buckets never span two units.
-    ``prefetch``: start each unit's all-gather one unit ahead (``--overlap-param-gather``).
-    """
-
-    def __init__(self, ddp, units: dict[nn.Parameter, str], prefetch: bool = False):
-        self.ddp = ddp
+    def __init__(self, ddp, units: dict[nn.Parameter, str], prefetch: bool, on_backward: Callable[[], None]):
         self.dp_size, self.dp_rank, self.dp_group = ddp.dp_size, ddp.dp_rank, ddp.dp_group
-        self.prefetch = prefetch
+        self.prefetch, self.on_backward = prefetch, on_backward
+        self.live = self.peak = 0
         by_name: dict[str, list] = {}
         with torch.no_grad():
             for bucket in ddp.buckets:
@@ -208,8 +133,8 @@ class ParamSharding:
             else:
                 b.param_data.copy_(b.param_shard)
         unit.gathered, unit.handles = True, handles
-        _Gathered.live += unit.full_bytes
-        _Gathered.peak = max(_Gathered.peak, _Gathered.live)
+        self.live += unit.full_bytes
+        self.peak = max(self.peak, self.live)
 
     def _wait(self, unit: Unit) -> None:
         """Wait for the unit's all-gathers still in flight (a prefetch), if any."""
@@ -223,10 +148,9 @@ class ParamSharding:
         unit.ready.clear()
         self._wait(unit)  # never free storage an all-gather still writes into
         for b in unit.buckets:
-            if b.param_data.untyped_storage().nbytes():
-                b.param_data.untyped_storage().resize_(0)
+            b.param_data.untyped_storage().resize_(0)
         if unit.gathered:
-            _Gathered.live -= unit.full_bytes
+            self.live -= unit.full_bytes
         unit.gathered = False
 
     def free_all(self) -> None:
@@ -250,7 +174,7 @@ class ParamSharding:
     def _pre_forward_hook(self, unit: Unit):
         def hook(module, args):
             # Inside backward this is a full recompute: the backward's order comes next.
-            self.demand(unit, backward=_in_backward())
+            self.demand(unit, backward=in_backward())
 
         return hook
 
@@ -258,7 +182,7 @@ class ParamSharding:
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 output = self._wrap(unit, output)
-            if not _in_backward():  # a recompute inside backward: the unit's backward comes next
+            if not in_backward():  # a recompute inside backward: the unit's backward comes next
                 if unit.name == ROOT and self.prefetch:
                     self.free_all()  # the chunk's forward is over: no prefetch outlives it
                 else:
@@ -288,18 +212,47 @@ class ParamSharding:
     def shard_bytes(self) -> int:
         return sum(b.param_shard.nbytes for u in self.units.values() for b in u.buckets)
 
+    def reset_peak(self) -> None:
+        """Start a new :attr:`peak` (the memory report's first iteration)."""
+        self.peak = self.live
 
-@contextlib.contextmanager
-def gathered_params(model_chunks: list[nn.Module]) -> Iterator[None]:
-    """Collective over DP: every ZeRO-3 chunk's params whole inside (e.g. to save or load a
-    checkpoint); on exit each rank's shard takes what the params hold then, and they are freed.
-    A no-op for other strategies."""
-    shardings = [s for c in model_chunks if (s := getattr(c, "param_sharding", None)) is not None]
-    for s in shardings:
-        s.gather_all()
-    try:
-        yield
-    finally:
-        for s in shardings:
-            s.write_back()
-            s.free_all()
+
+class ShardOptimGradsParams(ShardOptimGrads):
+    level = ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @classmethod
+    def units(cls, module: nn.Module) -> dict[nn.Parameter, str]:
+        return param_units(module)
+
+    def __init__(self, ddp):
+        super().__init__(ddp)
+        prefetch = ddp.config.overlap_param_gather  # ZeRO-3's --overlap-param-gather: the prefetch
+        self.param_sharding = ParamSharding(
+            ddp, self.units(ddp.module), prefetch, self.expect_end_of_backward
+        )
+
+    def grad_ready(self, param, bucket, sync: bool) -> bool:
+        launch = super().grad_ready(param, bucket, sync)
+        self.param_sharding.grad_ready(param)  # the unit's backward is done once all its grads are
+        return launch
+
+    def end_of_backward(self) -> None:
+        super().end_of_backward()
+        self.param_sharding.free_all()
+
+    def broadcast_params(self) -> None:
+        pass  # each rank holds its own shard: nothing is replicated
+
+    @contextlib.contextmanager
+    def whole_params(self) -> Iterator[None]:
+        """Collective over DP; on exit this rank's shard takes what the params hold, and they are freed."""
+        self.param_sharding.gather_all()
+        try:
+            yield
+        finally:
+            self.param_sharding.write_back()
+            self.param_sharding.free_all()
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        with self.whole_params():  # copies: the whole params are freed on exit
+            return {k: v.clone() for k, v in self.ddp.module.state_dict(*args, **kwargs).items()}
