@@ -274,6 +274,32 @@ def check_same_model(saved: ModelConfig, current: ModelConfig, where: Path) -> N
         )
 
 
+def _read_tensors(state, folder: str, meta: dict, load_optim: bool, load_rng: bool) -> dict:
+    """Read the weights (and the optimizer state, the RNG states) of ``folder`` into ``state``;
+    returns the RNG targets read, for :func:`rng_state.restore`. Collective."""
+    mesh, model_config = state.mesh, state.config
+    stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
+    # ZeRO-3: the whole params are load targets; on exit each rank's param shard takes its slice.
+    with gathered_params(state.model):
+        targets = model_pieces(state.model, model_config, mesh, for_load=True)
+        opt_load = None
+        if load_optim:
+            opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)
+            targets.update(opt_load.pieces)
+        rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
+        targets.update(rng_targets)
+        storage.read(targets, folder)
+        zero_vocab_padding(state.model, model_config, mesh)
+        if not load_optim:
+            optimizer_state.reload_main_params(state.optimizer)  # reads the loaded model params
+    if load_optim:
+        opt_load.apply(int(meta["optimizer"]["adam_step"]))
+        scaler = state.optimizer.grad_scaler
+        if scaler is not None and meta["optimizer"].get("grad_scaler") is not None:
+            scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
+    return rng_targets
+
+
 def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     """Collective: resume ``state`` from ``--load``; returns False when there is nothing to load.
 
@@ -295,7 +321,6 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     meta = files.read_metadata(folder)
     verify_checkpoint(folder, iteration, meta, mesh)
     check_same_model(files.config_from_metadata(meta), model_config, folder)
-    stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
 
     finetune = bool(config.finetune)
     load_optim = not (finetune or config.no_load_optim)
@@ -315,25 +340,7 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     if not finetune and state.scheduler is not None and meta.get("scheduler") is not None:
         # First, so that a refused schedule (SchedulerError) stops the run before any tensor is read.
         notes = state.scheduler.load_state_dict(meta["scheduler"]) or []
-    # ZeRO-3: the whole params are load targets; on exit each rank's param shard takes its slice.
-    with gathered_params(state.model):
-        targets = model_pieces(state.model, model_config, mesh, for_load=True)
-        opt_load = None
-        if load_optim:
-            opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)
-            targets.update(opt_load.pieces)
-        rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
-        targets.update(rng_targets)
-        storage.read(targets, folder)
-        zero_vocab_padding(state.model, model_config, mesh)
-        if not load_optim:
-            optimizer_state.reload_main_params(state.optimizer)  # reads the loaded model params
-
-    if load_optim:
-        opt_load.apply(int(meta["optimizer"]["adam_step"]))
-        scaler = state.optimizer.grad_scaler
-        if scaler is not None and meta["optimizer"].get("grad_scaler") is not None:
-            scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
+    rng_targets = _read_tensors(state, folder, meta, load_optim, load_rng)
     if not finetune:
         state.iteration = iteration
         state.consumed_train_samples = int(meta["consumed_train_samples"])
