@@ -42,10 +42,6 @@ class ShardingStrategy(str, enum.Enum):
     def shards_params(self) -> bool:
         return self is ShardingStrategy.OPTIM_GRADS_PARAMS
 
-    @property
-    def zero_stage(self) -> int:
-        return list(ShardingStrategy).index(self)
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
