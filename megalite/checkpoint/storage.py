@@ -278,17 +278,3 @@ def stored_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
         for name, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
-
-
-__all__ = [
-    "CheckpointFormatError",
-    "SafeFileSystemReader",
-    "Shard",
-    "ShardLoadPlanner",
-    "ShardSavePlanner",
-    "read",
-    "read_dcp_metadata",
-    "stored_dtypes",
-    "stored_shapes",
-    "write",
-]

@@ -645,20 +645,8 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
 
 
 COLUMNS = (
-    "tp",
-    "pp",
-    "vp",
-    "dp",
-    "mbs",
-    "SP",
-    "recompute",
-    "ZeRO",
-    "mem GB",
-    "+ovh GB",
-    "step s",
-    "MFU",
-    "tokens/s",
-)
+    "tp", "pp", "vp", "dp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
+)  # fmt: skip
 
 
 def _row(c: Candidate) -> list[str]:
