@@ -94,10 +94,6 @@ class BatchSizeSchedule:
                 )
             self.constant_from = step_schedule[-1][0]
 
-    @property
-    def varies(self) -> bool:
-        return self.constant_from > 0
-
     def global_batch_size_at(self, consumed_samples: int) -> int:
         if self.rampup is not None and self.samples_per_increment is not None:
             start, increment, samples = self.rampup

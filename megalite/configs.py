@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megalite.errors import ArgumentError
+from megalite.errors import need
 
 if TYPE_CHECKING:  # the checkpoint package sits above configs: a type only
     from megalite.checkpoint import CheckpointConfig
@@ -42,10 +42,6 @@ class ShardingStrategy(str, enum.Enum):
     def shards_params(self) -> bool:
         return self is ShardingStrategy.OPTIM_GRADS_PARAMS
 
-    @property
-    def zero_stage(self) -> int:
-        return list(ShardingStrategy).index(self)
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -60,15 +56,6 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None  # uneven stages
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_schedule: str = "1f1b"  # the non-interleaved schedule: "1f1b" or "gpipe"
-
-    @property
-    def world_size(self) -> int:
-        return (
-            self.tensor_model_parallel_size
-            * self.context_parallel_size
-            * self.data_parallel_size
-            * self.pipeline_model_parallel_size
-        )
 
     @property
     def schedule(self) -> str:
@@ -117,20 +104,12 @@ def check_activation_memory(
 ) -> None:
     """Megatron's rules for ``--sequence-parallel`` and ``--recompute-*`` (one copy: the flags'
     validation and the memory model's hand-built layouts both call it); one-line ArgumentErrors."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ArgumentError(msg)
-
     need(
         not sequence_parallel or seq_length % tp == 0,
         f"--seq-length ({seq_length}) is not divisible by --tensor-model-parallel-size ({tp}), "
         f"which --sequence-parallel needs; use a multiple of {tp}",
     )
-    need(
-        recompute.method is None or recompute.full,
-        "--recompute-method needs --recompute-granularity full",
-    )
+    need(recompute.method is None or recompute.full, "--recompute-method needs --recompute-granularity full")
     need(
         recompute.num_layers is None or recompute.full,
         "--recompute-num-layers needs --recompute-granularity full and --recompute-method",
@@ -150,9 +129,8 @@ class DataParallelConfig:
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
     overlap_grad_reduce: bool = True  # start each bucket's collective while backward runs
-    overlap_param_gather: bool = (
-        False  # ZeRO-1/2: gather after the step, waited for in the next forward; ZeRO-3: prefetch
-    )
+    # ZeRO-1/2: gather after the step, waited for in the next forward; ZeRO-3: prefetch
+    overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False  # start every bucket's gather in the step
     bucket_size: int = 40_000_000  # elements per grad bucket (--ddp-bucket-size)
     grad_reduce_dtype: torch.dtype = torch.float32  # grad buffer and collectives (--grad-reduce-in-bf16)

@@ -19,6 +19,12 @@ class ArgumentError(MegaliteError, ValueError):
     """A flag value (or combination) that cannot work; the message names the flag and the fix."""
 
 
+def need(cond, msg: str, error: type[MegaliteError] = ArgumentError) -> None:
+    """Stop with ``error(msg)`` (one line naming the flag and the fix) unless ``cond``."""
+    if not cond:
+        raise error(msg)
+
+
 class InputError(MegaliteError, ValueError):
     """An input file that cannot be read or does not hold what it should (truncated, corrupt, a bad
     format, key or value); the message names the file and where."""

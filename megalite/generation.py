@@ -118,6 +118,3 @@ def generate(
     finally:
         model.train(was_training)
     return ids
-
-
-__all__ = ["generate", "sample_next_token"]

@@ -812,29 +812,3 @@ def format_memory_table(records: list[dict]) -> str:
         pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))
         lines.append(f"host memory (offloaded optimizer, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
     return "\n".join([title] + [" " + line for line in lines])
-
-
-__all__ = [
-    "CATEGORIES",
-    "ChunkSpec",
-    "MemoryLayout",
-    "MemoryProbe",
-    "ParamShape",
-    "RankMemory",
-    "SavedTensorMeter",
-    "activation_bytes",
-    "chunk_activation_bytes",
-    "chunk_activation_terms",
-    "chunk_layer_counts",
-    "chunk_param_shapes",
-    "grad_buffer_bytes",
-    "korthikanti_layer_bytes",
-    "layer_activation_bytes",
-    "layer_activation_terms",
-    "optimizer_device_bytes",
-    "optimizer_host_bytes",
-    "param_bytes",
-    "peak_in_flight",
-    "predict_rank",
-    "stage_chunks",
-]

@@ -86,34 +86,24 @@ class MetricSinks:
     Megatron work unchanged.
     """
 
-    def __init__(
-        self,
-        enabled: bool,
-        tensorboard_dir: str | None = None,
-        metrics_file: str | None = None,
-        *,
-        tensorboard_queue_size: int = 1000,
-        wandb_init: dict | None = None,
-    ):
+    def __init__(self, config: LoggingConfig, enabled: bool):
         self.enabled = enabled
-        self.tb = None
-        self.wandb = None
-        self.jsonl = None
+        self.tb = self.wandb = self.jsonl = None
         if not enabled:
             return
-        if tensorboard_dir:
+        if config.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise MegaliteError(
                     "--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'"
                 ) from e
-            self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=tensorboard_queue_size)
-        if wandb_init is not None:
-            self.wandb = _wandb_start(wandb_init)
-        if metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            self.jsonl = open(metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self.tb = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
+        if config.wandb_project:
+            self.wandb = _wandb_start(wandb_init_kwargs(config))
+        if config.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
+            self.jsonl = open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
     @classmethod
     def open(cls, config: LoggingConfig, enabled: bool, mesh) -> MetricSinks:
@@ -123,16 +113,9 @@ class MetricSinks:
         rank (wandb not logged in, ...) ends the job instead of leaving the other
         ranks waiting in the first collective until the timeout.
         """
-        error = None
-        sinks = None
+        error = sinks = None
         try:
-            sinks = cls(
-                enabled,
-                config.tensorboard_dir,
-                config.metrics_file,
-                tensorboard_queue_size=config.tensorboard_queue_size,
-                wandb_init=wandb_init_kwargs(config) if config.wandb_project else None,
-            )
+            sinks = cls(config, enabled)
         except MegaliteError as e:
             error = e
         if dist.is_initialized() and dist.get_world_size() > 1:

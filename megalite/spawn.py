@@ -52,26 +52,16 @@ def _unpack(data: bytes) -> Any:
 
 def _worker(fn, rank, world_size, init_file, timeout_s, env, args, kwargs, results):
     os.environ.update(env)
-    os.environ.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
-    )
+    n, r = str(world_size), str(rank)
+    os.environ.update(OMP_NUM_THREADS="1", RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
         )
         out = fn(*args, **kwargs)
         results.put((rank, "ok", _pack(out)))

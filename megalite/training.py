@@ -128,13 +128,7 @@ def setup(args: argparse.Namespace) -> TrainState:
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
     chunks = build_model_chunks(
-        config,
-        mesh,
-        run.parallel,
-        recompute=run.recompute,
-        rng=rng,
-        dtype=train.params_dtype,
-        device=mesh.device,
+        config, mesh, run.parallel, recompute=run.recompute, rng=rng, dtype=train.params_dtype
     )
     if train.torch_compile:
         compile_layers(chunks, train.torch_compile_mode)

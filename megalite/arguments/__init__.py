@@ -19,14 +19,11 @@ that start-up prints: ``start_up_lines``), and the derivations, which complete t
 makes the typed configs. docs/flags.md is generated from ``build_parser()``.
 """
 
-from megalite.arguments.activation import COMPILE_MODES
 from megalite.arguments.checkpointing import checkpoint_config
-from megalite.arguments.compat import RefusedFlagError, check_megatron_compat, ignored_flags_warning
+from megalite.arguments.compat import RefusedFlagError, ignored_flags_warning
 from megalite.arguments.configs import build_configs
 from megalite.arguments.data import add_tokenizer_args, tokenizer_kwargs
 from megalite.arguments.model import model_config
-from megalite.arguments.optimizer import params_dtype
-from megalite.arguments.parallel import SHARDING_STRATEGIES, sharding_strategy
 from megalite.arguments.parser import (
     UnknownFlagError,
     build_parser,
@@ -37,21 +34,16 @@ from megalite.arguments.parser import (
 from megalite.errors import ArgumentError
 
 __all__ = [
-    "COMPILE_MODES",
-    "SHARDING_STRATEGIES",
     "ArgumentError",
     "RefusedFlagError",
     "UnknownFlagError",
     "add_tokenizer_args",
     "build_configs",
     "build_parser",
-    "check_megatron_compat",
     "checkpoint_config",
     "ignored_flags_warning",
     "model_config",
-    "params_dtype",
     "parse_args",
-    "sharding_strategy",
     "start_up_lines",
     "tokenizer_kwargs",
     "validate_args",

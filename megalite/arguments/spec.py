@@ -7,7 +7,7 @@ A group module lists its flags in ``GROUPS``, (title, specs) pairs, built with :
 import argparse
 import dataclasses
 
-from megalite.errors import ArgumentError
+from megalite.errors import need as need  # the groups' one-line check (an ArgumentError)
 
 Flag = tuple[tuple[str, ...], dict]
 
@@ -50,12 +50,6 @@ def add_group(parser: argparse.ArgumentParser, title: str, flags: tuple[Flag, ..
     group = parser.add_argument_group(title)
     add_flags(group, flags)
     return group
-
-
-def need(cond, msg: str) -> None:
-    """Stop with ``msg`` (one line naming the flag and the fix) unless ``cond``."""
-    if not cond:
-        raise ArgumentError(msg)
 
 
 def from_flags(cls, args: argparse.Namespace, **values):

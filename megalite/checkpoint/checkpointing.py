@@ -363,16 +363,3 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     for note in notes:
         _log(mesh, f" note: {note}", logging.WARNING)
     return True
-
-
-__all__ = [
-    "CheckpointConfig",
-    "claim_save_dir",
-    "resume_iteration",
-    "check_same_model",
-    "find_checkpoint",
-    "load_checkpoint",
-    "model_pieces",
-    "parallel_layout",
-    "save_checkpoint",
-]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import time
@@ -206,7 +205,6 @@ def read_metadata(folder: str | Path) -> dict:
 # DCP file of the folder, with the rank that wrote it. zlib's crc32 runs at GB/s; a flipped bit, a
 # truncated or a missing file are all caught before DCP reads anything.
 _CHUNK = 16 * 2**20
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 
 
 def file_checksum(path: Path) -> dict:
@@ -226,11 +224,6 @@ def rank_files(folder: Path, rank: int) -> list[str]:
 def checksum_files(folder: Path, names: list[str], rank: int) -> dict:
     """``{name: {"crc32", "bytes", "rank"}}`` of files ``names`` in ``folder``, written by ``rank``."""
     return {name: {**file_checksum(Path(folder) / name), "rank": rank} for name in names}
-
-
-def writer_rank(name: str) -> int | None:
-    m = _RANK_FILE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def check_files(folder: Path, expected: dict) -> str | None:

@@ -566,19 +566,3 @@ def write_hf_checkpoint(
     with open(os.path.join(directory, SAFE_INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return names
-
-
-__all__ = [
-    "HFConversionError",
-    "config_from_hf",
-    "config_to_hf",
-    "fuse_qkv",
-    "hf_flavour",
-    "hf_to_megalite",
-    "logical_state_dict",
-    "megalite_to_hf",
-    "padded_state_dict",
-    "read_hf_checkpoint",
-    "split_qkv",
-    "write_hf_checkpoint",
-]

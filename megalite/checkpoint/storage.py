@@ -253,14 +253,10 @@ def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
     missing or foreign folder fails with a clear message before any collective.
     """
     read_dcp_metadata(path)
+    reader = SafeFileSystemReader(str(path))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=ShardLoadPlanner(),
-            no_dist=_no_dist(no_dist),
-        )
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=_no_dist(no_dist))
 
 
 def stored_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
@@ -278,17 +274,3 @@ def stored_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
         for name, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
-
-
-__all__ = [
-    "CheckpointFormatError",
-    "SafeFileSystemReader",
-    "Shard",
-    "ShardLoadPlanner",
-    "ShardSavePlanner",
-    "read",
-    "read_dcp_metadata",
-    "stored_dtypes",
-    "stored_shapes",
-    "write",
-]

@@ -466,10 +466,9 @@ def build_tokenizer(
 ) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``, from the files of the other flags."""
     kind = TOKENIZER_ALIASES.get(tokenizer_type, tokenizer_type)
+    model = functools.partial(_need_file, tokenizer_model, "--tokenizer-model", kind)
     if kind == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(
-            _need_file(tokenizer_model, "--tokenizer-model", kind, "a sentencepiece .model file")
-        )
+        return SentencePieceTokenizer(model("a sentencepiece .model file"))
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(
             _need_file(vocab_file, "--vocab-file", kind, "vocab.json"),
@@ -477,20 +476,14 @@ def build_tokenizer(
         )
     if kind == "TikTokenizer":
         return TikTokenizer(
-            _need_file(
-                tokenizer_model, "--tokenizer-model", kind, "a tiktoken .json file in Megatron's format"
-            ),
+            model("a tiktoken .json file in Megatron's format"),
             tiktoken_pattern,
             vocab_size=vocab_size,
             num_special_tokens=tiktoken_num_special_tokens,
             special_tokens=tiktoken_special_tokens,
         )
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(
-            _need_file(
-                tokenizer_model, "--tokenizer-model", kind, "a local directory saved with save_pretrained"
-            )
-        )
+        return HuggingFaceTokenizer(model("a local directory saved with save_pretrained"))
     if kind == "NullTokenizer":
         if vocab_size is None or int(vocab_size) < 1:
             raise TokenizerError(

@@ -281,28 +281,12 @@ class SelfAttention(nn.Module):
         self.rng = rng
         self.selective_recompute = selective
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
-        bias = config.add_bias_linear
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size,
-            qkv_size,
-            mesh,
-            bias=bias,
-            sequence_parallel=sp,
-            **_NO_INIT,
-            dtype=dtype,
-            device=device,
+        common = dict(
+            bias=config.add_bias_linear, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device
         )
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            mesh,
-            bias=bias,
-            input_is_parallel=True,
-            sequence_parallel=sp,
-            **_NO_INIT,
-            dtype=dtype,
-            device=device,
-        )
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, mesh, **common)
+        h_q = config.num_attention_heads * self.head_dim
+        self.linear_proj = RowParallelLinear(h_q, config.hidden_size, mesh, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h] (replicated over TP after linear_proj's all-reduce).
@@ -439,12 +423,8 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         config, mesh, sp = gpt.config, gpt.mesh, gpt.sequence_parallel
-        self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(config, mesh, rng, dtype, device, sp, recompute.selective)
-                for i in range(*layer_range)
-            }
-        )
+        layer = functools.partial(TransformerLayer, config, mesh, rng, dtype, device, sp, recompute.selective)
+        self.layers = nn.ModuleDict({str(i): layer() for i in range(*layer_range)})
         self.final_norm = build_norm(config, dtype, device, sp) if gpt.post_process else None
         self.rng = rng
         full = recompute.full
@@ -470,19 +450,14 @@ class LanguageModelEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False):
         super().__init__()
+        vocab, h = config.padded_vocab_size(mesh.tp_size), config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(mesh.tp_size),
-            config.hidden_size,
-            mesh,
-            reduce_scatter_embeddings=sp,
-            **_NO_INIT,
-            dtype=dtype,
-            device=device,
+            vocab, h, mesh, reduce_scatter_embeddings=sp, **_NO_INIT, dtype=dtype, device=device
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device
+                config.max_position_embeddings, h, dtype=dtype, device=device
             )
             mark_replicated(self.position_embeddings.weight)
             if sp:  # looked up for this rank's tokens only: partial grads
@@ -574,23 +549,14 @@ class GPTModel(nn.Module):
             # Own [V_pad/tp, h] head: untied (Llama), or the tied copy on a last stage that does
             # not hold the embedding (its grads are summed with the embedding's over the
             # embedding group by the pipeline code).
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                config.padded_vocab_size(mesh.tp_size),
-                mesh,
-                bias=False,
-                sequence_parallel=sp,
-                **_NO_INIT,
-                dtype=dtype,
-                device=device,
-            )
+            vocab = config.padded_vocab_size(mesh.tp_size)
+            kw = dict(bias=False, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device)
+            self.output_layer = ColumnParallelLinear(config.hidden_size, vocab, mesh, **kw)
         # Megatron's attribute: --decoupled-lr gives these their own learning rate.
-        for w in (
-            self.embedding.word_embeddings.weight if pre_process else None,
-            self.output_layer.weight if self.output_layer is not None else None,
-        ):
-            if w is not None:
-                mark_embedding_or_output(w)
+        if pre_process:
+            mark_embedding_or_output(self.embedding.word_embeddings.weight)
+        if self.output_layer is not None:
+            mark_embedding_or_output(self.output_layer.weight)
         if self.tied and pre_process != post_process:
             # The two copies of one tied matrix live on different pipeline stages.
             mark_shared_embedding(self.shared_embedding_or_output_weight())
@@ -788,14 +754,3 @@ def _require_compile(flag: str) -> None:
         raise MegaliteError(
             f"{flag} needs torch >= 2.2 (torch.compile, nn.Module.compile); this is torch {torch.__version__}"
         )
-
-
-__all__ = [
-    "GPTModel",
-    "apply_rotary",
-    "build_model_chunks",
-    "compile_layers",
-    "fuse_cross_entropy",
-    "recompute_units",
-    "rotary_cos_sin",
-]

@@ -448,21 +448,3 @@ def dp_step_scalars(state) -> dict[str, int]:
         if opt.log_num_zeros_in_grad:
             out["zero count over the shards (float64)"] = 8
     return out
-
-
-__all__ = [
-    "COLLECTIVES",
-    "CommCall",
-    "CommMeter",
-    "DPBuckets",
-    "DP_THEORY",
-    "DP_THEORY_TEXT",
-    "MeasuredRun",
-    "as_number",
-    "comm_meter",
-    "dp_step_scalars",
-    "dp_step_theory",
-    "intercept_collectives",
-    "ring_bytes_sent",
-    "strategy_built",
-]

@@ -40,7 +40,7 @@ import torch
 
 from megalite.configs import RunConfig
 from megalite.errors import MegaliteError
-from megalite.memory import MemoryLayout, RankMemory, activation_bytes, extra_bytes, predict_rank
+from megalite.memory import MemoryLayout, RankMemory, activation_bytes, dtype_bytes, extra_bytes, predict_rank
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
 from megalite.planning import calibration as cm
@@ -294,7 +294,7 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
       step's small all-reduces."""
 
     cal, cfg, s, R = p.calibration, p.config, p.seq_length, p.cluster.num_gpus
-    B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
+    B = dtype_bytes(p.params_dtype)
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
     tokens = c.micro_batch_size * s
     layers = cfg.num_layers // c.pp  # per rank, all its chunks
@@ -385,7 +385,7 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
         return with_calibrated_time(p, c)
     cfg, cl, s = p.config, p.cluster, p.seq_length
     gpu = cl.gpu
-    B = torch.empty((), dtype=p.params_dtype, device="meta").element_size()
+    B = dtype_bytes(p.params_dtype)
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
     tokens_mb = c.micro_batch_size * s
     flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
@@ -409,7 +409,7 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
 
     dp = 0.0
     if c.dp > 1:
-        params_rank = sum(predict_rank_params(p, c))
+        params_rank = peak_rank_memory(p, c).grads // 4  # the peak stage's grad buffer elements
         dp_bw = gpu.intra_node_gbps if c.tp * c.dp <= cl.gpus_per_node else gpu.inter_node_gbps
         full_dp = ring_allreduce_s(4 * params_rank, c.dp, dp_bw)
         n_buckets = max(1, math.ceil(params_rank / 40_000_000))
@@ -441,11 +441,6 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
         tflops_per_gpu=model_flops_gpu * (1 + extra) / step / 1e12,
         parts=parts,
     )
-
-
-def predict_rank_params(p: Problem, c: Candidate) -> list[int]:
-    """Elements of the grad buffer on the peak stage (the DP reduction's size): bytes / 4."""
-    return [peak_rank_memory(p, c).grads // 4]
 
 
 # ---- enumeration ------------------------------------------------------------------------------
@@ -645,20 +640,8 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
 
 
 COLUMNS = (
-    "tp",
-    "pp",
-    "vp",
-    "dp",
-    "mbs",
-    "SP",
-    "recompute",
-    "ZeRO",
-    "mem GB",
-    "+ovh GB",
-    "step s",
-    "MFU",
-    "tokens/s",
-)
+    "tp", "pp", "vp", "dp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
+)  # fmt: skip
 
 
 def _row(c: Candidate) -> list[str]:
