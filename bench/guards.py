@@ -56,7 +56,7 @@ def guard_ops_ms(state, data) -> tuple[float, float]:
     from megalite.training import next_microbatches
 
     losses = run_schedule(
-        state, next_microbatches(data, state.args.num_microbatches, state.mesh.device), False
+        state, next_microbatches(data, state.configs.training.num_microbatches, state.mesh.device), False
     )
     norm_sq = torch.zeros(())
     state.optimizer.params.prepare_grads()

@@ -16,6 +16,7 @@ bitwise (checked, as the tests do).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,8 +31,9 @@ from megalite.spawn import run_distributed  # noqa: E402
 def _runs(runs):
     from megalite.training import pretrain
 
-    for argv in runs:
-        pretrain(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only
+        for argv in runs:
+            pretrain(argv)
 
 
 def _rows(path):

@@ -16,6 +16,7 @@ oversubscribed: compare it with itself across changes, not with the one-process 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -79,7 +80,8 @@ def plain_loop(a, device: torch.device) -> float:
 def _megalite_run(argv, metrics_file):
     from megalite.training import pretrain
 
-    pretrain(argv + ["--metrics-file", metrics_file])
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only
+        pretrain(argv + ["--metrics-file", metrics_file])
 
 
 def megalite_tokens_per_sec(a, extra: list[str], world: int) -> float:

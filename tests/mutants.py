@@ -821,7 +821,7 @@ MUTANTS = [
     Mutant(
         "cross-entropy-fusion-ignored",
         "megalite/training.py",
-        "    elif args.cross_entropy_loss_fusion:\n        fuse_cross_entropy(chunks)\n",
+        "    elif train.cross_entropy_loss_fusion:\n        fuse_cross_entropy(chunks)\n",
         "",
         ("tests/test_compile.py::test_cross_entropy_loss_fusion_compiles_only_the_loss_region",),
         "--cross-entropy-loss-fusion parsed but not applied: the flag silently does nothing",
