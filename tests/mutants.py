@@ -828,7 +828,7 @@ MUTANTS = [
     ),
     Mutant(
         "device-discipline-allows-mixing",
-        "megalite/testing.py",
+        "tests/device_discipline.py",
         "                if host_in is not None and not all(map(on_host, inputs)):\n",
         "                if False:\n",
         ("tests/test_device_discipline.py",),

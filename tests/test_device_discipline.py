@@ -1,7 +1,7 @@
 """Device discipline: every tensor that crosses ranks is on the mesh's device (NCCL refuses CPU ones).
 
 On this CPU-only machine the run declares its mesh device as ``cpu:0``, and
-``megalite.testing.device_discipline`` tracks which tensors a GPU run would have left on the
+``tests/device_discipline.py: device_discipline`` tracks which tensors a GPU run would have left on the
 host (see its comment); the wrapped collectives refuse those, and so does any op that mixes a
 host tensor with a device one (as CUDA does). A 3D run (tp2 x pp2 x dp2, ZeRO-1, fp32) passes
 under it, and the same run with count_parameters' old plain ``torch.tensor([...])`` fails. The
@@ -56,8 +56,9 @@ def _old_count_parameters(model_chunks, mesh):
 
 
 def _runs(tmp):
+    from device_discipline import DeviceDisciplineError, device_discipline
+
     import megalite.training as training
-    from megalite.testing import DeviceDisciplineError, device_discipline
 
     out = {}
     # 1. A planted host tensor in a collective fails; the mesh helper's passes.

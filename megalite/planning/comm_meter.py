@@ -18,7 +18,7 @@ with ``d`` the group's size. The volumes are exact rationals (:class:`fractions.
 all-reduce of n bytes over 3 ranks sends 4n/3 bytes whatever n is.
 
 How the wrapping works (:func:`intercept_collectives`, shared with
-``megalite.testing.device_discipline``): megalite looks its collectives up at call time
+``tests/device_discipline.py``): megalite looks its collectives up at call time
 (``dist.all_reduce(...)``, ``mappings.all_gather_flat``'s ``getattr(dist, ...)``), so replacing the
 attributes of ``torch.distributed`` for the block reaches every call. ``isend`` / ``irecv`` are
 replaced in ``distributed_c10d`` as well: ``P2POp`` and ``batch_isend_irecv`` compare ``op`` with

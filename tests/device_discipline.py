@@ -1,14 +1,18 @@
-"""Test support: device discipline checks for CPU-only test runs (never imported by library code).
+"""Test support: device discipline checks for CPU-only test runs (tests/test_device_discipline.py).
 
 ``device_discipline()`` lets a CPU/gloo run prove it would keep every collective on the mesh's
-device under NCCL (see the comment below). Multi-process tests run through
-:func:`megalite.spawn.run_distributed`.
+device under NCCL (see the comment below). Test support lives in tests/, never in the package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
+
+import megalite
+
+_PACKAGE = os.path.dirname(os.path.abspath(megalite.__file__)) + os.sep
 
 # ---------------------------------------------------------------------------- device discipline
 # NCCL refuses CPU tensors; gloo takes them. To catch, on a CPU-only machine, a collective fed a
@@ -47,10 +51,10 @@ def _tensors(obj):
 
 
 def _calling_site() -> str:
-    """``file:line`` of the innermost megalite frame (outside this file) on the stack."""
+    """``file:line`` of the innermost frame of the megalite package on the stack."""
     return next(
-        (f"{f.filename.split('megalite/')[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack())
-         if "/megalite/" in f.filename and not f.filename.endswith("testing.py")),
+        (f"{os.path.relpath(f.filename, _PACKAGE)}:{f.lineno}" for f in reversed(traceback.extract_stack())
+         if os.path.abspath(f.filename).startswith(_PACKAGE)),
         "?",
     )  # fmt: skip
 
