@@ -9,9 +9,13 @@ Ids: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (the eod id), no pad.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterator
+
+from megalite.data.optional import require
+from megalite.data.tokenizers import bytes_to_unicode, read_merges
 
 
 def iter_lines(paths: list[str], json_key: str | None = "text") -> Iterator[str]:
@@ -83,8 +87,6 @@ def train_gpt2_bpe(inputs: list[str], prefix: str, vocab_size: int = 8000, json_
     and byte alphabet, ``<|endoftext|>`` as the last id; use them with
     ``--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ...``.
     """
-    from megalite.data.optional import require
-
     tk = require("tokenizers", "training a GPT-2 BPE tokenizer")
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -123,10 +125,6 @@ def iter_documents(paths: list[str], json_key: str | None = "text") -> Iterator[
 def write_megatron_tiktoken(merge_file: str, output: str) -> int:
     """A GPT-2 BPE's tokens as Megatron's tiktoken JSON (ranks: the 256 bytes, then the merges in
     order); returns the number of tokens. Use it with ``--tokenizer-type TikTokenizer``."""
-    import base64
-
-    from megalite.data.tokenizers import bytes_to_unicode, read_merges
-
     byte_of = {u: b for b, u in bytes_to_unicode().items()}
     tokens = [bytes([b]) for b in range(256)]
     seen = set(tokens)
