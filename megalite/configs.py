@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megalite.errors import need
+from megalite.errors import ArgumentError, need
 
 if TYPE_CHECKING:  # the checkpoint package sits above configs: a type only
     from megalite.checkpoint import CheckpointConfig
@@ -81,7 +81,7 @@ class RecomputeConfig:
 
     def __post_init__(self):
         if self.granularity not in (None, *RECOMPUTE_GRANULARITIES):
-            raise ValueError(
+            raise ArgumentError(
                 f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {self.granularity!r}"
             )
 

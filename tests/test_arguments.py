@@ -95,6 +95,7 @@ def test_yaml_config(tmp_path):
         (["--transformer-impl", "transformer_engine"], 1, "does not build Transformer Engine layers yet"),
         (["--start-weight-decay", "0.0", "--end-weight-decay", "0.1"], 1, "--weight-decay-incr-style linear"),
         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0"], 1, "needs both"),
+        (["--ddp-bucket-size", "0"], 1, "--ddp-bucket-size must be >= 1"),
     ],
 )
 def test_bad_values_name_the_flag(flags, world, match):

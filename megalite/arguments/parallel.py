@@ -160,6 +160,7 @@ def check_data_parallel(args: argparse.Namespace) -> list[str]:
         "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 exclude each other; pick one",
     )
     need(not args.grad_reduce_in_bf16 or args.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    need(args.ddp_bucket_size >= 1, f"--ddp-bucket-size must be >= 1 element, got {args.ddp_bucket_size}")
     if args.overlap_param_gather:
         need(
             sharding_strategy(args).shards_optimizer,

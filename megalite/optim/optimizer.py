@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megalite.configs import OptimizerConfig
-from megalite.errors import MegaliteError
+from megalite.errors import ArgumentError, MegaliteError
 from megalite.optim.base import MainParams, ReplicatedMainParams, effective_offload_fraction
 from megalite.optim.clip_grads import clip_grad_norm, count_zeros, get_grad_norm, get_params_norm
 from megalite.optim.distributed_optimizer import ShardedMainParams
@@ -184,7 +184,7 @@ def build_optimizer(model_chunks, mesh: Mesh, config: OptimizerConfig) -> MixedP
         )
     fraction = config.optimizer_offload_fraction
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {fraction}")
+        raise ArgumentError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
     sharded = config.use_distributed_optimizer
     for c in chunks:
         if not isinstance(c, DistributedDataParallel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.errors import ArgumentError
 from megalite.optim.base import MainParam, MainParams
 from megalite.optim.step import AdamWStep
 
@@ -68,7 +69,7 @@ class OptimizerState:
         saved = state_dict["optimizer"]
         settings, members, numbered = self._groups(saved["param_groups"])
         if [len(g["params"]) for g in saved["param_groups"]] != list(map(len, members)):
-            raise ValueError(
+            raise ArgumentError(
                 "optimizer checkpoint's param groups differ in size from this model's: "
                 "was it saved with another parallel layout or --decoupled-lr setting?"
             )
@@ -79,7 +80,7 @@ class OptimizerState:
         copies = [m for m in self.params.params if m.is_copy]
         values = state_dict["main_params"]
         if len(values) != len(copies):
-            raise ValueError(
+            raise ArgumentError(
                 f"optimizer checkpoint has {len(values)} fp32 main params, this model has {len(copies)}: "
                 "was it saved with another --fp16/--bf16 setting or parallel layout?"
             )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.configs import DataParallelConfig
+from megalite.errors import ArgumentError
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import grad_of, is_sequence_parallel, is_shared_embedding
 from megalite.parallel.param_gather import finish_param_sync
@@ -127,7 +128,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, mesh: Mesh, config: DataParallelConfig = DataParallelConfig()):
         super().__init__()
         if config.bucket_size < 1:
-            raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
+            raise ArgumentError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
         self.module = module
         self.mesh = mesh
         self.config = config
