@@ -134,3 +134,46 @@ def test_cp1_is_causal_attention_and_a2a_is_refused():
         torch.testing.assert_close(got, exp, **TOL)
     with pytest.raises(ArgumentError, match="--cp-comm-type a2a"):
         context_parallel_attention(q, k, v, group=None, comm_type="a2a")
+
+
+class _Simulated:
+    """Every CP rank's K/V shard in one process: the exchange of CP rank ``rank``, for a check of
+    the kernels and block plan on a device gloo cannot carry (CUDA)."""
+
+    def __init__(self, shards: list[torch.Tensor], rank: int, dkv: list[torch.Tensor]):
+        self.shards, self.rank, self.dkv = shards, rank, dkv  # dkv: per shard, summed over ranks
+
+    def forward_blocks(self, kv):
+        cp = len(self.shards)
+        for step in range(cp):
+            yield (self.rank - step) % cp, self.shards[(self.rank - step) % cp]
+
+    def backward_blocks(self, kv):
+        for j, kv_j in self.forward_blocks(kv):
+            yield j, kv_j, self.dkv[j]
+
+    def grads(self):
+        return self.dkv[self.rank]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+def test_cuda_blocks_match_sdpa():
+    from megalite.parallel import context_parallel as C
+
+    cp, case = 4, CASES[1]
+    q, k, v, dout = (t.cuda() for t in _full_inputs(case, seed=3))
+    want = [shard_sequence(t, 2, cp, r) for t in _reference(case, q, k, v, dout) for r in range(cp)]
+    shard = [[shard_sequence(t, 2, cp, r) for r in range(cp)] for t in (q, k, v, dout)]
+    kv = [C._pack(shard[1][r], shard[2][r]) for r in range(cp)]
+    dkv = [torch.zeros_like(x) for x in kv]
+    scale = case[4] ** -0.5
+    outs, dqs = [], []
+    for r in range(cp):
+        out, lse = C._attend(shard[0][r], kv[r], _Simulated(kv, r, dkv), scale)
+        outs.append(out.to(q.dtype))
+        dq, _ = C._attend_backward(
+            shard[3][r], shard[0][r], kv[r], outs[r], lse, _Simulated(kv, r, dkv), scale
+        )
+        dqs.append(dq)
+    got = outs + dqs + [d[0] for d in dkv] + [d[1] for d in dkv]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # the efficient kernel rounds its own way

@@ -368,7 +368,7 @@ def context_parallel_comm_bytes(
         backward = 4N (cp-1)   p2p: cp-1 sends of K+V and cp-1 of their grads;
                                all_gather: gather K+V again, reduce-scatter their grads
 
-    A layer whose forward is recomputed (full recompute) sends its forward bytes twice."""
+    A layer whose attention is recomputed (selective or full recompute) sends its forward bytes twice."""
     if comm_type not in COMM_TYPES:
         _exchange(None, comm_type)  # the one-line error
     n = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim * bytes_per_element
