@@ -142,6 +142,14 @@ def _rows(x: torch.Tensor, half: slice, c: int) -> torch.Tensor:
     return x[:, :, half.start * c : half.stop * c]
 
 
+def _like_sdpa_output(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [b, hq, s, d] laid out as [b, s, hq, d], as SDPA returns it: the caller's
+    ``out.transpose(1, 2).reshape(b, s, hq * d)`` is then a view, so the output this function saves
+    for backward and the projection's saved input are one storage."""
+    b, hq, s, d = q.shape
+    return torch.empty(b, s, hq, d, dtype=dtype, device=q.device).transpose(1, 2)
+
+
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
     """Online softmax: fold a block's (out, lse) into the running fp32 (out, lse) views, in place."""
     merged = torch.logaddexp(lse, blk_lse)
@@ -288,7 +296,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, exchange, scale: float) -> tuple[
         k, v = _rows(kv_j[0], ks, c), _rows(kv_j[1], ks, c)
         blk_out, blk_lse = _block_forward(_rows(q, qs, c), k, v, causal, scale)
         if out is None:  # j == r comes first and covers every query row
-            out, lse = blk_out.float().contiguous(), blk_lse.float().contiguous()
+            out, lse = _like_sdpa_output(q, torch.float32).copy_(blk_out), blk_lse.float().contiguous()
         else:
             _merge_into(_rows(out, qs, c), _rows(lse, qs, c), blk_out, blk_lse)
     return out, lse
