@@ -50,7 +50,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank (interleaving)
-    context_parallel_size: int = 1  # room for context parallelism (not built yet: always 1)
+    context_parallel_size: int = 1  # each sequence cut over cp ranks (load-balanced chunks)
+    cp_comm_type: str = "p2p"  # how attention exchanges K/V over cp: "p2p" ring or "all_gather"
     data_parallel_size: int = 1
     sequence_parallel: bool = False  # only ever True with tp > 1 (the flag is a no-op at tp 1)
     decoder_first_pipeline_num_layers: int | None = None  # uneven stages

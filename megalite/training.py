@@ -46,6 +46,7 @@ from megalite.metrics import (
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
+from megalite.parallel.context_parallel import shard_sequence
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
@@ -96,7 +97,11 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_args(args, world_size)
     return initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, device=device, timeout=timeout
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        device=device,
+        timeout=timeout,
+        context_parallel_size=args.context_parallel_size,
     )
 
 
@@ -134,8 +139,9 @@ def setup(args: argparse.Namespace) -> TrainState:
         compile_layers(chunks, train.torch_compile_mode)
     elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
-    model = [DistributedDataParallel(c, mesh, run.data_parallel) for c in chunks]
-    optimizer = build_optimizer(model, mesh, run.optimizer)
+    # Gradients are averaged, and ZeRO shards them, over dp x cp: CP ranks hold the same weights.
+    model = [DistributedDataParallel(c, mesh.dp_with_cp(), run.data_parallel) for c in chunks]
+    optimizer = build_optimizer(model, mesh.dp_with_cp(), run.optimizer)
     ddp = run.data_parallel
     if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).
@@ -198,9 +204,18 @@ def microbatch_iterator(
         mesh.dp_size,
         num_workers=run.training.num_workers,
     )
-    if vocab_size is None:
-        return iter(loader)
-    return checked_batches(iter(loader), vocab_size, tokenizer_flags(run.data.tokenizer), split)
+    batches = iter(loader)
+    if vocab_size is not None:
+        batches = checked_batches(batches, vocab_size, tokenizer_flags(run.data.tokenizer), split)
+    if mesh.cp_size == 1:
+        return batches
+    return (context_parallel_batch(batch, mesh.cp_size, mesh.cp_rank) for batch in batches)
+
+
+def context_parallel_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """This CP rank's load-balanced chunks of every [b, s] tensor of ``batch`` -> [b, s/cp]
+    (tokens, labels, loss mask, and the position ids: the tokens' true places in the sequence)."""
+    return {k: shard_sequence(v, 1, cp_size, cp_rank) for k, v in batch.items()}
 
 
 def next_microbatches(data_iter, n: int, device: torch.device) -> list:
@@ -233,9 +248,12 @@ def forward_step(chunk, microbatch, input_tensor):
 
 
 def stage_tensor_shape(run: RunConfig, hidden_size: int) -> tuple[int, int, int]:
-    """The [b, s, h] every pipeline stage sends on: [b, s/t, h] under --sequence-parallel."""
+    """The [b, s, h] every pipeline stage sends on: [b, s/cp, h] with context parallelism, and
+    [b, s/cp/t, h] under --sequence-parallel."""
     train, par = run.training, run.parallel
-    s = train.seq_length // par.tensor_model_parallel_size if par.sequence_parallel else train.seq_length
+    s = train.seq_length // par.context_parallel_size
+    if par.sequence_parallel:
+        s //= par.tensor_model_parallel_size
     return (train.micro_batch_size, s, hidden_size)
 
 
@@ -246,15 +264,27 @@ def attach_loss_normalizer(microbatches: list, run: RunConfig, mesh: Mesh) -> No
     the DP average's 1/dp, the gradient is that of (sum over every token of the global batch)
     / N, Megatron's per-token loss, and the logged mean is the token-weighted loss. Only the
     last stage computes a loss; its DP group holds last-stage ranks only.
+
+    Context parallelism: dp is dp x cp (each CP rank sums its own tokens). Without the per-token
+    loss each microbatch's loss is the mean over its WHOLE sequences, from this rank's token sum:
+    SUM x cp / (unmasked tokens over the CP group), so that after the dp x cp average the gradient
+    and the logged loss are one process's (Megatron's loss x cp).
     """
-    if not run.training.calculate_per_token_loss or not mesh.is_last_stage or not microbatches:
+    if not mesh.is_last_stage or not microbatches:
         return
-    tokens = mesh.on_device(torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().float())
-    if mesh.dp_group is not None and mesh.dp_size > 1:
-        dist.all_reduce(tokens, group=mesh.dp_group)
-    factor = len(microbatches) * mesh.dp_size / tokens.clamp(min=1.0)
-    for mb in microbatches:
-        mb["loss_normalizer"] = factor
+    per_token = run.training.calculate_per_token_loss
+    if not per_token and mesh.cp_size == 1:
+        return
+    counts = mesh.on_device(torch.stack([mb["loss_mask"].sum() for mb in microbatches]).float())
+    if per_token:
+        mesh = mesh.dp_with_cp()
+        counts = counts.sum()
+    group, size = (mesh.dp_group, mesh.dp_size) if per_token else (mesh.cp_group, mesh.cp_size)
+    if group is not None and size > 1:
+        dist.all_reduce(counts, group=group)
+    factors = (len(microbatches) if per_token else 1) * size / counts.clamp(min=1.0)
+    for i, mb in enumerate(microbatches):
+        mb["loss_normalizer"] = factors if per_token else factors[i]
 
 
 def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> list:
@@ -274,9 +304,10 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
 
 
 def average_loss(losses: list, mesh: Mesh) -> float | None:
-    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over DP)."""
+    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over dp x cp)."""
     if not mesh.is_last_stage:
         return None
+    mesh = mesh.dp_with_cp()
     loss = mesh.on_device(torch.stack([x.detach().float() for x in losses]).mean())
     if mesh.dp_group is not None and mesh.dp_size > 1:
         loss = loss / mesh.dp_size
@@ -372,14 +403,15 @@ def evaluate(state: TrainState, dataset) -> float | None:
 # ---------------------------------------------------------------------------- loop
 def is_logging_rank(mesh: Mesh) -> bool:
     """The last stage's first rank: it holds the loss."""
-    return mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0
+    return mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0
 
 
 def describe_layout(state: TrainState) -> str:
     run, mesh, train = state.configs, state.mesh, state.configs.training
     mine, total = count_parameters(state.model, mesh)
+    cp = f" x cp {mesh.cp_size} ({run.parallel.cp_comm_type})" if mesh.cp_size > 1 else ""
     return (
-        f"megalite: world {mesh.world_size} = tp {mesh.tp_size} x pp {mesh.pp_size} x dp {mesh.dp_size}"
+        f"megalite: world {mesh.world_size} = tp {mesh.tp_size}{cp} x pp {mesh.pp_size} x dp {mesh.dp_size}"
         f" (virtual stages {run.parallel.virtual_pipeline_model_parallel_size}); microbatches per step "
         f"{train.num_microbatches} (global batch {train.global_batch_size} = micro {train.micro_batch_size}"
         f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "

@@ -1,13 +1,15 @@
-"""The parallel layout (TP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
+"""The parallel layout (TP, CP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
 
 import argparse
 
-from megalite.arguments.spec import choice, need, switch, value
+from megalite.arguments.spec import choice, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
 SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")  # Megatron's; megalite builds CP_BUILT
+CP_BUILT = ("p2p", "all_gather")
 _FSDP_HELP = (
     "Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params (megalite's "
     "own ZeRO-3 on its DDP buckets, not torch's FSDP2; start-up says so in one note)."
@@ -16,6 +18,24 @@ _FSDP_HELP = (
 LAYOUT_FLAGS = (
     value("--tensor-model-parallel-size", int, 1, "TP size (within a node)."),
     value("--pipeline-model-parallel-size", int, 1, "PP size (stages)."),
+    value(
+        "--context-parallel-size",
+        int,
+        1,
+        "CP size: each sequence is cut into 2 x CP chunks and CP rank i holds chunks i and "
+        "2 x CP - 1 - i (causal attention's work balanced); attention exchanges K/V over the CP "
+        "group, gradients are reduced over dp x cp. Needs --seq-length divisible by 2 x CP.",
+    ),
+    flag(
+        "--cp-comm-type",
+        nargs="+",
+        choices=CP_COMM_TYPES,
+        default=["p2p"],
+        metavar="{" + ",".join(CP_COMM_TYPES) + "}",
+        help="How attention exchanges K/V over the CP group: p2p (a ring passing K/V chunks, "
+        "overlapped with compute) or all_gather (K/V gathered once per layer; cheap with GQA). "
+        "Megatron's per-layer list is accepted when every layer names the same type.",
+    ),
     value(
         "--num-layers-per-virtual-pipeline-stage",
         int,
@@ -85,10 +105,13 @@ GROUPS = (
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    """world / (tp x pp); the mesh owns the rule, here it is a flag error like the others."""
+    """world / (tp x cp x pp); the mesh owns the rule, here it is a flag error like the others."""
     try:
         return check_parallel_sizes(
-            world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+            world_size,
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.context_parallel_size,
         )
     except ParallelConfigError as e:
         raise ArgumentError(str(e)) from None
@@ -194,10 +217,56 @@ def check_data_parallel(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def cp_comm_type(args: argparse.Namespace) -> str:
+    """``--cp-comm-type`` as one type: Megatron's per-layer list must name one type for all layers."""
+    types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    need(
+        len(set(types)) == 1,
+        f"--cp-comm-type {' '.join(types)}: megalite runs one type for every layer; give one of {CP_BUILT}",
+    )
+    need(
+        len(types) in (1, args.num_layers),
+        f"--cp-comm-type lists {len(types)} types for {args.num_layers} layers (--num-layers); give one",
+    )
+    need(
+        types[0] in CP_BUILT,
+        f"--cp-comm-type {types[0]} is not built (megalite has {' and '.join(CP_BUILT)}); pick one of them",
+    )
+    return types[0]
+
+
+def check_context_parallel(args: argparse.Namespace) -> list[str]:
+    """Megatron's rules for ``--context-parallel-size``, and what megalite's CP kernel cannot do."""
+    cp, s, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
+    if cp == 1:
+        return []  # --cp-comm-type means nothing then (Megatron's scripts pass it with cp 1 too)
+    cp_comm_type(args)
+    need(
+        s % (2 * cp) == 0,
+        f"--seq-length ({s}) is not divisible by 2 x --context-parallel-size ({2 * cp}): each sequence "
+        f"is cut into 2 x CP load-balanced chunks; use a multiple of {2 * cp}",
+    )
+    need(
+        not args.sequence_parallel or tp == 1 or (s // cp) % tp == 0,
+        f"--seq-length ({s}) / --context-parallel-size ({cp}) is not divisible by "
+        f"--tensor-model-parallel-size ({tp}), which --sequence-parallel needs; use a multiple of {cp * tp}",
+    )
+    need(
+        args.attention_dropout == 0.0,
+        f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the CP attention "
+        "kernel has no dropout; add --attention-dropout 0.0",
+    )
+    return []
+
+
 def derive(args: argparse.Namespace) -> None:
-    """The virtual pipeline size, and the sharding strategy resolved from its short forms
-    (``use_distributed_optimizer`` then says whether the optimizer state is sharded)."""
+    """The virtual pipeline size, the one CP comm type, and the sharding strategy resolved from its
+    short forms (``use_distributed_optimizer`` then says whether the optimizer state is sharded)."""
     args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(args)
+    if args.context_parallel_size > 1:
+        args.cp_comm_type = cp_comm_type(args)
+    elif isinstance(args.cp_comm_type, list):
+        args.cp_comm_type = args.cp_comm_type[0]
     strategy = sharding_strategy(args)
     args.data_parallel_sharding_strategy = strategy.value
     args.use_distributed_optimizer = strategy.shards_optimizer

@@ -176,6 +176,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         schedule.check_batches,
         optimizer.check_warmup,
         parallel.check_layout,
+        parallel.check_context_parallel,
         monitoring.check,
         data.check,
         checkpointing.check,

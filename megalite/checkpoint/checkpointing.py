@@ -152,6 +152,7 @@ def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False
         "tensor_model_parallel_size": mesh.tp_size,
         "pipeline_model_parallel_size": mesh.pp_size,
         "data_parallel_size": mesh.dp_size,
+        "context_parallel_size": mesh.cp_size,
         "virtual_pipeline_model_parallel_size": vp,
         "world_size": mesh.world_size,
         "use_distributed_optimizer": distributed_optimizer,
@@ -331,8 +332,9 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
             f"training from it, or --no-load-optim --no-load-rng to continue its iteration count"
         )
     saved_layout = meta["parallel"]
+    saved_layout = {"context_parallel_size": 1, **saved_layout}  # written before context parallelism
     sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    same_layout = all(saved_layout[k] == parallel_layout(mesh)[k] for k in sizes)
+    same_layout = all(saved_layout[k] == parallel_layout(mesh)[k] for k in (*sizes, "context_parallel_size"))
     want_rng = not (finetune or config.no_load_rng) and contents.get("rng", False)
     load_rng = want_rng and same_layout
 
@@ -357,7 +359,7 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
     if want_rng and not same_layout:
         notes.append(
             "the checkpoint was saved with tp {tensor_model_parallel_size} pp "
-            "{pipeline_model_parallel_size} dp {data_parallel_size}; RNG states belong to that layout's "
+            "{pipeline_model_parallel_size} dp {data_parallel_size} cp {context_parallel_size}; RNG states belong to that layout's "
             "ranks and were not restored (this run keeps its freshly seeded streams)".format(**saved_layout)
         )
     for note in notes:

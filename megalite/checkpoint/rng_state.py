@@ -3,12 +3,12 @@
 A rank's state is python's ``random``, numpy's global generator, torch's
 default generator and the two TensorParallelRNG streams (default and TP; on a
 GPU the CUDA states, plus the CPU one). Each is stored as a small tensor under
-``rng.tp{T}.pp{P}.dp{D}.KIND``, so each rank writes only its own entries and no
+``rng.tp{T}.pp{P}.dp{D}.KIND`` (``rng.tp{T}.pp{P}.dp{D}.cp{C}.KIND`` with context parallelism), so each rank writes only its own entries and no
 pickled Python objects are involved.
 
 Coordinates, not global ranks: they are what the streams depend on
 (``seed + 100 * pp_rank``, ``+ tp_rank``). The states are restored only when
-the run's TP / PP / DP sizes equal the checkpoint's; with another layout there
+the run's TP / PP / DP / CP sizes equal the checkpoint's; with another layout there
 is no rank the saved stream belongs to, and the run keeps its freshly seeded
 streams (the loader says so).
 """
@@ -26,7 +26,8 @@ _KINDS = ("python", "python_gauss", "numpy", "numpy_gauss", "torch_cpu", "tp_def
 
 
 def prefix(mesh: Mesh) -> str:
-    return f"rng.tp{mesh.tp_rank}.pp{mesh.pp_rank}.dp{mesh.dp_rank}"
+    cp = f".cp{mesh.cp_rank}" if mesh.cp_size > 1 else ""  # cp-1 keys as before context parallelism
+    return f"rng.tp{mesh.tp_rank}.pp{mesh.pp_rank}.dp{mesh.dp_rank}{cp}"
 
 
 def capture(mesh: Mesh, rng) -> dict[str, torch.Tensor]:

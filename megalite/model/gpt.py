@@ -55,6 +55,7 @@ from megalite.configs import RECOMPUTE_METHODS, ParallelConfig, RecomputeConfig
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.parallel import random as tp_random
+from megalite.parallel.context_parallel import context_parallel_attention, shard_sequence
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import (
     ColumnParallelLinear,
@@ -251,6 +252,8 @@ SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
 # whose context_fn swaps the TP RNG stream, so the recomputed attention core runs eagerly, between
 # the layer's two compiled graphs (a graph break on purpose; the core is one SDPA kernel anyway).
 _recompute_outside_dynamo = torch.compiler.disable(tp_random.recompute)
+# CP attention's point-to-point / gather calls run eagerly under --torch-compile, for the same reason.
+_cp_attention = torch.compiler.disable(context_parallel_attention)
 
 
 def repeats_kv(q_per_group: int, enable_gqa: bool = SDPA_ENABLE_GQA) -> bool:
@@ -268,9 +271,14 @@ class SelfAttention(nn.Module):
     ``query_groups/tp`` complete groups, with no communication inside attention.
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False):
+    def __init__(
+        self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False, cp_comm="p2p"
+    ):
         super().__init__()
         tp = mesh.tp_size
+        # Context parallelism: this rank holds 2 of the sequence's 2 x cp chunks; K/V cross the group.
+        self.cp_group = mesh.cp_group if mesh.cp_size > 1 else None
+        self.cp_comm_type = cp_comm
         self.head_dim = config.head_dim
         self.q_per_group = config.num_attention_heads // config.query_groups
         self.local_groups = config.query_groups // tp
@@ -314,7 +322,13 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d), causal) v: q [b, heads/tp, s, d], k, v [b, groups/tp, s, d]."""
+        """softmax(q k^T / sqrt(d), causal) v: q [b, heads/tp, s, d], k, v [b, groups/tp, s, d].
+
+        Context parallel: s is this rank's s/cp tokens (its two load-balanced chunks), causal over
+        the whole sequence; the kernel exchanges K/V over the CP group (no dropout: refused).
+        """
+        if self.cp_group is not None:
+            return _cp_attention(q, k, v, group=self.cp_group, comm_type=self.cp_comm_type)
         # Query heads of group g sit next to each other: SDPA's enable_gqa pairs them with k/v head
         # g without copies; older torch repeats each k/v head in place.
         gqa = {}
@@ -373,10 +387,12 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False):
+    def __init__(
+        self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False, cp_comm="p2p"
+    ):
         super().__init__()
         self.input_layernorm = build_norm(config, dtype, device, sp)
-        self.self_attention = SelfAttention(config, mesh, rng, dtype, device, sp, selective)
+        self.self_attention = SelfAttention(config, mesh, rng, dtype, device, sp, selective, cp_comm)
         self.pre_mlp_layernorm = build_norm(config, dtype, device, sp)
         self.mlp = MLP(config, mesh, dtype, device, sp)
         # Replicated residual stream: the default RNG stream, identical on every TP rank (the
@@ -423,7 +439,9 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         config, mesh, sp = gpt.config, gpt.mesh, gpt.sequence_parallel
-        layer = functools.partial(TransformerLayer, config, mesh, rng, dtype, device, sp, recompute.selective)
+        layer = functools.partial(
+            TransformerLayer, config, mesh, rng, dtype, device, sp, recompute.selective, gpt.cp_comm_type
+        )
         self.layers = nn.ModuleDict({str(i): layer() for i in range(*layer_range)})
         self.final_norm = build_norm(config, dtype, device, sp) if gpt.post_process else None
         self.rng = rng
@@ -521,6 +539,7 @@ class GPTModel(nn.Module):
         recompute: RecomputeConfig = RecomputeConfig(),
         dtype=torch.float32,
         device=None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         config.validate(mesh.tp_size)
@@ -540,6 +559,7 @@ class GPTModel(nn.Module):
         self.layer_range = (start, end)
         self.tied = not config.untie_embeddings_and_output_weights
         self.sequence_parallel = sp = sequence_parallel and mesh.tp_size > 1
+        self.cp_comm_type = cp_comm_type  # --cp-comm-type (with mesh.cp_size > 1)
         device = device if device is not None else mesh.device
 
         self.embedding = LanguageModelEmbedding(config, mesh, rng, dtype, device, sp) if pre_process else None
@@ -636,8 +656,10 @@ class GPTModel(nn.Module):
         b, s = x.shape[:2]
         if self.sequence_parallel and not self.pre_process:
             s *= self.mesh.tp_size  # input_tensor is this rank's [b, s/t, h]
-        if position_ids is None:
-            position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
+        if position_ids is None:  # this rank's true positions: its chunks of the whole sequence
+            cp, cp_rank = self.mesh.cp_size, self.mesh.cp_rank
+            whole = torch.arange(s * cp, device=x.device)
+            position_ids = shard_sequence(whole, 0, cp, cp_rank).unsqueeze(0).expand(b, s)
         # hidden: [b, s, h], or this rank's tokens [b, s/t, h] under sequence parallelism
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor
         rope = None
@@ -689,6 +711,7 @@ def build_model_chunks(
             post_process=mesh.is_last_stage and c == vp - 1,
             layer_range=layer_range,
             sequence_parallel=parallel.sequence_parallel,
+            cp_comm_type=parallel.cp_comm_type,
             **gpt_kwargs,
         )
         for c, layer_range in enumerate(ranges[mesh.pp_rank])

@@ -1,12 +1,18 @@
-"""Process-group builder: carve the world into a DP x TP x PP mesh.
+"""Process-group builder: carve the world into a TP x CP x DP x PP mesh.
 
 Rank order follows Megatron-LM: tensor-parallel rank varies fastest, then
-data-parallel, then pipeline-parallel::
+context-parallel, then data-parallel, then pipeline-parallel::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 so the ranks of one TP group are consecutive and sit inside one node, where
-the bandwidth for TP's per-layer all-reduces is.
+the bandwidth for TP's per-layer all-reduces is, and a CP group (the next most
+talkative: attention's K/V every layer) is the next nearest.
+
+Context parallelism cuts each sequence over the CP ranks; they hold the same
+parameters and see different tokens, so gradients are reduced (and ZeRO shards
+them) over the dp x cp ranks of one (tp, pp) position: Megatron's
+``data_parallel_group_with_cp``, here :meth:`Mesh.dp_with_cp`.
 
 The layout itself (which ranks form which group) is computed by the pure
 function :func:`rank_layout`, so it can be tested without processes. A
@@ -17,6 +23,7 @@ non-distributed run: every size is 1 and every group is ``None``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 
@@ -32,7 +39,7 @@ class ParallelConfigError(MegaliteError, ValueError):
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Every group of a DP x TP x PP mesh, as lists of global ranks."""
+    """Every group of a TP x CP x DP x PP mesh, as lists of global ranks."""
 
     world_size: int
     tp: int
@@ -41,40 +48,55 @@ class RankLayout:
     tp_groups: list[list[int]]
     dp_groups: list[list[int]]
     pp_groups: list[list[int]]
-    mp_groups: list[list[int]]  # model-parallel: TP x PP for one DP replica
+    mp_groups: list[list[int]]  # model-parallel: TP x PP for one DP (and CP) replica
     embedding_groups: list[list[int]]  # first and last stage of each pipeline
+    cp: int = 1
+    cp_groups: list[list[int]] = field(default_factory=list)
+    dp_cp_groups: list[list[int]] = field(default_factory=list)  # gradients: dp x cp, cp fastest
+    tp_cp_groups: list[list[int]] = field(default_factory=list)  # tp x cp, tp fastest
 
 
-def check_parallel_sizes(world_size: int, tp: int, pp: int) -> int:
-    """Validate sizes and return the derived data-parallel size."""
+def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Validate sizes and return the derived data-parallel size, world / (tp x cp x pp)."""
     if tp < 1:
         raise ParallelConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if pp < 1:
         raise ParallelConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if cp < 1:
+        raise ParallelConfigError(f"--context-parallel-size must be >= 1, got {cp}")
     if world_size < 1:
         raise ParallelConfigError(f"world size must be >= 1, got {world_size}")
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * cp * pp) != 0:
+        cp_part = f"--context-parallel-size ({cp}) x " if cp > 1 else ""
+        sizes = "three" if cp > 1 else "two"
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}; launch a multiple of {tp * pp} "
-            f"processes or change the two sizes"
+            f"{cp_part}--pipeline-model-parallel-size ({pp}) = {tp * cp * pp}; launch a multiple of "
+            f"{tp * cp * pp} processes or change the {sizes} sizes"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * cp * pp)
 
 
-def rank_layout(world_size: int, tp: int, pp: int) -> RankLayout:
+def rank_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> RankLayout:
     """All process groups of the mesh, in the order every rank must create them."""
-    dp = check_parallel_sizes(world_size, tp, pp)
+    dp = check_parallel_sizes(world_size, tp, pp, cp)
 
-    def rank(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
-    tp_groups = [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    dp_groups = [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pp_groups = [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    mp_groups = [sorted(rank(p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)]
+    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
+    tp_groups = [[rank(p, d, c, t) for t in T] for p in P for d in D for c in C]
+    cp_groups = [[rank(p, d, c, t) for c in C] for p in P for d in D for t in T]
+    dp_groups = [[rank(p, d, c, t) for d in D] for p in P for c in C for t in T]
+    pp_groups = [[rank(p, d, c, t) for p in P] for d in D for c in C for t in T]
+    mp_groups = [sorted(rank(p, d, c, t) for p in P for t in T) for d in D for c in C]
+    dp_cp_groups = [sorted(rank(p, d, c, t) for d in D for c in C) for p in P for t in T]
+    tp_cp_groups = [sorted(rank(p, d, c, t) for c in C for t in T) for p in P for d in D]
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
-    return RankLayout(world_size, tp, pp, dp, tp_groups, dp_groups, pp_groups, mp_groups, embedding_groups)
+    return RankLayout(
+        world_size, tp, pp, dp, tp_groups, dp_groups, pp_groups, mp_groups, embedding_groups,
+        cp, cp_groups, dp_cp_groups, tp_cp_groups,
+    )  # fmt: skip
 
 
 def _group_of(groups: list[list[int]], rank: int) -> list[int]:
@@ -86,7 +108,7 @@ def _group_of(groups: list[list[int]], rank: int) -> list[int]:
 
 @dataclass
 class Mesh:
-    """One rank's view of the DP x TP x PP mesh.
+    """One rank's view of the TP x CP x DP x PP mesh.
 
     Groups are ``torch.distributed`` process groups, or ``None`` when the
     dimension has size 1 in a non-distributed run (collectives then become
@@ -112,11 +134,34 @@ class Mesh:
     mp_ranks: list[int] = field(default_factory=lambda: [0])
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Context parallelism: the ranks that hold the other chunks of this rank's sequences.
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    cp_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_cp_group: object = None  # None when cp is 1: dp_group is the same ranks
+    dp_cp_ranks: list[int] = field(default_factory=lambda: [0])
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Mesh:
         """The mesh of a plain one-process run (no torch.distributed needed)."""
         return cls(device=torch.device(device))
+
+    def dp_with_cp(self) -> Mesh:
+        """This mesh with its data-parallel dimension widened to dp x cp (Megatron's
+        ``data_parallel_group_with_cp``): what DDP, ZeRO, the optimizer and the loss average reduce
+        over, since CP ranks hold the same parameters and see other tokens. The mesh itself when
+        cp is 1. Sampling keeps the plain dp rank: the CP ranks of a sequence read the same samples.
+        """
+        if self.cp_size == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            dp_size=self.dp_size * self.cp_size,
+            dp_rank=self.dp_cp_ranks.index(self.rank),
+            dp_group=self.dp_cp_group,
+            dp_ranks=self.dp_cp_ranks,
+        )
 
     # Pipeline helpers -------------------------------------------------------
     @property
@@ -159,8 +204,9 @@ class Mesh:
         return t.to(self.device)
 
     def describe(self) -> str:
+        cp = f" cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
         return (
-            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}{cp} "
             f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}"
         )
 
@@ -207,6 +253,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     device: torch.device | str | None = None,
     timeout: datetime.timedelta | None = None,
+    context_parallel_size: int = 1,
 ) -> Mesh:
     """Build this rank's :class:`Mesh` from the initialised default process group.
 
@@ -219,13 +266,13 @@ def initialize_model_parallel(
     30-minute default, not the world group's: a frozen rank would hang the
     others that long.)
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     if not (dist.is_available() and dist.is_initialized()):
-        check_parallel_sizes(1, tp, pp)
+        check_parallel_sizes(1, tp, pp, cp)
         return Mesh.single(device or "cpu")
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world, tp, pp)
+    layout = rank_layout(world, tp, pp, cp)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
@@ -256,9 +303,15 @@ def initialize_model_parallel(
             unique_emb.append(g)
     emb_group = build("embedding", unique_emb)
 
+    # CP groups only when cp > 1: a cp-1 job creates exactly the groups it did before. (tp x cp is
+    # in the layout, not built: megalite has no collective over it; Megatron uses it for MoE.)
+    cp_group = build("cp", layout.cp_groups) if cp > 1 else None
+    dp_cp_group = build("dp_cp", layout.dp_cp_groups) if cp > 1 else None
+
     tp_ranks = _group_of(layout.tp_groups, rank)
     dp_ranks = _group_of(layout.dp_groups, rank)
     pp_ranks = _group_of(layout.pp_groups, rank)
+    cp_ranks = _group_of(layout.cp_groups, rank)
     return Mesh(
         rank=rank,
         world_size=world,
@@ -279,4 +332,10 @@ def initialize_model_parallel(
         mp_ranks=_group_of(layout.mp_groups, rank),
         embedding_ranks=_group_of(unique_emb, rank) if rank in sum(unique_emb, []) else [],
         device=torch.device(device),
+        cp_size=cp,
+        cp_rank=cp_ranks.index(rank),
+        cp_group=cp_group,
+        cp_ranks=cp_ranks,
+        dp_cp_group=dp_cp_group,
+        dp_cp_ranks=_group_of(layout.dp_cp_groups, rank),
     )
