@@ -79,6 +79,8 @@ class MemoryLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: each rank holds seq_length / cp tokens of every sequence
+    cp_comm_type: str = "p2p"  # how attention's K/V cross the CP group (the buffers it holds)
     vp: int = 1
     micro_batch_size: int = 1
     seq_length: int = 128
@@ -106,6 +108,16 @@ class MemoryLayout:
         return list(ShardingStrategy)[self.use_distributed_optimizer + self.shard_grads + self.shard_params]
 
     @property
+    def grad_dp(self) -> int:
+        """The ranks gradients are reduced and ZeRO shards over: dp x cp (CP ranks hold the same params)."""
+        return self.dp * self.cp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one microbatch on this rank: b x s / cp (its load-balanced chunks)."""
+        return self.micro_batch_size * self.seq_length // self.cp
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism in effect (the flag is a no-op at tp=1, as in Megatron)."""
         return self.sequence_parallel and self.tp > 1
@@ -118,6 +130,8 @@ class MemoryLayout:
             tp=par.tensor_model_parallel_size,
             pp=par.pipeline_model_parallel_size,
             dp=par.data_parallel_size,
+            cp=par.context_parallel_size,
+            cp_comm_type=par.cp_comm_type,
             vp=par.virtual_pipeline_model_parallel_size,
             micro_batch_size=train.micro_batch_size,
             seq_length=train.seq_length,
@@ -271,8 +285,9 @@ def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -
     )
     out = []
     for i, group in enumerate(groups):
-        bucket = Bucket(i, group, level.padded_numel(sum(p.numel() for p in group), layout.dp), layout.dp)
-        level.bind(bucket, torch.empty(level.held_numel(bucket.numel_padded, layout.dp), device="meta"))
+        dp = layout.grad_dp
+        bucket = Bucket(i, group, level.padded_numel(sum(p.numel() for p in group), dp), dp)
+        level.bind(bucket, torch.empty(level.held_numel(bucket.numel_padded, dp), device="meta"))
         out.append((bucket, unit_of[id(group[0])]))
     return out
 
@@ -404,7 +419,7 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
     B = dtype_bytes(layout.params_dtype)
     cuda = layout.device_type == "cuda"
     t, h, d = layout.tp, config.hidden_size, config.head_dim
-    T = layout.micro_batch_size * layout.seq_length
+    T = layout.tokens
     rows = T // t if layout.sp else T
     if mode == "full":
         return {"layer_input": B * h * rows}
@@ -475,7 +490,7 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
     B = dtype_bytes(layout.params_dtype)
     cuda = layout.device_type == "cuda"
     t, h = layout.tp, config.hidden_size
-    T = layout.micro_batch_size * layout.seq_length
+    T = layout.tokens
     rows = T // t if layout.sp else T
     terms: dict[str, int] = {}
     if chunk.pre_process:
@@ -494,7 +509,7 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
     if config.position_embedding_type == "rope" and counts.get("none", 0) + counts.get("selective", 0):
         # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE
         # (recomputed units get them from the closure, not as saved inputs).
-        terms["rope"] = 2 * B * layout.micro_batch_size * layout.seq_length * config.head_dim
+        terms["rope"] = 2 * B * layout.tokens * config.head_dim
     if chunk.post_process:
         vocab = config.padded_vocab_size(t)
         # final norm; its output, the head's input (column-parallel: this rank's rows under SP,
@@ -578,15 +593,40 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
 def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> dict[str, int]:
     """What a rank holds beyond the four measured categories (predict_rank's ``extra``)."""
     B = dtype_bytes(layout.params_dtype)
-    rows = layout.seq_length // layout.tp if layout.sp else layout.seq_length
-    p2p = B * layout.micro_batch_size * rows * config.hidden_size if layout.pp > 1 else 0
+    rows = layout.tokens // layout.tp if layout.sp else layout.tokens
+    p2p = B * rows * config.hidden_size if layout.pp > 1 else 0
     return {
         # One activation and one grad [b, s(/t), h] received per exchange; the activation is
         # counted in `activations` once its forward saves it.
         "p2p_buffers": 2 * p2p,
         "recompute_transient": recompute_transient_bytes(config, layout),
         "params_gathered": gathered_param_bytes(config, layout, pp_rank),
+        "cp_kv_buffers": cp_kv_buffer_bytes(config, layout),
     }
+
+
+def cp_kv_buffer_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
+    """The K/V buffers context-parallel attention holds while one layer's backward runs (its peak;
+    megalite/parallel/context_parallel.py), transient, 0 without CP. With S = 2 b (g/t) (s/cp) d B,
+    one rank's packed K and V shard (g the query groups):
+
+    * ``p2p``: 7 S: its own packed K/V, the shard being used and the next one arriving, the K/V
+      grads of its own shard, of the shard being used and of the one arriving from r-1, and the one
+      just sent to r+1 (a send's buffer lives until it completes);
+    * ``all_gather``: (2 cp + 2) S: every rank's K/V gathered and their grads before the
+      reduce-scatter, its own packed K/V and its reduce-scattered grads.
+
+    Under GQA one block's K/V expanded to the query heads, and the kernel's grads of them, are
+    added: 4 b (a/t) (s/cp) d B.
+    """
+    if layout.cp == 1:
+        return 0
+    B, d, t = dtype_bytes(layout.params_dtype), config.head_dim, layout.tp
+    shard = 2 * layout.tokens * (config.query_groups // t) * d * B
+    held = 7 * shard if layout.cp_comm_type == "p2p" else (2 * layout.cp + 2) * shard
+    if config.num_attention_heads != config.query_groups:
+        held += 4 * layout.tokens * (config.num_attention_heads // t) * d * B
+    return held
 
 
 # ---- Korthikanti et al. 2022, for comparison ------------------------------------------------
@@ -740,7 +780,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     """This rank's ``{"kind": "memory", ...}`` record: measured vs predicted bytes."""
     mesh = state.mesh
     layout = MemoryLayout.from_configs(state.configs, mesh.device.type)
-    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_rank)
+    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank)  # ZeRO: dp x cp
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}

@@ -51,6 +51,10 @@ def model_flops_per_token(config: ModelConfig, seq_length: int, padded_vocab_siz
     attention only needs half), output projection 2 h_q h, MLP 2 h f (x3 with
     SwiGLU's gate). Plus the logits 2 h V. Activation recomputation is not
     counted: this is *model* FLOPs, the numerator of MFU.
+
+    Under context parallelism ``seq_length`` is still the whole ``--seq-length`` and the tokens
+    multiplied in are whole sequences, over every GPU (tp x cp x dp x pp): each CP rank computes
+    1/cp of each sequence's attention, so attention is counted once, not once per CP rank.
     """
     h = config.hidden_size
     hq = config.num_attention_heads * config.head_dim

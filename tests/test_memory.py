@@ -51,6 +51,7 @@ class _FakeMesh:
     def __init__(self, tp: int, pp_rank: int, pp: int):
         self.tp_size, self.tp_rank, self.tp_group = tp, 0, None
         self.pp_size, self.pp_rank = pp, pp_rank
+        self.cp_size, self.cp_group = 1, None  # no context parallelism: parameters do not depend on it
         self.device = torch.device("cpu")
 
 
@@ -273,6 +274,10 @@ def _tp_pp(tp: int, pp: int, layers: int = 4) -> list[str]:
     ]
 
 
+def _cp(cp: int, comm_type: str = "p2p") -> list[str]:
+    return ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+
+
 # (name, flags): 4 ranks each; layouts x SP x recompute settings x flavours x dtypes.
 LAYOUTS = [
     ("tp4 fp32 gpt2", _tp_pp(4, 1, 2) + ["--num-attention-heads", "4"]),
@@ -338,6 +343,16 @@ LAYOUTS = [
         + [*_SELECTIVE, *_SP, *_LLAMA],
     ),
     ("pp4 1f1b fp32 dropout", _tp_pp(1, 4) + ["--num-attention-heads", "4", "--attention-dropout", "0.1"]),
+    # Context parallelism: b x s/cp tokens per rank; ZeRO shards over dp x cp.
+    (
+        "tp2 cp2 sp bf16 llama gqa all_gather",
+        _tp_pp(2, 1, 2) + _GQA + ["--bf16", *_SP, *_LLAMA] + _cp(2, "all_gather"),
+    ),
+    ("cp4 selective fp32 llama p2p", _tp_pp(1, 1, 2) + ["--num-attention-heads", "4", *_SELECTIVE, *_LLAMA] + _cp(4)),
+    (
+        "cp2 pp2 1f1b distopt bf16 p2p",
+        _tp_pp(1, 2) + ["--num-attention-heads", "4", "--bf16", "--use-distributed-optimizer"] + _cp(2),
+    ),
 ]  # fmt: skip
 
 # SP vs no SP, transformer layers only: GPT-2 (the paper's model) with hidden dropout and no
@@ -405,7 +420,9 @@ def _spawn(tmp_path_factory):
     tmp, runs = tmp_path_factory.mktemp("memory"), []
     for i, (_, flags) in enumerate(LAYOUTS):
         pp = _flag(flags, "--pipeline-model-parallel-size")
-        dp = 4 // _flag(flags, "--tensor-model-parallel-size") // pp
+        dp = (
+            4 // _flag(flags, "--tensor-model-parallel-size") // pp // _flag(flags, "--context-parallel-size")
+        )
         m = 4 if pp > 1 else 2  # microbatches per step (interleaving needs a multiple of pp)
         runs.append((_MODEL + flags + ["--global-batch-size", str(2 * dp * m)], str(tmp / f"m{i}.jsonl")))
     sp_layers = run_distributed(_spawned, 4, runs, timeout=400)
@@ -463,3 +480,36 @@ def test_predict_rank_reports_every_category():
     first, last = predict_rank(config, layout, 0), predict_rank(config, layout, 1)
     assert first.extra["p2p_buffers"] == 2 * 4 * 1 * 128 * 32
     assert first.activations > last.activations  # 1F1B: stage 0 holds 2 microbatches, stage 1 one
+
+
+def test_context_parallel_divides_activations_by_cp():
+    """A CP rank holds b x s/cp tokens: every per-layer term is the cp = 1 layer's at s/cp, and a
+    rank's activations fall as 1/cp (the few per-microbatch scalars aside); ZeRO shards over dp x cp."""
+    config = ModelConfig.llama(
+        num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=300
+    )
+    base = MemoryLayout(micro_batch_size=2, seq_length=4096, params_dtype=torch.bfloat16, device_type="cuda")
+    for mode in ("none", "selective", "full"):
+        for cp in (2, 4, 8):
+            short = dataclasses.replace(base, seq_length=4096 // cp)
+            at_cp = dataclasses.replace(base, cp=cp)
+            assert layer_activation_terms(config, at_cp, mode) == layer_activation_terms(config, short, mode)
+    for cp in (2, 4):
+        ratio = (
+            predict_rank(config, base, 0).activations
+            / predict_rank(config, dataclasses.replace(base, cp=cp), 0).activations
+        )
+        assert ratio == pytest.approx(cp, rel=1e-3)
+    zero1 = dict(use_distributed_optimizer=True, dp=2)
+    assert (
+        predict_rank(config, dataclasses.replace(base, cp=2, **zero1), 0).optimizer
+        == predict_rank(config, dataclasses.replace(base, **{**zero1, "dp": 4}), 0).optimizer
+    )
+    # the K/V buffers CP attention holds: more for all_gather (every rank's K/V) than for the ring
+    ring, gathered = (dataclasses.replace(base, cp=4, cp_comm_type=t) for t in ("p2p", "all_gather"))
+    assert predict_rank(config, base, 0).extra["cp_kv_buffers"] == 0
+    assert (
+        0
+        < predict_rank(config, ring, 0).extra["cp_kv_buffers"]
+        < predict_rank(config, gathered, 0).extra["cp_kv_buffers"]
+    )

@@ -32,7 +32,13 @@ PLANNABLE = [
     for name, flags in LAYOUTS
     if not any(
         f in flags
-        for f in ("gpipe", "--decoder-first-pipeline-num-layers", "block", "--optimizer-cpu-offload")
+        for f in (
+            "gpipe",
+            "--decoder-first-pipeline-num-layers",
+            "block",
+            "--optimizer-cpu-offload",
+            "all_gather",
+        )
     )
     and _flag(flags, "--recompute-num-layers") == 1  # the planner's full recompute: uniform, 1 layer
 ]
@@ -40,7 +46,7 @@ PLANNABLE = [
 
 def _args(flags):
     pp = _flag(flags, "--pipeline-model-parallel-size")
-    dp = 4 // _flag(flags, "--tensor-model-parallel-size") // pp
+    dp = 4 // _flag(flags, "--tensor-model-parallel-size") // pp // _flag(flags, "--context-parallel-size")
     m = 4 if pp > 1 else 2
     return validate_args(parse_args(_MODEL + flags + ["--global-batch-size", str(2 * dp * m)]), 4)
 
@@ -56,6 +62,7 @@ def _candidate(args) -> planner.Candidate:
         args.sequence_parallel and args.tensor_model_parallel_size > 1,
         rc,
         args.data_parallel_sharding_strategy,
+        args.context_parallel_size,
     )
 
 
@@ -407,3 +414,31 @@ def test_startup_warns_with_a_fitting_layout_and_is_silent_when_it_fits(monkeypa
     )
     assert named in {planner.launch_flags(x, 8) for x in planner._fitting(q, None, False)}
     assert "no layout" in memory_fit_warning(state, memory_gb=0.5)  # below CUDA context: none fits
+
+
+LLAMA3_70B = dict(
+    num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
+    vocab_size=128256, max_position_embeddings=32768,
+)  # fmt: skip
+
+
+def test_planner_proposes_context_parallelism_for_long_sequences():
+    """Llama-3 70B at 32k tokens on 256 H100s: cp 2, 4, 8 are tried (each rank keeps >= 4k tokens),
+    none at 2k; with tp 8, SP, ZeRO-1 and no recompute only cp = 8 fits, and its launch line says so."""
+    config = ModelConfig.llama(**LLAMA3_70B)
+    p = planner.Problem(config, planner.Cluster(256, 8, planner.GPUS["H100-SXM"]), 32768, 64)
+    assert planner.cp_choices(p, 256 // 8) == [1, 2, 4, 8]
+    assert planner.cp_choices(dataclasses.replace(p, seq_length=2048), 256 // 8) == [1]
+    cands = {cp: planner.Candidate(8, 1, 1, 32 // cp, 1, True, "none", "optim", cp) for cp in (1, 2, 4, 8)}
+    cands = {cp: planner.with_memory(p, c) for cp, c in cands.items()}
+    assert [cp for cp, c in cands.items() if planner.fits(p, c)] == [8]
+    # activations fall as 1/cp; the state does not (ZeRO-1 shards over dp x cp: the same 32 ranks)
+    mem = {cp: planner.peak_rank_memory(p, c) for cp, c in cands.items()}
+    assert mem[1].activations / mem[8].activations == pytest.approx(8, rel=1e-3)
+    assert mem[1].optimizer == mem[8].optimizer
+    best = planner.with_time(p, cands[8])
+    assert "--context-parallel-size 8 --cp-comm-type p2p" in planner.launch_flags(best, 80)
+    assert best.cp == 8 and "cp" in dict(best.parts)
+    # the model FLOPs (MFU's numerator) count attention once: the same for every cp
+    no_cp = planner.with_time(p, cands[1])
+    assert best.mfu * best.step_time_s == pytest.approx(no_cp.mfu * no_cp.step_time_s)

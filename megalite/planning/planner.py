@@ -17,6 +17,10 @@ Step time (one global batch, per GPU, all stages alike):
   ``TP_EXPOSED`` is on the critical path; NVLink inside a node, the network when tp crosses one;
 * PP: one ``b*s*h`` activation forward and one grad backward per microbatch and chunk boundary
   (divided by tp with SP, as Megatron's scatter / gather), not overlapped;
+* CP (tried when each CP rank keeps ``CP_MIN_TOKENS`` tokens of every sequence): the ring's K/V
+  bytes per layer and microbatch (``context_parallel_comm_bytes``), less the attention compute
+  each transfer hides behind; the layout's tokens per rank are b*s/cp, and the gradients are
+  reduced over dp x cp;
 * the bubble: (p - 1) / (v*m + p - 1) of the step (1F1B and interleaved);
 * DP: a ring all-reduce of the fp32 grad buffer (the distributed optimizer's reduce-scatter +
   all-gather move the same bytes), hidden behind the last microbatch's backward except the last
@@ -43,6 +47,7 @@ from megalite.errors import MegaliteError
 from megalite.memory import MemoryLayout, RankMemory, activation_bytes, dtype_bytes, extra_bytes, predict_rank
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
+from megalite.parallel.context_parallel import context_parallel_comm_bytes
 from megalite.planning import calibration as cm
 
 GIB = 2**30
@@ -99,6 +104,10 @@ SHARDING = {
     "optim_grads_params": {"use_distributed_optimizer": True, "shard_grads": True, "shard_params": True},
 }
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+# Context parallelism is tried only while each CP rank keeps at least this many tokens of every
+# sequence: below it, attention's K/V traffic buys little activation memory (Megatron's long-context
+# recipes start at cp = 2 for 8k tokens; Llama 3 kept 8k per rank at 128k with cp = 16).
+CP_MIN_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class Candidate:
     sequence_parallel: bool
     recompute: str
     sharding: str
+    cp: int = 1  # context parallelism (the ring's p2p K/V exchange); dp counts the other replicas
     memory_per_rank_gb: float = 0.0
     overhead_gb: float = 0.0
     step_time_s: float = 0.0
@@ -141,6 +151,7 @@ class Problem:
     sequence_parallel_choices: tuple = (False, True)
     recompute_choices: tuple = RECOMPUTE_CHOICES
     sharding_choices: tuple = tuple(SHARDING)
+    context_parallel_choices: tuple | None = None  # None: powers of 2 keeping CP_MIN_TOKENS per rank
 
 
 def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
@@ -149,6 +160,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         tp=c.tp,
         pp=c.pp,
         dp=c.dp,
+        cp=c.cp,
         vp=c.vp,
         micro_batch_size=c.micro_batch_size,
         seq_length=p.seq_length,
@@ -168,7 +180,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 # SP or recompute: a planner run meets each split many times, and DDP's bucket split on meta
 # tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept.
 _STATE_FIELDS = (
-    "tp", "pp", "dp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
+    "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
 )  # fmt: skip
 _state_cache: dict = {}
@@ -179,7 +191,7 @@ def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> Rank
     state bytes cached per model split."""
     split = dict((f, getattr(layout, f)) for f in _STATE_FIELDS)
     if not layout.use_distributed_optimizer:
-        split["dp"] = 1  # only the distributed optimizer pads or shards by dp
+        split["dp"] = split["cp"] = 1  # only the distributed optimizer pads or shards by dp x cp
     key = (dataclasses.astuple(config), tuple(split.values()), pp_rank)
     if key not in _state_cache:
         full = predict_rank(config, layout, pp_rank)
@@ -261,7 +273,7 @@ def step_collectives(c: Candidate) -> list[int]:
     sharded), the loss over DP, SP's norm grads over TP, the tied embedding over its 2 stages."""
     mp, out = c.tp * c.pp, []
     sharded = c.sharding != "no_shard"
-    out += [mp] * 2 + [c.dp] * (2 + (1 if sharded else 0))
+    out += [mp] * 2 + [c.dp * c.cp] * (2 + (1 if sharded else 0))
     if c.sequence_parallel:
         out.append(c.tp)
     if c.pp > 1:
@@ -296,8 +308,7 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
     cal, cfg, s, R = p.calibration, p.config, p.seq_length, p.cluster.num_gpus
     B = dtype_bytes(p.params_dtype)
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
-    tokens = c.micro_batch_size * s
-    layers = cfg.num_layers // c.pp  # per rank, all its chunks
+    tokens, layers = c.micro_batch_size * s // c.cp, cfg.num_layers // c.pp  # this rank's: s/cp, its chunks
     d, train = min(tokens, cfg.hidden_size // c.tp), cal["train"]
     layer_f, head_f = cm.layer_and_head_flops(cfg, s, cfg.padded_vocab_size(c.tp))
     hq = cfg.num_attention_heads * cfg.head_dim
@@ -318,7 +329,8 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
             for kind, (n_layer, n_out) in tp_collectives(c).items()
         )
         pp = 0.0 if c.pp == 1 else 2 * c.vp * cm.collective_s(cal, "p2p", p2p_bytes, 2, active)
-        return tp, pp
+        cp = layers * cm.collective_s(cal, "p2p", cp_bytes(p, c), 2, active) if c.cp > 1 else 0.0
+        return tp + cp, pp  # the CP ring's K/V (one way, not hidden on gloo) counted with TP's
 
     ranks_per_stage = R // c.pp
 
@@ -334,7 +346,7 @@ def with_calibrated_time(p: Problem, c: Candidate) -> Candidate:
     bubble = makespan - busy
 
     dp = calibrated_dp_s(p, c, m)
-    optimizer_layers = layers / (c.dp if c.sharding != "no_shard" else 1)
+    optimizer_layers = layers / (c.dp * c.cp if c.sharding != "no_shard" else 1)
     step = (
         train["overhead_s_per_layer_step"] * optimizer_layers + train["overhead_s_per_step"]
     ) * cm.slowdown(cal, R) + sum(cm.collective_s(cal, "allreduce", 4, n, R) for n in step_collectives(c))
@@ -366,18 +378,43 @@ def calibrated_dp_s(p: Problem, c: Candidate, m: int) -> float:
     cal, R = p.calibration, p.cluster.num_gpus
     mem = peak_rank_memory(p, c)
     grads = mem.grads  # ZeRO-2: this rank's shard of the buffer
+    d = c.dp * c.cp  # gradients are reduced (and ZeRO shards) over dp x cp
     if c.sharding == "no_shard":
-        return cm.collective_s(cal, "allreduce", grads, c.dp, R)
+        return cm.collective_s(cal, "allreduce", grads, d, R)
     if c.sharding == "optim":  # reduce-scatter the grads, all-gather the updated params
-        return cm.collective_s(cal, "reduce_scatter", grads, c.dp, R) + cm.collective_s(
-            cal, "allgather", mem.params, c.dp, R
+        return cm.collective_s(cal, "reduce_scatter", grads, d, R) + cm.collective_s(
+            cal, "allgather", mem.params, d, R
         )
-    reduce_scatters = m * cm.collective_s(cal, "reduce_scatter", grads * c.dp, c.dp, R)
+    reduce_scatters = m * cm.collective_s(cal, "reduce_scatter", grads * d, d, R)
     if c.sharding == "optim_grads":  # a reduce-scatter of the whole buffer after every microbatch
-        return reduce_scatters + cm.collective_s(cal, "allgather", mem.params, c.dp, R)
+        return reduce_scatters + cm.collective_s(cal, "allgather", mem.params, d, R)
     # ZeRO-3: ZeRO-2's reduce-scatters; the params (mem.params is the shard) all-gathered before
     # each microbatch's forward and again before its backward, none after the step
-    return reduce_scatters + 2 * m * cm.collective_s(cal, "allgather", mem.params * c.dp, c.dp, R)
+    return reduce_scatters + 2 * m * cm.collective_s(cal, "allgather", mem.params * d, d, R)
+
+
+def cp_bytes(p: Problem, c: Candidate) -> int:
+    """Bytes one rank sends over the CP group per layer and microbatch (the ring's K/V, forward and
+    backward; a recompute reruns the forward's)."""
+    cfg = p.config
+    sent = context_parallel_comm_bytes(
+        comm_type="p2p", cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
+        kv_heads=cfg.query_groups // c.tp, head_dim=cfg.head_dim, bytes_per_element=dtype_bytes(p.params_dtype),
+    )  # fmt: skip
+    return sent["forward"] * (2 if c.recompute != "none" else 1) + sent["backward"]
+
+
+def cp_exposed_s(p: Problem, c: Candidate, eff: float) -> float:
+    """The CP ring's time per layer and microbatch not hidden behind attention: each of the cp-1
+    transfers overlaps one block of this rank's causal attention (its share, 1/cp of
+    4 s^2 h_q / tp per sequence and pass, halved by the mask; forward + backward = 3 passes)."""
+    if c.cp == 1:
+        return 0.0
+    cl, cfg, s = p.cluster, p.config, p.seq_length
+    bw = cl.gpu.intra_node_gbps if c.tp * c.cp <= cl.gpus_per_node else cl.gpu.inter_node_gbps
+    hq = cfg.num_attention_heads * cfg.head_dim // c.tp
+    attention = 3 * 4 * s * hq * (c.micro_batch_size * s // c.cp) / 2 / (cl.gpu.peak_tflops * 1e12 * eff)
+    return max(0.0, cp_bytes(p, c) / (bw * 1e9) - attention * (c.cp - 1) / c.cp)
 
 
 def with_time(p: Problem, c: Candidate) -> Candidate:
@@ -387,8 +424,9 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
     gpu = cl.gpu
     B = dtype_bytes(p.params_dtype)
     m = p.global_batch_size // (c.micro_batch_size * c.dp)
-    tokens_mb = c.micro_batch_size * s
+    tokens_mb = c.micro_batch_size * s // c.cp  # this rank's tokens of a microbatch
     flops_tok = model_flops_per_token(cfg, s, cfg.padded_vocab_size(c.tp))
+    # attention counted once over the whole sequence, whatever cp (each CP rank computes 1/cp of it)
     model_flops_gpu = flops_tok * p.global_batch_size * s / cl.num_gpus
     extra = recompute_extra(cfg, s, c.recompute)
     eff = gemm_efficiency(tokens_mb, cfg.hidden_size // c.tp)
@@ -400,18 +438,19 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
     n_collectives = 4 + (2 if c.recompute == "full" else 0)
     tp = TP_EXPOSED * m * layers_per_rank * n_collectives * ring_allreduce_s(act, c.tp, tp_bw)
 
-    pp_bw = gpu.inter_node_gbps if c.tp * c.dp * c.pp > cl.gpus_per_node else gpu.intra_node_gbps
+    pp_bw = gpu.inter_node_gbps if c.tp * c.cp * c.dp * c.pp > cl.gpus_per_node else gpu.intra_node_gbps
     p2p_bytes = act / c.tp if c.sequence_parallel else act
     pp = 0.0 if c.pp == 1 else 2 * m * c.vp * p2p_bytes / (pp_bw * 1e9)
+    cp = m * layers_per_rank * cp_exposed_s(p, c, eff)
 
-    busy = compute + tp + pp
+    busy = compute + tp + pp + cp
     bubble = busy * bubble_fraction(c.pp, c.vp, m) / (1 - bubble_fraction(c.pp, c.vp, m))
 
     dp = 0.0
-    if c.dp > 1:
+    if c.dp * c.cp > 1:  # gradients are reduced over dp x cp
         params_rank = peak_rank_memory(p, c).grads // 4  # the peak stage's grad buffer elements
-        dp_bw = gpu.intra_node_gbps if c.tp * c.dp <= cl.gpus_per_node else gpu.inter_node_gbps
-        full_dp = ring_allreduce_s(4 * params_rank, c.dp, dp_bw)
+        dp_bw = gpu.intra_node_gbps if c.tp * c.cp * c.dp <= cl.gpus_per_node else gpu.inter_node_gbps
+        full_dp = ring_allreduce_s(4 * params_rank, c.dp * c.cp, dp_bw)
         n_buckets = max(1, math.ceil(params_rank / 40_000_000))
         last_backward = compute / m * 2 / 3
         if c.sharding == "optim_grads":
@@ -432,7 +471,7 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
     step = busy + bubble + dp
     tokens_per_sec = p.global_batch_size * s / step
     mfu = model_flops_gpu / step / (gpu.peak_tflops * 1e12)
-    parts = (("compute", compute), ("tp", tp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
+    parts = (("compute", compute), ("tp", tp), ("cp", cp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
     return dataclasses.replace(
         c,
         step_time_s=step,
@@ -448,6 +487,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_choices(p: Problem, n: int) -> list[int]:
+    """The context-parallel sizes to try on ``n`` GPUs per TP group: ``p.context_parallel_choices``,
+    else 1 and the powers of 2 that leave each CP rank CP_MIN_TOKENS tokens of every sequence; each
+    dividing ``n``, and the sequence into 2 cp chunks."""
+    s = p.seq_length
+    wanted = p.context_parallel_choices or [2**k for k in range(s.bit_length()) if s >> k >= CP_MIN_TOKENS]
+    return [cp for cp in sorted({1, *wanted}) if n % cp == 0 and (cp == 1 or s % (2 * cp) == 0)]
+
+
 def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False) -> Iterator[Candidate]:
     """Every valid layout on ``num_gpus`` (default: the cluster's), before any prediction."""
     cfg, n = p.config, num_gpus or p.cluster.num_gpus
@@ -460,10 +508,10 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
             continue
         if (gpn % tp if tp <= gpn else tp % gpn) and n > gpn:
             continue  # a TP group must be whole nodes or fit in one: none may straddle two
-        for pp in divisors(n // tp):
+        for cp, pp in [(c, q) for c in cp_choices(p, n // tp) for q in divisors(n // (tp * c))]:
             if cfg.num_layers % pp:
                 continue
-            dp = n // (tp * pp)
+            dp = n // (tp * cp * pp)
             for mbs in MICRO_BATCH_SIZES:
                 if gbs % (mbs * dp):
                     continue
@@ -475,14 +523,14 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                     sps = [
                         sp
                         for sp in p.sequence_parallel_choices
-                        if not sp or (tp > 1 and p.seq_length % tp == 0)
+                        if not sp or (tp > 1 and p.seq_length // cp % tp == 0)
                     ]
                     for sp in sps:
                         for rc in p.recompute_choices:
                             for sharding in p.sharding_choices:
-                                if sharding != "no_shard" and dp == 1:
+                                if sharding != "no_shard" and dp * cp == 1:
                                     continue
-                                yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding)
+                                yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp)
 
 
 def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
@@ -583,6 +631,7 @@ def from_configs(
         par.sequence_parallel and tp > 1,
         run.recompute.granularity or "none",
         sharding,
+        par.context_parallel_size,
     )
     return problem, cand
 
@@ -621,6 +670,8 @@ def fit_warning(p: Problem, c: Candidate, limit: int = STARTUP_SEARCH_LIMIT) -> 
 # ---- output -----------------------------------------------------------------------------------
 def launch_flags(c: Candidate, num_layers: int) -> str:
     f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
+    if c.cp > 1:
+        f.append(f"--context-parallel-size {c.cp} --cp-comm-type p2p")
     f.append(f"--micro-batch-size {c.micro_batch_size}")
     if c.vp > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
@@ -634,19 +685,19 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
         f.append("--use-distributed-optimizer")
     elif c.sharding != "no_shard":
         f.append(f"--data-parallel-sharding-strategy {c.sharding}")
-    if c.dp > 1:
+    if c.dp * c.cp > 1:
         f.append("--overlap-grad-reduce")
     return " ".join(f)
 
 
 COLUMNS = (
-    "tp", "pp", "vp", "dp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
+    "tp", "cp", "pp", "vp", "dp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
 )  # fmt: skip
 
 
 def _row(c: Candidate) -> list[str]:
     return [
-        str(c.tp), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
+        str(c.tp), str(c.cp), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
         c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
     ]  # fmt: skip
@@ -669,7 +720,7 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
         f"{name} {100 * _share(best, name):.0f}%" for name, _ in best.parts if dict(best.parts)[name]
     )
     lines = [
-        f"best: tp={best.tp} pp={best.pp} vp={best.vp} dp={best.dp} mbs={best.micro_batch_size}: "
+        f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} mbs={best.micro_batch_size}: "
         f"{best.step_time_s:.3f} s/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
         f"{p.cluster.gpu.memory_gb:g} GB, {best.tflops_per_gpu:.0f} TFLOP/s per GPU (recompute counted)"
     ]
