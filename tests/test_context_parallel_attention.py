@@ -76,6 +76,38 @@ def _one_case(case, comm_type: str, group, cp: int, cp_rank: int, seed: int) -> 
     }
 
 
+def _ring_order(group) -> tuple[str, str]:
+    """The order in which the p2p ring posts transfers (S) and runs block kernels (C), forward and
+    backward, at cp = 4: each transfer is posted before the kernel it overlaps."""
+    import torch.distributed as dist
+
+    from megalite.parallel import context_parallel as C
+
+    events: list[str] = []
+    saved = C._block_forward, C._block_backward, dist.batch_isend_irecv
+
+    def log(tag, fn):
+        def wrapped(*args, **kwargs):
+            events.append(tag)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    C._block_forward, C._block_backward = log("C", saved[0]), log("C", saved[1])
+    dist.batch_isend_irecv = log("S", saved[2])
+    try:
+        q, k, v, dout = (
+            shard_sequence(t, 2, 4, dist.get_rank()).requires_grad_() for t in _full_inputs(CASES[0], 0)
+        )
+        out = context_parallel_attention(q, k, v, group=group, comm_type="p2p")
+        forward = "".join(events)
+        events.clear()
+        torch.autograd.grad(out, (q, k, v), dout)
+        return forward, "".join(events)
+    finally:
+        C._block_forward, C._block_backward, dist.batch_isend_irecv = saved
+
+
 def _ranks_main() -> dict:
     import torch.distributed as dist
 
@@ -90,7 +122,7 @@ def _ranks_main() -> dict:
         for i, case in enumerate(CASES):
             for comm_type in COMM_TYPES:
                 results[(cp, case, comm_type)] = _one_case(case, comm_type, group, cp, cp_rank, seed=i)
-    return results
+    return {"cases": results, "ring order": _ring_order(dist.group.WORLD)}
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +133,22 @@ def ranks():
 def test_forward_and_grads_match_one_process(ranks):
     """The parity asserts run inside the ranks; here: every case ran on every rank."""
     for results in ranks:
-        assert sorted(results) == sorted((cp, c, t) for cp in (4, 2) for c in CASES for t in COMM_TYPES)
+        assert sorted(results["cases"]) == sorted(
+            (cp, c, t) for cp in (4, 2) for c in CASES for t in COMM_TYPES
+        )
+
+
+def test_ring_posts_each_transfer_before_the_kernel_it_overlaps(ranks):
+    """cp = 4, S = a batch_isend_irecv posted, C = a block kernel. Forward: the next K/V is in flight
+    while each of the first three blocks computes. Backward: the same for K/V; each remote shard's
+    K/V grads leave once its block is done (3 hops: home after the last)."""
+    for results in ranks:
+        assert results["ring order"] == ("SCSCSCC", "SCSCSSCSCS")
 
 
 def test_bytes_sent_match_the_formula(ranks):
     for results in ranks:
-        for (cp, case, comm_type), r in results.items():
+        for (cp, case, comm_type), r in results["cases"].items():
             assert r["counted"] == r["formula"], (cp, case, comm_type)
             assert r["elsewhere"] == 0  # nothing off the CP group
             want = ["send"] if comm_type == "p2p" else ["all_gather", "reduce_scatter"]
