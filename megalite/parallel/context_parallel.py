@@ -1,55 +1,383 @@
-"""TEMPORARY stand-in (cpplumb, not committed): naive all_gather CP attention per the contract."""
+"""Context parallelism (CP): causal attention over a sequence sharded across the ranks of a CP group.
+
+Load balancing (Megatron's): a sequence of length s is cut into 2·cp equal chunks of c = s/(2·cp)
+tokens, and CP rank r holds chunks r and 2·cp−1−r, concatenated in that order (its *early* and
+*late* half). Under a causal mask every rank then does the same work::
+
+    cp = 2, chunks 0..3:  rank 0 holds (0, 3), rank 1 holds (1, 2)
+
+Attention of this rank's queries against the K/V shard of CP rank j is one kernel call, because
+the two chunks of a shard are in sequence order:
+
+    j == r   both query halves x both K/V halves, causal (the diagonal blocks and the late x
+             early block, which is fully visible, are exactly a causal mask on the 2c-long shard)
+    j <  r   both query halves x the early K/V half (chunk j), no mask; chunk 2cp-1-j is in the
+             future of both query chunks
+    j >  r   the late query half x both K/V halves, no mask; the early query chunk r precedes
+             both of j's chunks
+
+Partial results are merged by their log-sum-exp (online softmax). The backward runs the kernel's
+own backward per block with the *merged* output and log-sum-exp, which makes each block's
+gradients exactly its share of the full attention's (the FlashAttention decomposition).
+
+How the K/V shards reach every rank (``comm_type``, Megatron's ``--cp-comm-type``):
+
+- ``p2p``: a ring. Each step sends the K/V shard it holds to CP rank r+1 and receives the next
+  from r−1 (``batch_isend_irecv``), posted before the step's kernel runs, so the transfer
+  overlaps compute. The backward passes K/V round the ring again, and the gradient of each shard
+  travels with it, accumulating the contribution of each rank it visits, and is home after
+  cp−1 hops.
+- ``all_gather``: K/V gathered once per layer (forward, and again in backward rather than kept
+  for it), the gradients of the gathered K/V reduce-scattered back. Cheap with GQA's few K/V heads.
+
+Both send the same bytes per rank (:func:`context_parallel_comm_bytes`). The kernels are
+PyTorch's SDPA kernels that return the log-sum-exp (``_scaled_dot_product_flash_attention_for_cpu``
+on CPU, ``_scaled_dot_product_efficient_attention`` on CUDA), with their backward ops; GQA K/V
+heads are expanded after the transfer, so only the few K/V heads travel.
+"""
+
+from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from megalite.errors import ArgumentError
+from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
+
+COMM_TYPES = ("p2p", "all_gather")
 
 
-def load_balanced_chunks(cp_size, cp_rank):
+# ---------------------------------------------------------------------------- sharding the sequence
+def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the 2*cp_size equal chunks of a sequence that this rank holds: (cp_rank, 2*cp_size-1-cp_rank)."""
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def shard_sequence(x, dim, cp_size, cp_rank):
+def _chunk_length(s: int, cp_size: int) -> int:
+    if s % (2 * cp_size):
+        raise ValueError(f"sequence length {s} is not divisible by 2 x context-parallel size {2 * cp_size}")
+    return s // (2 * cp_size)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's part of x along `dim` (length s -> s/cp): its two chunks, concatenated in order."""
     if cp_size == 1:
         return x
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    a, b = load_balanced_chunks(cp_size, cp_rank)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
+    c = _chunk_length(x.size(dim), cp_size)
+    early, late = load_balanced_chunks(cp_size, cp_rank)
+    return torch.cat([x.narrow(dim, early * c, c), x.narrow(dim, late * c, c)], dim=dim)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g[dist.get_rank(ctx.group)], None
-
-
-def unshard_sequence(x, dim, group):
-    cp = dist.get_world_size(group)
-    parts = _Gather.apply(x, group)
-    chunks = [None] * (2 * cp)
-    for r in range(cp):
-        a, b = load_balanced_chunks(cp, r)
-        chunks[a], chunks[b] = parts[r].chunk(2, dim=dim)
+def unshard_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Inverse of shard_sequence across the cp group (all-gather + reorder); for tests and tools.
+    x: this rank's shard (length s/cp along ``dim``); returns the whole sequence (length s). No autograd."""
+    cp = 1 if group is None else dist.get_world_size(group)
+    if cp == 1:
+        return x
+    shards = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        early, late = load_balanced_chunks(cp, rank)
+        chunks[early], chunks[late] = shard.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
 
 
-def context_parallel_attention(q, k, v, *, group, comm_type, softmax_scale=None):
-    cp, r = dist.get_world_size(group), dist.get_rank(group)
-    k, v = unshard_sequence(k, 2, group), unshard_sequence(v, 2, group)
-    s = k.shape[2]
-    pos = torch.arange(s, device=q.device)
-    qpos = shard_sequence(pos, 0, cp, r)
-    mask = qpos[:, None] >= pos[None, :]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+# ---------------------------------------------------------------------------- one block's kernel
+def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """[b, hkv, s, d] -> [b, hq, s, d], query heads of group g adjacent (SDPA's enable_gqa pairing)."""
+    return t if t.size(1) == hq else t.repeat_interleave(hq // t.size(1), dim=1)
+
+
+def _reduce_kv_grad(g: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The adjoint of :func:`_expand_kv`: [b, hq, s, d] -> [b, hkv, s, d]."""
+    b, hq, s, d = g.shape
+    return g if hq == hkv else g.view(b, hkv, hq // hkv, s, d).sum(dim=2)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, hq, sq, d] over k, v [b, hkv, sk, d] -> (out [b, hq, sq, d], lse [b, hq, sq] fp32)."""
+    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
+    if q.is_cuda:
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[..., : q.size(2)]  # the kernel pads the lse to a multiple of 32 rows
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the MERGED out and lse
+    of the rows of q: the block's exact share of the full attention's gradients."""
+    hkv = k.size(1)
+    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
+    if q.is_cuda:
+        rows = lse.size(-1)
+        lse = torch.nn.functional.pad(lse, (0, -rows % 32))  # back to the kernel's padded layout
+        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
+
+
+def _block_plan(j: int, r: int) -> tuple[slice, slice, bool]:
+    """For this rank r's queries against CP rank j's K/V shard (both of length 2c, as halves of 1):
+    (query rows, K/V rows, causal), as slices in units of the half c (see the module docstring)."""
+    if j == r:
+        return slice(0, 2), slice(0, 2), True
+    if j < r:
+        return slice(0, 2), slice(0, 1), False
+    return slice(1, 2), slice(0, 2), False
+
+
+def _rows(x: torch.Tensor, half: slice, c: int) -> torch.Tensor:
+    """The rows ``half`` (in units of c) of x along the sequence dim 2."""
+    return x[:, :, half.start * c : half.stop * c]
+
+
+def _like_sdpa_output(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [b, hq, s, d] laid out as [b, s, hq, d], as SDPA returns it: the caller's
+    ``out.transpose(1, 2).reshape(b, s, hq * d)`` is then a view, so the output this function saves
+    for backward and the projection's saved input are one storage."""
+    b, hq, s, d = q.shape
+    return torch.empty(b, s, hq, d, dtype=dtype, device=q.device).transpose(1, 2)
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Online softmax: fold a block's (out, lse) into the running fp32 (out, lse) views, in place."""
+    merged = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(blk_out.float() * torch.exp(blk_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+# ---------------------------------------------------------------------------- moving K/V
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V shards [b, hkv, 2c, d] as one contiguous [2, b, hkv, 2c, d] buffer: one message per step."""
+    return torch.stack([k, v])
+
+
+class _Local:
+    """CP size 1: this rank's own K/V, no communication."""
+
+    rank = 0
+
+    def forward_blocks(self, kv):
+        yield 0, kv
+
+    def backward_blocks(self, kv):
+        self.dkv = torch.zeros_like(kv)
+        yield 0, kv, self.dkv
+
+    def grads(self) -> torch.Tensor:
+        return self.dkv
+
+
+class _Ring:
+    """The ``p2p`` exchange: a ring over the CP group, sending to r+1 and receiving from r-1.
+
+    Every rank posts the same sequence of sends and receives (K/V of step i, then the travelling
+    K/V gradient of step i), so the pairs match in order on gloo and NCCL alike."""
+
+    def __init__(self, group):
+        self.group = group
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.next, self.prev = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
+
+    def _shift(self, send: torch.Tensor) -> _Pending:
+        """Post send-to-next and receive-from-prev of a buffer shaped like ``send``."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group),
+        ]
+        return _Pending(dist.batch_isend_irecv(ops), recv)
+
+    def forward_blocks(self, kv):
+        """(source CP rank j, its packed K/V) for j = r, r-1, ...; the next shard is in flight while
+        the caller computes with the current one."""
+        pending = None
+        for step in range(self.cp):
+            if step > 0:
+                kv = pending.wait()
+            if step < self.cp - 1:
+                pending = self._shift(kv)
+            yield (self.rank - step) % self.cp, kv
+
+    def backward_blocks(self, kv):
+        """(j, K/V of j, a zero buffer for this rank's share of j's K/V gradient). The buffer of a
+        remote shard travels on with the shard's K/V: once the caller has filled it (the generator
+        resumes), the sum that came from r-1 for the same shard is added and the whole sent to r+1;
+        after cp-1 hops the sum reaches its owner, which adds its own share (step 0)."""
+        self.dkv, travelling = torch.zeros_like(kv), None
+        for step, (j, kv_j) in enumerate(self.forward_blocks(kv)):
+            dkv_j = self.dkv if step == 0 else torch.zeros_like(kv)
+            yield j, kv_j, dkv_j
+            if step > 0:
+                if travelling is not None:
+                    dkv_j += travelling.wait()
+                travelling = self._shift(dkv_j)
+        if travelling is not None:
+            self.dkv += travelling.wait()
+
+    def grads(self) -> torch.Tensor:
+        return self.dkv
+
+
+class _Pending:
+    """Requests in flight and the buffer they fill."""
+
+    def __init__(self, reqs, buffer):
+        self.reqs, self.buffer = reqs, buffer
+
+    def wait(self) -> torch.Tensor:
+        for req in self.reqs:
+            req.wait()
+        return self.buffer
+
+
+class _AllGather:
+    """The ``all_gather`` exchange: every rank's K/V at once; their gradients reduce-scattered back."""
+
+    def __init__(self, group):
+        self.group = group
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def _gather(self, kv: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.cp, *kv.shape), dtype=kv.dtype, device=kv.device)
+        all_gather_flat(out.view(-1), kv.reshape(-1), self.group)
+        return out
+
+    def _order(self):  # the ring's order, so both comm types add the blocks in the same order
+        return [(self.rank - step) % self.cp for step in range(self.cp)]
+
+    def forward_blocks(self, kv):
+        every = self._gather(kv)
+        for j in self._order():
+            yield j, every[j]
+
+    def backward_blocks(self, kv):
+        every = self._gather(kv)  # gathered again, not kept from the forward: s-long K/V per layer
+        self.dkv_every = torch.zeros_like(every)
+        for j in self._order():
+            yield j, every[j], self.dkv_every[j]
+
+    def grads(self) -> torch.Tensor:
+        dkv = torch.empty(self.dkv_every.shape[1:], dtype=self.dkv_every.dtype, device=self.dkv_every.device)
+        reduce_scatter_flat(dkv.view(-1), self.dkv_every.view(-1), self.group)
+        return dkv
+
+
+def _exchange(group, comm_type: str):
+    if comm_type not in COMM_TYPES:
+        raise ArgumentError(
+            f"--cp-comm-type {comm_type}: megalite implements {' and '.join(COMM_TYPES)} (a2a is not built)"
+        )
+    if group is None or dist.get_world_size(group) == 1:
+        return _Local()
+    return _Ring(group) if comm_type == "p2p" else _AllGather(group)
+
+
+# ---------------------------------------------------------------------------- the attention
+def _attend(q: torch.Tensor, kv: torch.Tensor, exchange, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward over every K/V shard: (out [b, hq, 2c, d] fp32, lse [b, hq, 2c] fp32)."""
+    c, r = q.size(2) // 2, exchange.rank
+    out = lse = None
+    for j, kv_j in exchange.forward_blocks(kv):
+        qs, ks, causal = _block_plan(j, r)
+        k, v = _rows(kv_j[0], ks, c), _rows(kv_j[1], ks, c)
+        blk_out, blk_lse = _block_forward(_rows(q, qs, c), k, v, causal, scale)
+        if out is None:  # j == r comes first and covers every query row
+            out, lse = _like_sdpa_output(q, torch.float32).copy_(blk_out), blk_lse.float().contiguous()
+        else:
+            _merge_into(_rows(out, qs, c), _rows(lse, qs, c), blk_out, blk_lse)
+    return out, lse
+
+
+def _attend_backward(dout, q, kv, out, lse, exchange, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward over every K/V shard: (dq [b, hq, 2c, d], packed dkv [2, b, hkv, 2c, d])."""
+    c, r = q.size(2) // 2, exchange.rank
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    for j, kv_j, dkv_j in exchange.backward_blocks(kv):
+        qs, ks, causal = _block_plan(j, r)
+        rows = [_rows(t, qs, c).contiguous() for t in (dout, q, out, lse)]
+        k, v = _rows(kv_j[0], ks, c), _rows(kv_j[1], ks, c)
+        dq_j, dk_j, dv_j = _block_backward(rows[0], rows[1], k, v, rows[2], rows[3], causal, scale)
+        _rows(dq, qs, c).add_(dq_j)
+        _rows(dkv_j[0], ks, c).add_(dk_j)
+        _rows(dkv_j[1], ks, c).add_(dv_j)
+    return dq.to(q.dtype), exchange.grads()
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, comm_type, scale):
+        exchange = _exchange(group, comm_type)
+        out, lse = _attend(q, _pack(k, v), exchange, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        exchange = _exchange(ctx.group, ctx.comm_type)
+        dq, dkv = _attend_backward(dout, q, _pack(k, v), out, lse, exchange, ctx.scale)
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+def context_parallel_attention(
+    q, k, v, *, group, comm_type: str, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention over the WHOLE sequence when each cp rank holds its load-balanced shard.
+
+    q: [b, hq, s/cp, d]; k, v: [b, hkv, s/cp, d] with hq % hkv == 0 (GQA: query heads of group g
+    adjacent, as SDPA's enable_gqa pairs them); rows in :func:`shard_sequence` order. Returns
+    [b, hq, s/cp, d]. ``comm_type``: ``p2p`` or ``all_gather`` (module docstring); ``group``: the CP
+    process group (None or a group of one: plain causal attention). Softmax scale: 1/sqrt(d) unless
+    given. Exact backward for both; no dropout."""
+    b, hq, s, d = q.shape
+    if k.shape != v.shape or (k.size(0), k.size(2), k.size(3)) != (b, s, d) or hq % k.size(1) or s % 2:
+        raise ValueError(
+            f"context_parallel_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want "
+            "q [b, hq, s/cp, d], k and v [b, hkv, s/cp, d], hq a multiple of hkv, s/cp even"
+        )
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    return _ContextParallelAttention.apply(q, k, v, group, comm_type, scale)
+
+
+def context_parallel_comm_bytes(
+    *,
+    comm_type: str,
+    cp_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    kv_heads: int,
+    head_dim: int,
+    bytes_per_element: int,
+) -> dict[str, int]:
+    """Bytes one CP rank sends for ONE attention layer and ONE microbatch, as
+    ``megalite.planning.comm_meter`` counts them (ring volumes): ``{"forward", "backward"}``.
+
+    With N = micro_batch_size x kv_heads x (seq_length / cp_size) x head_dim x bytes_per_element,
+    the bytes of this rank's K (or V) shard (``kv_heads``: the K/V heads on this rank, i.e.
+    num_query_groups / tp; ``bytes_per_element``: the activations' dtype)::
+
+        forward  = 2N (cp-1)   p2p: cp-1 sends of K+V;  all_gather: gather K+V
+        backward = 4N (cp-1)   p2p: cp-1 sends of K+V and cp-1 of their grads;
+                               all_gather: gather K+V again, reduce-scatter their grads
+
+    A layer whose attention is recomputed (selective or full recompute) sends its forward bytes twice."""
+    if comm_type not in COMM_TYPES:
+        _exchange(None, comm_type)  # the one-line error
+    n = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim * bytes_per_element
+    return {"forward": 2 * n * (cp_size - 1), "backward": 4 * n * (cp_size - 1)}
