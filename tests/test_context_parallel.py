@@ -39,6 +39,13 @@ LAYOUTS = {
     "tp2-cp2-pp2-sp": (8, layout(2, 2) + ["--sequence-parallel"]),
 }
 CP_OF = {"cp2": 2, "cp4": 4, "cp2-dp2-zero3": 2, "tp2-cp2-pp2-sp": 2}
+# Composes: cp2 x pp2, interleaved (2 virtual stages of 1 layer), selective recompute, ZeRO-1 (over
+# dp x cp = 2 at dp 1), --overlap-grad-reduce; 4 layers.
+FOUR_LAYERS = (
+    BASE[: BASE.index("--num-layers")] + ["--num-layers", "4"] + BASE[BASE.index("--num-layers") + 2 :]
+)
+COMPOSED = layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1", "--recompute-activations",
+                           "--use-distributed-optimizer", "--overlap-grad-reduce"]  # fmt: skip
 # The checkpoint every resume starts from: the cp2 GPT-2 p2p run saves at SAVE_AT.
 SAVED = ("gpt2", "p2p", "cp2")
 
@@ -104,13 +111,14 @@ def runs(tmp_path_factory):
                     argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
                 plan[world].append(argv)
     plan[2].append(BASE + cp(2, "p2p") + resume(out("resume-cp2")))
+    plan[4].append(FOUR_LAYERS + COMPOSED + cp(2, "all_gather") + out("composed"))
     plan[2].append(llama3_8b_cp2(d))
     plan[4].append(BASE + cp(4, "all_gather") + resume(out("resume-cp4")))
     mesh_sizes = {2: (2, 1, 1), 4: (2, 1, 1), 8: (2, 2, 2)}  # (cp, tp, pp)
     results = {w: run_distributed(_rank_work, w, plan[w], mesh_sizes[w], timeout=300) for w in (2, 4, 8)}
     with one_thread():  # the references, and the cp2 checkpoint resumed on one process
         pretrain_runs([BASE + f + out(f"{n}-reference") for n, f in FLAVOURS.items()])
-        pretrain_runs([BASE + resume(out("resume-cp1"))])
+        pretrain_runs([BASE + resume(out("resume-cp1")), FOUR_LAYERS + out("four-layers-reference")])
     return results, d
 
 
@@ -127,6 +135,16 @@ def test_matches_one_process(runs, flavour, comm, name):
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
         )
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains: the comparison is not of constants
+
+
+def test_composed_layout_matches_one_process(runs):
+    _, d = runs
+    ref, got = rows(d / "four-layers-reference.jsonl"), rows(d / "composed.jsonl")
+    assert len(got) == ITERS
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
+        )
 
 
 @pytest.mark.parametrize("target", ["cp2", "cp1", "cp4"])
