@@ -483,8 +483,8 @@ def test_split_tokenizer_names_and_megatron_defaults():
     assert (a.log_interval, a.eval_iters, a.train_iters) == (100, 100, None)
     with pytest.raises(ArgumentError, match="--train-iters or --train-samples is required"):
         validate_args(parse_args(["--mock-data", "--vocab-size", "9"]), 1)
-    with pytest.raises(RefusedFlagError, match="context parallelism"):
-        parse_args(["--context-parallel-size", "2"])
+    with pytest.raises(RefusedFlagError, match="hierarchical context parallelism"):
+        parse_args(["--hierarchical-context-parallel-sizes", "2", "2"])  # (--context-parallel-size is built)
     parse_args(
         ["--context-parallel-size", "1", "--no-position-embedding", "--position-embedding-type", "rope"]
     )

@@ -141,3 +141,63 @@ def test_process_groups_are_the_right_ranks(world):
     sizes = list(factorisations(world))
     results = run_distributed(_check_groups, world, world, sizes, timeout=120)
     assert len(results) == world
+
+
+# ---- context parallelism: Megatron's order, tp fastest, then cp, then dp, then pp ---------------
+def cp_factorisations(world):
+    for tp, cp, pp in itertools.product(range(1, world + 1), repeat=3):
+        if cp > 1 and world % (tp * cp * pp) == 0:
+            yield tp, cp, pp
+
+
+@pytest.mark.parametrize("world", [2, 4, 6, 8, 12, 16])
+def test_rank_layout_with_cp_matches_independent_enumeration(world):
+    for tp, cp, pp in cp_factorisations(world):
+        lay = rank_layout(world, tp, pp, cp)
+        dp = world // (tp * cp * pp)
+        coords = dict(
+            enumerate((t, c, d, p) for p, d, c, t in itertools.product(*map(range, (pp, dp, cp, tp))))
+        )
+
+        def same(r, keep, coords=coords):  # ranks sharing rank r's coordinates at ``keep``
+            return [q for q in range(world) if all(coords[q][i] == coords[r][i] for i in keep)]
+
+        for r in range(world):
+            t, c, d, p = coords[r]
+            for groups, keep, index in (
+                (lay.tp_groups, (1, 2, 3), t),
+                (lay.cp_groups, (0, 2, 3), c),
+                (lay.dp_groups, (0, 1, 3), d),
+                (lay.pp_groups, (0, 1, 2), p),
+                (lay.dp_cp_groups, (0, 3), c + cp * d),  # cp fastest inside dp x cp
+                (lay.tp_cp_groups, (2, 3), t + tp * c),
+                (lay.mp_groups, (1, 2), None),
+            ):
+                mine = [g for g in groups if r in g]
+                assert len(mine) == 1 and mine[0] == same(r, keep), (tp, cp, pp, r, keep)
+                assert index is None or mine[0].index(r) == index
+
+
+def test_cp_rank_order_by_hand():
+    """World 16 = tp 2 x cp 2 x dp 2 x pp 2, as Megatron-LM numbers it."""
+    lay = rank_layout(16, 2, 2, 2)
+
+    def of(groups, r):
+        return next(g for g in groups if r in g)
+
+    assert of(lay.tp_groups, 2) == [2, 3] and of(lay.cp_groups, 1) == [1, 3]
+    assert of(lay.dp_groups, 2) == [2, 6] and of(lay.pp_groups, 2) == [2, 10]
+    assert of(lay.dp_cp_groups, 1) == [1, 3, 5, 7] and of(lay.dp_cp_groups, 8) == [8, 10, 12, 14]
+    assert of(lay.tp_cp_groups, 4) == [4, 5, 6, 7] and of(lay.mp_groups, 2) == [2, 3, 10, 11]
+    with pytest.raises(ParallelConfigError, match=r"--context-parallel-size \(2\) x"):
+        rank_layout(12, 2, 2, 2)
+    with pytest.raises(ParallelConfigError, match="--context-parallel-size must be >= 1"):
+        rank_layout(8, 1, 1, 0)
+
+
+def test_dp_with_cp_is_the_gradient_view():
+    m = Mesh(rank=5, dp_size=2, dp_rank=1, cp_size=2, cp_rank=0, dp_ranks=[1, 5], dp_cp_ranks=[1, 3, 5, 7])
+    grads = m.dp_with_cp()
+    assert (grads.dp_size, grads.dp_rank, grads.dp_ranks, grads.cp_size) == (4, 2, [1, 3, 5, 7], 2)
+    assert (m.dp_size, m.dp_rank) == (2, 1)  # the mesh itself keeps the sampling dp
+    assert Mesh.single().dp_with_cp() == Mesh.single()

@@ -5,11 +5,11 @@ import argparse
 from megalite.arguments.spec import choice, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
+from megalite.parallel.context_parallel import COMM_TYPES as CP_BUILT
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
 SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")  # Megatron's; megalite builds CP_BUILT
-CP_BUILT = ("p2p", "all_gather")
 _FSDP_HELP = (
     "Megatron's spelling of --data-parallel-sharding-strategy optim_grads_params (megalite's "
     "own ZeRO-3 on its DDP buckets, not torch's FSDP2; start-up says so in one note)."

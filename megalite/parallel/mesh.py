@@ -248,6 +248,40 @@ def destroy_model_parallel() -> None:
     _made_groups.update(world=None, groups={})
 
 
+def _unique(groups: list[list[int]]) -> list[list[int]]:
+    """``groups`` without repeats, in their order (every rank creates them in the same order)."""
+    out: list[list[int]] = []
+    for g in groups:
+        if g not in out:
+            out.append(g)
+    return out
+
+
+def _build_groups(layout: RankLayout, rank: int, timeout: datetime.timedelta | None) -> dict:
+    """Collective: every group of ``layout`` (cached per world), ``{role: this rank's group}``."""
+    made = _groups_of_this_world()
+
+    def build(role: str, groups: list[list[int]]):
+        mine = None
+        for g in groups:  # every rank creates every group, in the same order
+            # One group per role even where two roles have the same ranks (pp and embedding at
+            # pp2 x tp1): each role's collectives keep a communicator of their own, as before.
+            key = (role, tuple(g), timeout)
+            if key not in made:
+                made[key] = dist.new_group(g, timeout=timeout)
+            if rank in g:
+                mine = made[key]
+        return mine
+
+    roles = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups, "mp": layout.mp_groups}
+    # Embedding groups of different pipelines coincide when pp == 1.
+    roles["embedding"] = _unique(layout.embedding_groups)
+    if layout.cp > 1:  # a cp-1 job creates exactly the groups it did before context parallelism
+        # (tp x cp is in the layout, not built: megalite has no collective over it; Megatron's MoE has.)
+        roles.update(cp=layout.cp_groups, dp_cp=layout.dp_cp_groups)
+    return {role: build(role, groups) for role, groups in roles.items()}
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -276,38 +310,8 @@ def initialize_model_parallel(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
-    timeout = timeout or default_group_timeout()
-    made = _groups_of_this_world()
-
-    def build(role: str, groups: list[list[int]]):
-        mine = None
-        for g in groups:  # every rank creates every group, in the same order
-            # One group per role even where two roles have the same ranks (pp and embedding at
-            # pp2 x tp1): each role's collectives keep a communicator of their own, as before.
-            key = (role, tuple(g), timeout)
-            if key not in made:
-                made[key] = dist.new_group(g, timeout=timeout)
-            if rank in g:
-                mine = made[key]
-        return mine
-
-    tp_group = build("tp", layout.tp_groups)
-    dp_group = build("dp", layout.dp_groups)
-    pp_group = build("pp", layout.pp_groups)
-    mp_group = build("mp", layout.mp_groups)
-    # Embedding groups of different pipelines may coincide (pp == 1): dedupe
-    # while keeping the creation order identical on every rank.
-    unique_emb: list[list[int]] = []
-    for g in layout.embedding_groups:
-        if g not in unique_emb:
-            unique_emb.append(g)
-    emb_group = build("embedding", unique_emb)
-
-    # CP groups only when cp > 1: a cp-1 job creates exactly the groups it did before. (tp x cp is
-    # in the layout, not built: megalite has no collective over it; Megatron uses it for MoE.)
-    cp_group = build("cp", layout.cp_groups) if cp > 1 else None
-    dp_cp_group = build("dp_cp", layout.dp_cp_groups) if cp > 1 else None
-
+    groups = _build_groups(layout, rank, timeout or default_group_timeout())
+    unique_emb = _unique(layout.embedding_groups)
     tp_ranks = _group_of(layout.tp_groups, rank)
     dp_ranks = _group_of(layout.dp_groups, rank)
     pp_ranks = _group_of(layout.pp_groups, rank)
@@ -321,11 +325,11 @@ def initialize_model_parallel(
         tp_rank=tp_ranks.index(rank),
         pp_rank=pp_ranks.index(rank),
         dp_rank=dp_ranks.index(rank),
-        tp_group=tp_group,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        mp_group=mp_group,
-        embedding_group=emb_group,
+        tp_group=groups["tp"],
+        pp_group=groups["pp"],
+        dp_group=groups["dp"],
+        mp_group=groups["mp"],
+        embedding_group=groups["embedding"],
         tp_ranks=tp_ranks,
         pp_ranks=pp_ranks,
         dp_ranks=dp_ranks,
@@ -334,8 +338,8 @@ def initialize_model_parallel(
         device=torch.device(device),
         cp_size=cp,
         cp_rank=cp_ranks.index(rank),
-        cp_group=cp_group,
+        cp_group=groups.get("cp"),
         cp_ranks=cp_ranks,
-        dp_cp_group=dp_cp_group,
+        dp_cp_group=groups.get("dp_cp"),
         dp_cp_ranks=_group_of(layout.dp_cp_groups, rank),
     )
