@@ -41,9 +41,11 @@ LAYOUTS = {
 CP_OF = {"cp2": 2, "cp4": 4, "cp2-dp2-zero3": 2, "tp2-cp2-pp2-sp": 2}
 # Composes: cp2 x pp2, interleaved (2 virtual stages of 1 layer), selective recompute, ZeRO-1 (over
 # dp x cp = 2 at dp 1), --overlap-grad-reduce; 4 layers.
+# Both evaluate twice (every 5 iterations, 1 batch): the eval loss is over whole sequences too.
 FOUR_LAYERS = (
     BASE[: BASE.index("--num-layers")] + ["--num-layers", "4"] + BASE[BASE.index("--num-layers") + 2 :]
 )
+FOUR_LAYERS += ["--eval-interval", "5", "--eval-iters", "1"]
 COMPOSED = layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1", "--recompute-activations",
                            "--use-distributed-optimizer", "--overlap-grad-reduce"]  # fmt: skip
 # The checkpoint every resume starts from: the cp2 GPT-2 p2p run saves at SAVE_AT.
@@ -87,9 +89,9 @@ def _rank_work(runs, mesh_sizes):
     return out
 
 
-def rows(path) -> list[dict]:
+def rows(path, kind: str = "train") -> list[dict]:
     with open(path) as f:
-        return [r for r in map(json.loads, f) if r["kind"] == "train"]
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +147,11 @@ def test_composed_layout_matches_one_process(runs):
         torch.testing.assert_close(
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
         )
+    ref, got = rows(d / "four-layers-reference.jsonl", "eval"), rows(d / "composed.jsonl", "eval")
+    assert [r["iteration"] for r in got] == [5, 10]
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in got]), torch.tensor([r["loss"] for r in ref]), **TOL
+    )
 
 
 @pytest.mark.parametrize("target", ["cp2", "cp1", "cp4"])
