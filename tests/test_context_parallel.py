@@ -48,8 +48,8 @@ FOUR_LAYERS = (
 FOUR_LAYERS += ["--eval-interval", "5", "--eval-iters", "1"]
 COMPOSED = layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1", "--recompute-activations",
                            "--use-distributed-optimizer", "--overlap-grad-reduce"]  # fmt: skip
-# The checkpoint every resume starts from: the cp2 GPT-2 p2p run saves at SAVE_AT.
-SAVED = ("gpt2", "p2p", "cp2")
+# The checkpoint every resume starts from: the cp2 x dp2 ZeRO-3 GPT-2 p2p run saves at SAVE_AT.
+SAVED = ("gpt2", "p2p", "cp2-dp2-zero3")
 
 
 def llama3_8b_cp2(d) -> list[str]:
@@ -112,7 +112,7 @@ def runs(tmp_path_factory):
                 if (flavour, comm, name) == SAVED:
                     argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
                 plan[world].append(argv)
-    plan[2].append(BASE + cp(2, "p2p") + resume(out("resume-cp2")))
+    plan[4].append(BASE + LAYOUTS["cp2-dp2-zero3"][1] + cp(2, "p2p") + resume(out("resume-cp2")))
     plan[4].append(FOUR_LAYERS + COMPOSED + cp(2, "all_gather") + out("composed"))
     plan[2].append(llama3_8b_cp2(d))
     plan[4].append(BASE + cp(4, "all_gather") + resume(out("resume-cp4")))
@@ -156,8 +156,8 @@ def test_composed_layout_matches_one_process(runs):
 
 @pytest.mark.parametrize("target", ["cp2", "cp1", "cp4"])
 def test_resume_across_cp_sizes(runs, target):
-    """The cp2 checkpoint of iteration 5 resumes at cp 2 (bitwise: the same layout), cp 1 and cp 4
-    (to the parity tolerance) and continues the saving run's losses."""
+    """The cp2 x dp2 ZeRO-3 checkpoint of iteration 5 resumes at the same layout (bitwise), at cp 1
+    and at cp 4 (both dp 1, no sharding; to the parity tolerance), continuing the saving run's losses."""
     _, d = runs
     saved = rows(d / "{}-{}-{}.jsonl".format(*SAVED))[SAVE_AT:]
     got = rows(d / f"resume-{target}.jsonl")
