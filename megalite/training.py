@@ -44,9 +44,11 @@ from megalite.metrics import (
     peak_memory_mb,
 )
 from megalite.model import ModelConfig, build_model_chunks
+from megalite.model.attention_backend import describe_attention
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.determinism import enable_deterministic_mode
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.param_gather import finish_param_sync
@@ -91,6 +93,8 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
         device = torch.device("cuda", local_rank)
     # Every group gets the job's timeout: a frozen or dead rank stops the others, it never hangs them.
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if args.deterministic_mode:  # NCCL and cuBLAS read their settings when they start: before both
+        enable_deterministic_mode()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(args.distributed_backend, timeout=timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -384,7 +388,9 @@ def describe_layout(state: TrainState) -> str:
         f"{train.num_microbatches} (global batch {train.global_batch_size} = micro {train.micro_batch_size}"
         f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "
         f"rank {mesh.rank}; dtype {train.params_dtype}; device {mesh.device}; sequence parallel "
-        f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}"
+        f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}; "
+        f"{describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size)}; "
+        f"deterministic mode {'on' if train.deterministic_mode else 'off'}"
     )
 
 
