@@ -151,11 +151,21 @@ class _LinearWithFusedWgrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+# The fused backward writes into a buffer that is no input of the graph, which dynamo cannot
+# trace: under --torch-compile a fused linear runs eagerly between its layer's compiled graphs.
+_fused_linear = torch.compiler.disable(_LinearWithFusedWgrad.apply)
+
+
+def fused_wgrad(weights) -> bool:
+    """Whether any of ``weights`` has a grad accumulator (its wgrad GEMM adds into the buffer)."""
+    return any(param_attributes.wgrad_accumulator(w) is not None for w in weights)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for a weight with a grad accumulator, with the fused weight-gradient GEMM."""
-    if param_attributes.wgrad_accumulator(weight) is None:
+    if not fused_wgrad([weight]):
         return F.linear(x, weight, bias)
-    return _LinearWithFusedWgrad.apply(x, weight, bias)
+    return _fused_linear(x, weight, bias)
 
 
 # ---- the column-parallel matmul ------------------------------------------------------------------
@@ -200,6 +210,9 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
         return grad_x, None, *grads
 
 
+_fused_sp_linears = torch.compiler.disable(_LinearWithSequenceParallelInput.apply)  # as _fused_linear
+
+
 def column_parallel_linears(
     x: torch.Tensor, params: list[tuple[torch.Tensor, torch.Tensor | None]], group, sequence_parallel: bool
 ) -> tuple[torch.Tensor, ...]:
@@ -212,6 +225,8 @@ def column_parallel_linears(
     """
     if sequence_parallel:
         flat = [t for pair in params for t in pair]
+        if fused_wgrad([w for w, _ in params]):
+            return _fused_sp_linears(x, group, *flat)
         return _LinearWithSequenceParallelInput.apply(x, group, *flat)
     x = copy_to_tensor_model_parallel_region(x, group)
     return tuple(linear(x, w, b) for w, b in params)
