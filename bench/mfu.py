@@ -2,7 +2,8 @@
 
     python bench/mfu.py --preset {gpt2-125m,gpt-1.3b,llama-7b-2layer} [--modes eager,compiled]
         [--peak-tflops T] [--micro-batch-size B] [--microbatches M] [--iters N] [--warmup W]
-        [--attention-backend {flash,fused,unfused,local,auto}]
+        [--attention-backend {flash,fused,unfused,local,auto}] [--deterministic-mode]
+        [--no-gradient-accumulation-fusion]
     python bench/mfu.py --preset gpt2-125m --tiny          # CPU smoke: the same code, a tiny model
 
 Each mode is one ``pretrain()`` run (``--mock-data``, bf16, DP over every visible GPU: with more
@@ -75,6 +76,8 @@ def pretrain_argv(a, world_size: int) -> list[str]:
         "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
         "--attention-backend", a.attention_backend,
     ]  # fmt: skip
+    argv += ["--deterministic-mode"] if a.deterministic_mode else []
+    argv += [] if a.gradient_accumulation_fusion else ["--no-gradient-accumulation-fusion"]
     if ffn is not None:
         argv += ["--ffn-hidden-size", str(ffn)]
     if world_size > 1:
@@ -141,6 +144,13 @@ def parse(argv=None):
         default="auto",
         help="pretrain_gpt.py's flag: the SDPA kernels attention may use (default auto: torch's choice)",
     )
+    p.add_argument("--deterministic-mode", action="store_true", help="pretrain_gpt.py's flag (its cost)")
+    p.add_argument(
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        help="pretrain_gpt.py's flag: weight grads in bf16, then added into main_grad (fusion's gain)",
+    )
     a = p.parse_args(argv)
     a.tiny = a.tiny or not torch.cuda.is_available()
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -180,6 +190,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "dtype": "bfloat16",
         "attention_backend": a.attention_backend,
+        "gradient_accumulation_fusion": a.gradient_accumulation_fusion,
+        "deterministic_mode": a.deterministic_mode,
         "sdpa": kernel_that_runs(
             a.attention_backend, device, torch.bfloat16, config.num_attention_heads, config.head_dim
         ),

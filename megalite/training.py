@@ -277,19 +277,21 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
     )
 
 
-def average_loss(losses: list, mesh: Mesh) -> float | None:
-    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over DP)."""
+def average_loss(losses: list, mesh: Mesh, on_host: bool = True) -> float | torch.Tensor | None:
+    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over DP); a float,
+    or without ``on_host`` the device scalar (reading it waits for the device: a host sync)."""
     if not mesh.is_last_stage:
         return None
     loss = mesh.on_device(torch.stack([x.detach().float() for x in losses]).mean())
     if mesh.dp_group is not None and mesh.dp_size > 1:
         loss = loss / mesh.dp_size
         dist.all_reduce(loss, group=mesh.dp_group)
-    return float(loss.item())
+    return float(loss.item()) if on_host else loss
 
 
-def train_step(state: TrainState, data_iter) -> dict:
-    """One optimizer step over the global batch; returns the step's metrics."""
+def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
+    """One optimizer step over the global batch; returns the step's metrics (``loss_on_host``
+    False: the loss stays a device scalar, read at the log interval, not a host sync per step)."""
     train, mesh = state.configs.training, state.mesh
     # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
@@ -321,7 +323,7 @@ def train_step(state: TrainState, data_iter) -> dict:
     state.iteration += 1
     state.consumed_train_samples += gbs
     return {
-        "loss": average_loss(losses, mesh),
+        "loss": average_loss(losses, mesh, loss_on_host),
         "grad_norm": grad_norm,
         "skipped": not ok,
         "num_zeros": num_zeros,
@@ -421,8 +423,8 @@ class LogWindow:
         iter_time = (time.perf_counter() - self.start) / self.iters
         tokens_per_step = self.tokens / self.iters
         tflops = self.flops_per_token * tokens_per_step / iter_time / mesh.world_size / 1e12
-        values = {
-            "loss": sum(self.losses) / len(self.losses) if self.losses else None,
+        values = {  # float(): the step losses are device scalars, read here once per log line
+            "loss": sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None,
             "lr": state.scheduler.get_lr(),
             "grad_norm": step["grad_norm"],
             "loss_scale": state.optimizer.get_loss_scale(),
@@ -468,7 +470,7 @@ def train(
     while state.iteration < train_cfg.train_iters:
         monitor.before_step(state, sinks)
         with memory.track():  # saved-tensor hooks on the first step only
-            step = train_step(state, data_iter)
+            step = train_step(state, data_iter, loss_on_host=False)
         memory.report(sinks)
         monitor.after_step(state, step)  # Megatron's TensorBoard / wandb tags, profiler window, GC
         window.add(step, train_cfg.seq_length)

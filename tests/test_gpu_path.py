@@ -9,9 +9,13 @@
 The CUDA-marked tests at the end run the same checks on a GPU (``pytest -m cuda tests/test_gpu_path.py``).
 """
 
+import contextlib
+import os
+import sys
+
 import pytest
 import torch
-from conftest import COMMON, LLAMA, layout
+from conftest import COMMON, LLAMA, layout, needs_cuda
 
 from megalite.parallel.determinism import deterministic_switches
 from megalite.spawn import run_distributed
@@ -225,3 +229,160 @@ def test_attention_backend_that_cannot_run_stops_in_one_line():
     assert (
         "--attention-backend flash" in msg and "FLASH_ATTENTION" in msg and "auto" in msg and "\n" not in msg
     )
+
+
+# ---- the host's share of the step ------------------------------------------------------------
+@contextlib.contextmanager
+def host_reads():
+    """Record each tensor read on the host (``item``, ``float``, ``int``, ``bool``, ``tolist``: on a
+    GPU each waits for the device) that megalite's own code makes: [(method, file, line)]."""
+    import megalite
+
+    root, calls, originals = os.path.dirname(megalite.__file__), [], {}
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.startswith(root):
+                calls.append((name, os.path.relpath(caller.f_code.co_filename, root), caller.f_lineno))
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
+        originals[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize(
+    "flags, per_step",
+    [([], 1), (["--clip-grad", "0", "--no-check-for-nan-in-loss-and-grad"], 0)],
+)
+def test_training_step_reads_the_device_once(flags, per_step):
+    """pretrain's loop outside the log interval: the grad norm (clipping and the non-finite guard
+    need it on the host) is the step's one device read; the loss stays on the device until the log
+    line. Without clipping and guard, none. (Before: 2 and 1, the loss read every step.)"""
+    from megalite.arguments import parse_args
+    from megalite.training import microbatch_iterator, setup, train_step
+
+    argv = [a for a in COMMON] + flags
+    state = setup(parse_args(argv))
+    data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
+    batches = [next(data) for _ in range(3 * state.configs.training.num_microbatches)]  # checked here
+    steps = iter(batches)
+    with host_reads() as calls:
+        for _ in range(3):
+            step = train_step(state, steps, loss_on_host=False)
+    assert len(calls) == 3 * per_step, calls
+    assert all(file == "optim/clip_grads.py" for _, file, _ in calls), calls
+    assert torch.is_tensor(step["loss"]) and step["loss"].dim() == 0
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_memory_model_counts_the_fused_weights(flavour):
+    """``memory.fused_wgrad_numel`` (the bytes a step saves follow from it) counts exactly the
+    weights the TP linears mark fusable (GPT-2's tied head is the embedding: not fused)."""
+    from megalite.memory import MemoryLayout, fused_wgrad_numel
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.mesh import Mesh
+    from megalite.parallel.param_attributes import is_wgrad_fusable
+
+    make = ModelConfig.llama if flavour == "llama" else ModelConfig.gpt2
+    config = make(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    model = GPTModel(config, Mesh.single())
+    built = sum(p.numel() for p in model.parameters() if is_wgrad_fusable(p))
+    layout = MemoryLayout(tp=1, pp=1, dp=1, micro_batch_size=1, seq_length=8, num_microbatches=1)
+    assert fused_wgrad_numel(config, layout, 0) == built > 0
+
+
+# ---- CUDA (runs where a GPU is lent: pytest -m cuda tests/test_gpu_path.py) ---------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_RUN = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
+    "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-4", "--lr-warmup-iters", "2",
+    "--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--bf16",
+]  # fmt: skip  # with Megatron's dropout 0.1: the RNG streams are part of the check
+
+
+def _pretrain_process(argv: list[str], metrics_file) -> tuple[list[tuple], str]:
+    """``pretrain_gpt.py argv`` in a fresh process (cuBLAS reads its workspace setting when it
+    starts): ([(iteration, loss, grad norm)], its output)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    argv = argv + ["--metrics-file", str(metrics_file)]
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(metrics_file) as f:
+        rows = [json.loads(x) for x in f]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"], done.stdout
+
+
+@needs_cuda
+def test_cuda_deterministic_runs_and_resume_are_bitwise(tmp_path):
+    """On a GPU with --deterministic-mode (bf16, dropout): a run stopped at iteration 4 equals an
+    uninterrupted one bitwise there (two fresh runs), and resumed to 8 it equals it bitwise again."""
+    argv = CUDA_RUN + ["--train-iters", "8", "--deterministic-mode"]
+    straight, out = _pretrain_process(argv + ["--save", str(tmp_path / "a")], tmp_path / "a.jsonl")
+    assert "deterministic mode on" in out and "attention auto: SDPA " in out and "cudnn" not in out
+    stopped, _ = _pretrain_process(
+        argv + ["--save", str(tmp_path / "b"), "--exit-interval", "4"], tmp_path / "b.jsonl"
+    )
+    resumed, _ = _pretrain_process(
+        argv + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")], tmp_path / "c.jsonl"
+    )
+    assert [r[0] for r in straight] == list(range(1, 9))
+    assert stopped == straight[:4]  # loss and grad norm, bitwise
+    assert resumed == straight[4:]
+
+
+@needs_cuda
+def test_cuda_gradient_accumulation_fusion_matches_unfused(tmp_path):
+    """On a GPU: bf16 inputs accumulate into fp32 in the GEMM (cuBLAS's fp32 output) as in fp32
+    math; fp32 training fused vs --no-gradient-accumulation-fusion within rtol 1e-5 over 10 steps,
+    and bf16 training close (fusion skips the bf16 rounding of each weight grad)."""
+    from megalite.parallel.layers import add_matmul_into
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(512, 256, device="cuda", generator=g).bfloat16() for _ in range(2))
+    target = torch.randn(256, 256, device="cuda", generator=g)
+    want = target + a.t().float() @ b.float()
+    add_matmul_into(target, a.t(), b)
+    torch.testing.assert_close(target, want, rtol=1e-5, atol=1e-5)
+
+    fp32 = [x for x in CUDA_RUN if x != "--bf16"] + ["--train-iters", "10", "--hidden-dropout", "0.0",
+                                                      "--attention-dropout", "0.0"]  # fmt: skip
+    for dtype_flags, rtol in (([], 1e-5), (["--bf16"], 2e-2)):
+        fused, _ = _pretrain_process(fp32 + dtype_flags, tmp_path / f"f{rtol}.jsonl")
+        unfused, _ = _pretrain_process(fp32 + dtype_flags + NO_FUSION, tmp_path / f"u{rtol}.jsonl")
+        assert [r[1] for r in fused] == pytest.approx([r[1] for r in unfused], rel=rtol)
+
+
+@needs_cuda
+def test_cuda_attention_backends_name_their_kernel(torch_switches):
+    """On a GPU (bf16, 16 heads of 64): each backend runs its kernels; deterministic mode refuses
+    cuDNN attention, so fused runs memory-efficient and auto never cuDNN."""
+    from megalite.model.attention_backend import kernel_that_runs
+
+    cuda = torch.device("cuda")
+
+    def kernel(backend):
+        return kernel_that_runs(backend, cuda, torch.bfloat16, 16, 64)
+
+    assert kernel("flash") == "flash_attention"
+    assert kernel("unfused") == kernel("local") == "math"
+    assert kernel("fused") in ("cudnn_attention", "efficient_attention")
+    torch.use_deterministic_algorithms(True)
+    assert kernel("fused") == "efficient_attention"
+    assert kernel("auto") != "cudnn_attention" and kernel("flash") == "flash_attention"

@@ -77,7 +77,13 @@ def kernel_that_runs(
     ``device`` in ``dtype`` (``"flash_attention"``, ``"cudnn_attention"``, ``"efficient_attention"``,
     ``"math"``): a tiny forward and backward there. ArgumentError when no kernel of the backend can."""
     q = torch.zeros(1, heads, 8, head_dim, device=device, dtype=dtype, requires_grad=True)
-    with warnings.catch_warnings(), attention_kernels(backend, device.type):
+    # The probe's dropout draws from the RNG: fork it, so a resumed run's restored streams stay put.
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if q.is_cuda else []
+    with (
+        torch.random.fork_rng(devices=cuda),
+        warnings.catch_warnings(),
+        attention_kernels(backend, device.type),
+    ):
         warnings.simplefilter("ignore")  # torch explains each refused kernel in a warning
         try:
             F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True).sum().backward()
