@@ -242,7 +242,7 @@ def fused_wgrad_numel(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
         s.numel
         for chunk in stage_chunks(config, layout)[pp_rank]
         for s in chunk_param_shapes(config, layout.tp, chunk)
-        if s.name.endswith(linear) or ".mlp.linear_fc1" in s.name
+        if s.name.endswith(linear) or (".mlp.linear_fc1" in s.name and s.name.endswith(".weight"))
     )
 
 
