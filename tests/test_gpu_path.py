@@ -18,6 +18,7 @@ import torch
 from conftest import COMMON, LLAMA, layout, needs_cuda
 
 from megalite.parallel.determinism import deterministic_switches
+from megalite.parallel.param_attributes import wgrad_accumulator
 from megalite.spawn import run_distributed
 
 ITERS = 10
@@ -64,10 +65,14 @@ def train_run(argv: list[str], iters: int = ITERS) -> tuple[list[float | None], 
     with gathered_params(state.model):
         params = [p.detach().clone() for chunk in state.model for p in chunk.parameters()]
     torch.use_deterministic_algorithms(before[0])
+    FUSED[tuple(argv)] = sum(
+        wgrad_accumulator(p) is not None for chunk in state.model for p in chunk.parameters()
+    )
     return losses, params
 
 
 SWITCHES: dict[tuple[str, ...], dict] = {}  # in each rank: deterministic_switches() after setup, by argv
+FUSED: dict[tuple[str, ...], int] = {}  # in each rank: how many params had a wgrad accumulator, by argv
 
 
 def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -81,6 +86,7 @@ def _rank_work() -> dict:
         argv = fusion_argv(flavour, zero) + (DETERMINISTIC if flavour == "gpt2" else [])
         fused, unfused = train_run(argv), train_run(argv + NO_FUSION)
         out[f"fusion-{flavour}-{zero}"] = (fused[0], unfused[0], _max_rel_diff(fused[1], unfused[1]))
+        out[f"fused-params-{flavour}-{zero}"] = (FUSED[tuple(argv)], FUSED[tuple(argv + NO_FUSION)])
         if flavour == "gpt2":
             again = train_run(argv)
             out["deterministic"] = (
@@ -106,6 +112,11 @@ def test_gradient_accumulation_fusion_matches_unfused(runs, flavour, zero):
             assert fused == pytest.approx(unfused, rel=1e-5, abs=0)
             assert len(fused) == ITERS
         assert weights < 1e-5
+    # The fused run's TP linears had the fused path, the other run's none: one layer per stage (4
+    # weights; 5 with SwiGLU), and on the last stage the head (GPT-2: the tied copy; Llama: untied).
+    counts = {rank[f"fused-params-{flavour}-{zero}"] for rank in runs}
+    per_layer = {"gpt2": 4, "llama": 5}[flavour]
+    assert counts == {(per_layer, 0), (per_layer + 1, 0)}
 
 
 def test_deterministic_mode_runs_are_bitwise_equal(runs):
