@@ -9,7 +9,6 @@
 The CUDA-marked tests at the end run the same checks on a GPU (``pytest -m cuda tests/test_gpu_path.py``).
 """
 
-import contextlib
 import os
 import sys
 
@@ -243,56 +242,32 @@ def test_attention_backend_that_cannot_run_stops_in_one_line():
 
 
 # ---- the host's share of the step ------------------------------------------------------------
-@contextlib.contextmanager
-def host_reads():
-    """Record each tensor read on the host (``item``, ``float``, ``int``, ``bool``, ``tolist``: on a
-    GPU each waits for the device) that megalite's own code makes: [(method, file, line)]."""
-    import megalite
-
-    root, calls, originals = os.path.dirname(megalite.__file__), [], {}
-
-    def counted(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1)
-            if caller.f_code.co_filename.startswith(root):
-                calls.append((name, os.path.relpath(caller.f_code.co_filename, root), caller.f_lineno))
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
-        originals[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
 @pytest.mark.parametrize(
     "flags, per_step",
     [([], 1), (["--clip-grad", "0", "--no-check-for-nan-in-loss-and-grad"], 0)],
 )
 def test_training_step_reads_the_device_once(flags, per_step):
-    """pretrain's loop outside the log interval: the grad norm (clipping and the non-finite guard
-    need it on the host) is the step's one device read; the loss stays on the device until the log
-    line. Without clipping and guard, none. (Before: 2 and 1, the loss read every step.)"""
+    """pretrain's loop outside the log interval, counted by tests/device_discipline.py's tracker
+    (reads of device tensors on the host: each a sync on a GPU): the grad norm (clipping and the
+    non-finite guard need it on the host) is the step's one read; the loss stays on the device
+    until the log line. Without clipping and guard, none. (Before: 2 and 1, the loss every step.)"""
+    from device_discipline import device_discipline
+
     from megalite.arguments import parse_args
     from megalite.training import microbatch_iterator, setup, train_step
 
-    argv = [a for a in COMMON] + flags
-    state = setup(parse_args(argv))
-    data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
-    batches = [next(data) for _ in range(3 * state.configs.training.num_microbatches)]  # checked here
-    steps = iter(batches)
-    with host_reads() as calls:
+    with device_discipline() as tracker:
+        state = setup(parse_args([a for a in COMMON] + flags))
+        data = microbatch_iterator(
+            state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size
+        )
+        before, sites = tracker.host_syncs, dict(tracker.sync_sites)
         for _ in range(3):
-            step = train_step(state, steps, loss_on_host=False)
-    assert len(calls) == 3 * per_step, calls
-    assert all(file == "optim/clip_grads.py" for _, file, _ in calls), calls
+            step = train_step(state, data, loss_on_host=False)
+        syncs = tracker.host_syncs - before
+        new_sites = {k for k, n in tracker.sync_sites.items() if n != sites.get(k)}
+    assert syncs == 3 * per_step, tracker.sync_sites
+    assert all(site.startswith("optim/clip_grads.py:") for site in new_sites), new_sites
     assert torch.is_tensor(step["loss"]) and step["loss"].dim() == 0
 
 

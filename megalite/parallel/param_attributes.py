@@ -152,9 +152,10 @@ def mark_grad_added(param: torch.Tensor) -> None:
 
 def take_grad_added(param: torch.Tensor) -> bool:
     """Whether :func:`mark_grad_added` was called since the last take; clears the mark."""
-    added = getattr(param, "grad_added_to_main_grad", False)
+    if not getattr(param, "grad_added_to_main_grad", False):
+        return False
     param.grad_added_to_main_grad = False
-    return added
+    return True
 
 
 def counted_once(param: torch.Tensor, tp_rank: int, is_first_stage: bool) -> bool:
