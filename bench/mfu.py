@@ -2,13 +2,16 @@
 
     python bench/mfu.py --preset {gpt2-125m,gpt-1.3b,llama-7b-2layer} [--modes eager,compiled]
         [--peak-tflops T] [--micro-batch-size B] [--microbatches M] [--iters N] [--warmup W]
+        [--attention-backend {flash,fused,unfused,local,auto}] [--deterministic-mode]
+        [--no-gradient-accumulation-fusion]
     python bench/mfu.py --preset gpt2-125m --tiny          # CPU smoke: the same code, a tiny model
 
 Each mode is one ``pretrain()`` run (``--mock-data``, bf16, DP over every visible GPU: with more
 than one GPU the script re-launches itself under torchrun, one rank per GPU, with the
 distributed optimizer and overlapped grad reduction). ``compiled`` adds ``--torch-compile``
-(each transformer layer compiled). On CUDA attention is held to SDPA's flash kernel
-(``sdpa_kernel(FLASH_ATTENTION)``: a layout it cannot take fails instead of running slower).
+(each transformer layer compiled). Attention is what ``pretrain_gpt.py`` runs: its
+``--attention-backend`` (default ``auto``, torch's choice: cuDNN attention on Hopper); the JSON names
+the backend and the SDPA kernel that ran (``attention_backend``, ``sdpa``).
 
 Per mode: the median over the timed iterations (after ``--warmup``, which absorbs compilation
 and the allocator's growth) of the training loop's own per-iteration log: tokens/s of the whole
@@ -37,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.metrics import detect_peak_tflops, model_flops_per_token  # noqa: E402
+from megalite.model.attention_backend import CHOICES, kernel_that_runs  # noqa: E402
 
 _GPT = []  # megalite's defaults: learned positions, LayerNorm, GELU, biases, tied embeddings
 _LLAMA = [
@@ -70,7 +74,10 @@ def pretrain_argv(a, world_size: int) -> list[str]:
         "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * a.microbatches * world_size),
         "--train-iters", str(a.warmup + a.iters), "--log-interval", "1", "--eval-iters", "0",
         "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--attention-backend", a.attention_backend,
     ]  # fmt: skip
+    argv += ["--deterministic-mode"] if a.deterministic_mode else []
+    argv += [] if a.gradient_accumulation_fusion else ["--no-gradient-accumulation-fusion"]
     if ffn is not None:
         argv += ["--ffn-hidden-size", str(ffn)]
     if world_size > 1:
@@ -90,17 +97,7 @@ def run_mode(a, argv: list[str], compiled: bool) -> dict | None:
         run_argv = argv + ["--metrics-file", metrics_file] + (["--torch-compile"] if compiled else [])
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-            try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-            except ImportError:  # torch < 2.3
-                attention = torch.backends.cuda.sdp_kernel(
-                    enable_flash=True, enable_math=False, enable_mem_efficient=False
-                )
-        else:
-            attention = contextlib.nullcontext()
-        with attention, contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr):
             pretrain(run_argv)
         if not os.path.exists(metrics_file):  # not the logging rank: it records nothing
             return None
@@ -141,6 +138,19 @@ def parse(argv=None):
     p.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default 10; tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first iterations (default 3; tiny 1)")
     p.add_argument("--single-gpu", action="store_true", help="one GPU even when more are visible")
+    p.add_argument(
+        "--attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="pretrain_gpt.py's flag: the SDPA kernels attention may use (default auto: torch's choice)",
+    )
+    p.add_argument("--deterministic-mode", action="store_true", help="pretrain_gpt.py's flag (its cost)")
+    p.add_argument(
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        help="pretrain_gpt.py's flag: weight grads in bf16, then added into main_grad (fusion's gain)",
+    )
     a = p.parse_args(argv)
     a.tiny = a.tiny or not torch.cuda.is_available()
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -179,7 +189,12 @@ def main(argv=None) -> int:
         "world_size": world_size,
         "torch": torch.__version__,
         "dtype": "bfloat16",
-        "sdpa": "flash" if gpus else "cpu default",
+        "attention_backend": a.attention_backend,
+        "gradient_accumulation_fusion": a.gradient_accumulation_fusion,
+        "deterministic_mode": a.deterministic_mode,
+        "sdpa": kernel_that_runs(
+            a.attention_backend, device, torch.bfloat16, config.num_attention_heads, config.head_dim
+        ),
         "seq_length": args.seq_length,
         "global_batch_size": args.global_batch_size,
         "peak_tflops": a.peak,

@@ -135,6 +135,9 @@ class DataParallelConfig:
     overlap_param_gather_with_optimizer_step: bool = False  # start every bucket's gather in the step
     bucket_size: int = 40_000_000  # elements per grad bucket (--ddp-bucket-size)
     grad_reduce_dtype: torch.dtype = torch.float32  # grad buffer and collectives (--grad-reduce-in-bf16)
+    # The TP linears' weight-gradient GEMMs add into the grad buffer (the flag defaults on, as
+    # Megatron's; off here, as Megatron-Core's config, for code that builds DDP directly)
+    gradient_accumulation_fusion: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
@@ -210,6 +213,7 @@ class TrainingConfig:
     num_workers: int = 0
     calculate_per_token_loss: bool = False
     seed: int = 1234
+    deterministic_mode: bool = False  # every switch of megalite.parallel.determinism is set
     params_dtype: torch.dtype = torch.float32
     torch_compile: bool = False
     torch_compile_mode: str = "default"

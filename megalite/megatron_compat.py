@@ -54,15 +54,7 @@ _FSDP_BUFFERS = (
 
 IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--use-mcore-models", 0, "megalite has one model implementation (Megatron-Core's layout)"),
-    CompatFlag(
-        "--attention-backend",
-        1,
-        "attention is torch's scaled_dot_product_attention, which picks flash / memory-efficient "
-        "kernels by itself",
-        choices=("flash", "fused", "unfused", "local", "auto"),
-    ),
     CompatFlag("--use-flash-attn", 0, "SDPA already uses flash attention where the GPU supports it"),
-    CompatFlag("--no-gradient-accumulation-fusion", 0, _FUSION),
     CompatFlag("--no-masked-softmax-fusion", 0, _FUSION),
     CompatFlag("--no-bias-gelu-fusion", 0, _FUSION),
     CompatFlag("--no-bias-swiglu-fusion", 0, _FUSION),
@@ -113,7 +105,6 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--ddp-average-in-collective", 0, "gradients are averaged over DP either way"),
     CompatFlag("--disable-gloo-process-groups", 0, _PERF),
     CompatFlag("--use-cpu-initialization", 0, "weights are drawn on the CPU generator in every case"),
-    CompatFlag("--deterministic-mode", 0, "the CPU path is deterministic; on GPUs set it with torch"),
     CompatFlag(
         "--rerun-mode",
         1,

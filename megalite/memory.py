@@ -248,6 +248,30 @@ def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[P
     return out
 
 
+def fused_wgrad_numel(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """Elements of this rank's TP linear weights (the output layer's too, when it is not the
+    embedding itself): those whose weight-gradient GEMM ``--gradient-accumulation-fusion`` fuses."""
+    linear = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc2.weight", "output_layer.weight")
+    return sum(
+        s.numel
+        for chunk in stage_chunks(config, layout)[pp_rank]
+        for s in chunk_param_shapes(config, layout.tp, chunk)
+        if s.name.endswith(linear) or (".mlp.linear_fc1" in s.name and s.name.endswith(".weight"))
+    )
+
+
+def wgrad_fusion_bytes_per_step(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dtype_bytes: int
+) -> int:
+    """Bytes of memory traffic a step no longer moves with ``--gradient-accumulation-fusion``: per
+    microbatch and fused weight element, unfused the GEMM writes the model-dtype grad and the add
+    kernel reads it back and reads and writes the fp32 ``main_grad`` (``2 d + 8``); fused the GEMM
+    reads and writes ``main_grad`` (8): ``2 d`` saved, with one add kernel per weight. Peak memory
+    is unchanged: autograd still gets a placeholder of the weight's size (allocated, never written)."""
+    saved_per_element = 2 * dtype_bytes
+    return layout.num_microbatches * fused_wgrad_numel(config, layout, pp_rank) * saved_per_element
+
+
 def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.Parameter]:
     params = []
     for s in shapes:

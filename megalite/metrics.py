@@ -279,7 +279,7 @@ class TrainingMonitor:
         tags = {
             "learning-rate": state.scheduler.get_lr(),
             "batch-size": batch_size,
-            "lm loss": step.get("loss"),
+            "lm loss": None if step.get("loss") is None else float(step["loss"]),  # a device scalar
             "loss-scale": state.optimizer.get_loss_scale() if c.log_loss_scale_to_tensorboard else None,
             "world-size": state.mesh.world_size if c.log_world_size_to_tensorboard else None,
             "grad-norm": step.get("grad_norm"),

@@ -44,10 +44,12 @@ from megalite.metrics import (
     peak_memory_mb,
 )
 from megalite.model import ModelConfig, build_model_chunks
+from megalite.model.attention_backend import describe_attention
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.context_parallel import shard_sequence
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.determinism import enable_deterministic_mode
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.param_gather import finish_param_sync
@@ -92,6 +94,8 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
         device = torch.device("cuda", local_rank)
     # Every group gets the job's timeout: a frozen or dead rank stops the others, it never hangs them.
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if args.deterministic_mode:  # NCCL and cuBLAS read their settings when they start: before both
+        enable_deterministic_mode()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(args.distributed_backend, timeout=timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -303,8 +307,9 @@ def run_schedule(state: TrainState, microbatches: list, forward_only: bool) -> l
     )
 
 
-def average_loss(losses: list, mesh: Mesh) -> float | None:
-    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over dp x cp)."""
+def average_loss(losses: list, mesh: Mesh, on_host: bool = True) -> float | torch.Tensor | None:
+    """Global-batch mean loss on last-stage ranks (mean over microbatches, then over dp x cp); a
+    float, or without ``on_host`` the device scalar (reading it waits for the device: a host sync)."""
     if not mesh.is_last_stage:
         return None
     mesh = mesh.dp_with_cp()
@@ -312,11 +317,12 @@ def average_loss(losses: list, mesh: Mesh) -> float | None:
     if mesh.dp_group is not None and mesh.dp_size > 1:
         loss = loss / mesh.dp_size
         dist.all_reduce(loss, group=mesh.dp_group)
-    return float(loss.item())
+    return float(loss.item()) if on_host else loss
 
 
-def train_step(state: TrainState, data_iter) -> dict:
-    """One optimizer step over the global batch; returns the step's metrics."""
+def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
+    """One optimizer step over the global batch; returns the step's metrics (``loss_on_host``
+    False: the loss stays a device scalar, read at the log interval, not a host sync per step)."""
     train, mesh = state.configs.training, state.mesh
     # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
@@ -348,7 +354,7 @@ def train_step(state: TrainState, data_iter) -> dict:
     state.iteration += 1
     state.consumed_train_samples += gbs
     return {
-        "loss": average_loss(losses, mesh),
+        "loss": average_loss(losses, mesh, loss_on_host),
         "grad_norm": grad_norm,
         "skipped": not ok,
         "num_zeros": num_zeros,
@@ -410,13 +416,21 @@ def describe_layout(state: TrainState) -> str:
     run, mesh, train = state.configs, state.mesh, state.configs.training
     mine, total = count_parameters(state.model, mesh)
     cp = f" x cp {mesh.cp_size} ({run.parallel.cp_comm_type})" if mesh.cp_size > 1 else ""
+    # Under CP the attention is context_parallel_attention's own SDPA kernels, not --attention-backend's.
+    attention = (
+        f"attention: context parallel {run.parallel.cp_comm_type} over SDPA's log-sum-exp kernels"
+        if mesh.cp_size > 1
+        else describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size)
+    )
     return (
         f"megalite: world {mesh.world_size} = tp {mesh.tp_size}{cp} x pp {mesh.pp_size} x dp {mesh.dp_size}"
         f" (virtual stages {run.parallel.virtual_pipeline_model_parallel_size}); microbatches per step "
         f"{train.num_microbatches} (global batch {train.global_batch_size} = micro {train.micro_batch_size}"
         f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "
         f"rank {mesh.rank}; dtype {train.params_dtype}; device {mesh.device}; sequence parallel "
-        f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}"
+        f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}; "
+        f"{attention}; "
+        f"deterministic mode {'on' if train.deterministic_mode else 'off'}"
     )
 
 
@@ -447,8 +461,8 @@ class LogWindow:
         iter_time = (time.perf_counter() - self.start) / self.iters
         tokens_per_step = self.tokens / self.iters
         tflops = self.flops_per_token * tokens_per_step / iter_time / mesh.world_size / 1e12
-        values = {
-            "loss": sum(self.losses) / len(self.losses) if self.losses else None,
+        values = {  # float(): the step losses are device scalars, read here once per log line
+            "loss": sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None,
             "lr": state.scheduler.get_lr(),
             "grad_norm": step["grad_norm"],
             "loss_scale": state.optimizer.get_loss_scale(),
@@ -494,7 +508,7 @@ def train(
     while state.iteration < train_cfg.train_iters:
         monitor.before_step(state, sinks)
         with memory.track():  # saved-tensor hooks on the first step only
-            step = train_step(state, data_iter)
+            step = train_step(state, data_iter, loss_on_host=False)
         memory.report(sinks)
         monitor.after_step(state, step)  # Megatron's TensorBoard / wandb tags, profiler window, GC
         window.add(step, train_cfg.seq_length)

@@ -127,3 +127,11 @@ def pretrain_runs(runs: list[list[str]]) -> None:
 
     for argv in runs:
         pretrain(argv)
+
+
+def needs_cuda(test):
+    """Mark ``test`` ``cuda`` (``pytest -m cuda`` selects the GPU checks) and skip it without a GPU."""
+    import pytest
+
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(skip(test))

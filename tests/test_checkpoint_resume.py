@@ -252,8 +252,8 @@ def _sigterm_at_iteration(argv, at):
 
     step = training.train_step
 
-    def step_and_signal(state, data_iter):
-        out = step(state, data_iter)
+    def step_and_signal(state, data_iter, **kwargs):
+        out = step(state, data_iter, **kwargs)
         if state.iteration == at and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return out

@@ -87,9 +87,9 @@ def _runs(tmp):
     with device_discipline() as tracker:
         syncs = []
 
-        def counted_step(state, data_iter):
+        def counted_step(state, data_iter, **kwargs):
             before = tracker.host_syncs
-            step = real_step(state, data_iter)
+            step = real_step(state, data_iter, **kwargs)
             syncs.append(tracker.host_syncs - before)
             return step
 

@@ -319,6 +319,7 @@ def test_mfu_bench_runs_on_cpu_and_reports_its_fields():
 
     repo = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "bench/mfu.py", "--preset", "gpt2-125m", "--modes", "eager", "--peak-tflops", "2"]
+    cmd += ["--attention-backend", "auto"]  # what pretrain_gpt.py runs by default
     done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -336,3 +337,5 @@ def test_mfu_bench_runs_on_cpu_and_reports_its_fields():
     assert eager["mfu"] == pytest.approx(eager["tflops_per_gpu"] / 2.0, rel=1e-12)
     assert out["global_batch_size"] == 4 and out["seq_length"] == s
     assert "compiled" not in out and "compiled_speedup" not in out
+    # The backend and the SDPA kernel that ran: auto is torch's choice (on this CPU, its flash kernel).
+    assert out["attention_backend"] == "auto" and out["sdpa"] == "flash_attention"

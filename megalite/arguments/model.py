@@ -60,6 +60,14 @@ FLAGS = (
         "Loss = sum over the global batch's unmasked tokens / their number (not a mean of microbatch means).",
     ),
     choice(
+        "--attention-backend",
+        ["flash", "fused", "unfused", "local", "auto"],
+        "auto",
+        "Attention kernels, on PyTorch's SDPA: flash (FlashAttention), fused (cuDNN, then "
+        "memory-efficient), unfused / local (the math kernel), auto (torch's choice). Start-up names "
+        "the kernel that runs; one that cannot run here stops the run.",
+    ),
+    choice(
         "--transformer-impl",
         ["local", "transformer_engine"],
         "local",

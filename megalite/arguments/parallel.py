@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import choice, flag, need, switch, value
+from megalite.arguments.spec import choice, exclusive, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.context_parallel import COMM_TYPES as CP_BUILT
@@ -93,6 +93,23 @@ DATA_PARALLEL_FLAGS = (
         "(megalite's optimizer step is one AdamW call, so it only moves the start). Same result.",
     ),
     switch("--grad-reduce-in-bf16", "Keep the gradient buffer and its DP reduction in bf16 (default fp32)."),
+    exclusive(
+        flag(
+            "--gradient-accumulation-fusion",
+            dest="gradient_accumulation_fusion",
+            action="store_true",
+            default=True,
+            help="The weight-gradient GEMM of the tensor-parallel linear layers adds into the fp32 "
+            "gradient buffer (no model-dtype weight grad, no separate add kernel). On by default, as in "
+            "Megatron; same math within fp32 rounding.",
+        ),
+        flag(
+            "--no-gradient-accumulation-fusion",
+            dest="gradient_accumulation_fusion",
+            action="store_false",
+            help="Compute each weight grad in the model's dtype, then add it into the fp32 buffer.",
+        ),
+    ),
     switch(
         "--accumulate-allreduce-grads-in-fp32",
         "Accumulate and reduce gradients in fp32: already megalite's default.",

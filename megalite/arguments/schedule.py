@@ -3,7 +3,7 @@
 
 import argparse
 
-from megalite.arguments.spec import flag, need, value
+from megalite.arguments.spec import flag, need, switch, value
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
 from megalite.errors import ArgumentError
 
@@ -33,6 +33,12 @@ FLAGS = (
         "threshold 0).",
     ),
     value("--seed", int, 1234, "Random seed (model init, data order, dropout)."),
+    switch(
+        "--deterministic-mode",
+        "Bitwise-reproducible runs (Megatron's switch): deterministic torch algorithms, cuBLAS "
+        "workspace, cuDNN, attention backward, embedding backward and NCCL_ALGO=Ring; slower "
+        "(docs/performance.md).",
+    ),
 )
 GROUPS = (("training", FLAGS),)
 

@@ -54,6 +54,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     seed: int = 1234
+    attention_backend: str = "auto"  # SDPA kernels (--attention-backend; megalite.model.attention_backend)
 
     # ---- presets --------------------------------------------------------------
     @classmethod

@@ -53,6 +53,7 @@ from torch import nn
 from megalite.compiled import compile_forward
 from megalite.configs import RECOMPUTE_METHODS, ParallelConfig, RecomputeConfig
 from megalite.errors import MegaliteError
+from megalite.model.attention_backend import attention_kernels
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.parallel import random as tp_random
 from megalite.parallel.context_parallel import context_parallel_attention, shard_sequence
@@ -284,6 +285,7 @@ class SelfAttention(nn.Module):
         self.local_groups = config.query_groups // tp
         self.local_heads = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
+        self.attention_backend = config.attention_backend  # --attention-backend: the SDPA kernels
         # SDPA's enable_gqa where torch has it (>= 2.5), else repeat_interleave (see repeats_kv).
         self.enable_gqa = SDPA_ENABLE_GQA
         self.rng = rng
@@ -342,7 +344,10 @@ class SelfAttention(nn.Module):
         # Without dropout SDPA draws nothing, so no fork: the RNG swap is a graph break under
         # --torch-compile, and skipping it leaves the streams exactly where the fork would.
         fork = self.rng is not None and dropout_p > 0.0
-        with self.rng.fork() if fork else contextlib.nullcontext():
+        with (
+            self.rng.fork() if fork else contextlib.nullcontext(),
+            attention_kernels(self.attention_backend, q.device.type),
+        ):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
 
 

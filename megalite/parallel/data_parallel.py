@@ -12,6 +12,7 @@ Then :func:`finalize_model_grads` before the step, :meth:`zero_grad_buffer` befo
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,7 +22,13 @@ from torch import nn
 from megalite.configs import DataParallelConfig
 from megalite.errors import ArgumentError
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import grad_of, is_sequence_parallel, is_shared_embedding
+from megalite.parallel.param_attributes import (
+    grad_of,
+    is_sequence_parallel,
+    is_shared_embedding,
+    is_wgrad_fusable,
+    set_wgrad_accumulator,
+)
 from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.sharding import strategy_class
 from megalite.profiling import profiled
@@ -119,7 +126,8 @@ class DistributedDataParallel(nn.Module):
     ``config``: the sharding level (``self.strategy``), ``bucket_size`` (elements; smaller buckets
     start communicating earlier, larger ones use the network better), ``grad_reduce_dtype`` of the
     buffer and collectives, ``overlap_grad_reduce`` (False: every bucket launches in
-    :meth:`finish_grad_sync`; same result), ZeRO-3's ``overlap_param_gather`` (unit prefetch).
+    :meth:`finish_grad_sync`; same result), ZeRO-3's ``overlap_param_gather`` (unit prefetch),
+    ``gradient_accumulation_fusion`` (the TP linears' weight-gradient GEMMs add into the buffer).
 
     Wrap the module after moving it to its device and dtype: ``main_grad`` views
     and the grad hooks are bound to the parameter objects present at construction.
@@ -163,6 +171,9 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self.strategy = level(self)
+        if config.gradient_accumulation_fusion:  # the TP linears' GEMMs add into the buffer
+            for p in filter(is_wgrad_fusable, params):
+                set_wgrad_accumulator(p, functools.partial(self.strategy.wgrad_buffer, p, self._bucket_of[p]))
         self.param_sharding = self.strategy.param_sharding  # ZeRO-3's gathered units; else None
         self.use_distributed_optimizer = config.use_distributed_optimizer  # the optimizer checks it
 

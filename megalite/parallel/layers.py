@@ -95,6 +95,79 @@ def _divide(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
+# ---- the weight-gradient GEMM (--gradient-accumulation-fusion) -----------------------------------
+
+_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()  # torch >= 2.8, CUDA kernels only
+
+
+def add_matmul_into(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b``, the product accumulated in ``target``'s dtype (fp32) by the GEMM itself.
+
+    One GEMM with beta = 1 when the dtypes match, or cuBLAS's fp32 output from bf16 inputs; a device
+    without that mixed-dtype GEMM (the CPU) materialises the product, then adds it.
+    """
+    if a.dtype == target.dtype:
+        target.addmm_(a, b)
+    elif target.is_cuda and _ADDMM_OUT_DTYPE:
+        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
+    else:
+        target.add_(a.matmul(b))
+
+
+def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """``grad_2d^T @ input_2d`` ([n, out] x [n, in] -> [out, in]), the weight's grad for autograd.
+
+    With an accumulator on ``weight`` (DDP's, ``--gradient-accumulation-fusion``) the GEMM adds it
+    into that fp32 buffer instead (Megatron's gradient accumulation fusion: no model-dtype weight
+    grad, no separate add kernel) and autograd gets an uninitialised placeholder, so DDP's grad hook
+    still fires in backward order; the hook drops it (``grad_added_to_main_grad``).
+    """
+    accumulator = param_attributes.wgrad_accumulator(weight)
+    if accumulator is None:
+        return grad_2d.t().matmul(input_2d)
+    add_matmul_into(accumulator(), grad_2d.t(), input_2d)
+    param_attributes.mark_grad_added(weight)
+    return torch.empty_like(weight)
+
+
+class _LinearWithFusedWgrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward hands the weight grad to :func:`_weight_grad`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [n, out]
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = (
+            _weight_grad(weight, grad_2d, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        )
+        grad_b = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+# The fused backward writes into a buffer that is no input of the graph, which dynamo cannot
+# trace: under --torch-compile a fused linear runs eagerly between its layer's compiled graphs.
+_fused_linear = torch.compiler.disable(_LinearWithFusedWgrad.apply)
+
+
+def fused_wgrad(weights) -> bool:
+    """Whether any of ``weights`` has a grad accumulator (its wgrad GEMM adds into the buffer)."""
+    return any(param_attributes.wgrad_accumulator(w) is not None for w in weights)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; for a weight with a grad accumulator, with the fused weight-gradient GEMM."""
+    if not fused_wgrad([weight]):
+        return F.linear(x, weight, bias)
+    return _fused_linear(x, weight, bias)
+
+
 # ---- the column-parallel matmul ------------------------------------------------------------------
 
 
@@ -126,13 +199,18 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
         for i, grad_out in enumerate(grad_outs):
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
             need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            grads.append(grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_w else None)
+            grads.append(
+                _weight_grad(weights[i], grad_2d, total.reshape(-1, total.shape[-1])) if need_w else None
+            )
             grads.append(grad_2d.sum(0) if ctx.has_bias[i] and need_b else None)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = sum(g.matmul(w) for g, w in zip(grad_outs, weights))  # [b, s, in], partial
             grad_x = reduce_scatter_along_sequence_dim(grad_x, ctx.group)
         return grad_x, None, *grads
+
+
+_fused_sp_linears = torch.compiler.disable(_LinearWithSequenceParallelInput.apply)  # as _fused_linear
 
 
 def column_parallel_linears(
@@ -147,9 +225,11 @@ def column_parallel_linears(
     """
     if sequence_parallel:
         flat = [t for pair in params for t in pair]
+        if fused_wgrad([w for w, _ in params]):
+            return _fused_sp_linears(x, group, *flat)
         return _LinearWithSequenceParallelInput.apply(x, group, *flat)
     x = copy_to_tensor_model_parallel_region(x, group)
-    return tuple(F.linear(x, w, b) for w, b in params)
+    return tuple(linear(x, w, b) for w, b in params)
 
 
 def column_parallel_linear(
@@ -171,6 +251,12 @@ class _TPModule(nn.Module):
     def _param(self, *shape: int, partition_dim: int) -> nn.Parameter:
         p = nn.Parameter(torch.empty(*shape, **self._factory))
         param_attributes.set_tensor_model_parallel(p, partition_dim >= 0, partition_dim)
+        return p
+
+    def _weight(self, *shape: int, partition_dim: int) -> nn.Parameter:
+        """A linear layer's weight: its grad comes from this layer's GEMM alone (fusable)."""
+        p = self._param(*shape, partition_dim=partition_dim)
+        param_attributes.mark_wgrad_fusable(p)
         return p
 
     def _init(self, init_method: InitFn | None) -> None:
@@ -209,7 +295,7 @@ class ColumnParallelLinear(_TPModule):
         self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         out_per_rank = _divide(output_size, self.tp_size, "ColumnParallelLinear output_size")
-        self.weight = self._param(out_per_rank, input_size, partition_dim=0)
+        self.weight = self._weight(out_per_rank, input_size, partition_dim=0)
         self.bias = self._param(out_per_rank, partition_dim=0) if bias else None
         self._init(init_method)
 
@@ -257,7 +343,7 @@ class RowParallelLinear(_TPModule):
                 "RowParallelLinear with sequence_parallel needs input_is_parallel=True (as Megatron)"
             )
         in_per_rank = _divide(input_size, self.tp_size, "RowParallelLinear input_size")
-        self.weight = self._param(output_size, in_per_rank, partition_dim=1)
+        self.weight = self._weight(output_size, in_per_rank, partition_dim=1)
         self.bias = self._param(output_size, partition_dim=-1) if bias else None
         if self.bias is not None and self.sequence_parallel:
             param_attributes.mark_sequence_parallel(self.bias)
@@ -266,7 +352,7 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)  # partial sum over this rank's input features
+        y = linear(x, self.weight)  # partial sum over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [b, s/t, out]
         else:
@@ -318,7 +404,11 @@ class VocabParallelEmbedding(_TPModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+        if torch.are_deterministic_algorithms_enabled():  # --deterministic-mode (Megatron's choice):
+            out = self.weight[local_ids]  # backward: an indexed accumulate with a deterministic kernel
+        else:
+            out = F.embedding(local_ids, self.weight)
+        out = out.masked_fill(foreign.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tensor_model_parallel_region(out, self.tp_group)

@@ -26,6 +26,14 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     Set by DDP on the model params (no_shard, ZeRO-1): a view of the flat fp32 grad buffer that
     backward accumulates into. Set by the optimizer on its offloaded main params: a host tensor
     cannot hold the device grad as ``.grad`` (``grad_of`` reads it there).
+``wgrad_fusable`` (bool)
+    Set by the TP linear layers on their weights: the weight's grad comes from their weight-gradient
+    GEMM alone, so that GEMM may add it straight into an fp32 buffer (``--gradient-accumulation-fusion``).
+``wgrad_accumulator`` (callable)
+    Set by DDP with ``--gradient-accumulation-fusion`` on the fusable weights: returns the buffer
+    (``main_grad``, or ZeRO-2/3's staged slice) the weight-gradient GEMM adds into.
+``grad_added_to_main_grad`` (bool, Megatron's name)
+    Set by that GEMM, cleared by DDP's grad hook: ``.grad`` is a placeholder, the grad is in the buffer.
 
 Writers and readers use the functions below, which give the defaults for untagged
 parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
@@ -116,6 +124,38 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer uses: ``main_grad`` under DistributedDataParallel, else ``.grad``."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
+
+
+def mark_wgrad_fusable(param: torch.Tensor) -> None:
+    """``param``'s grad comes only from its layer's weight-gradient GEMM (a TP linear's weight)."""
+    param.wgrad_fusable = True
+
+
+def is_wgrad_fusable(param: torch.Tensor) -> bool:
+    return getattr(param, "wgrad_fusable", False)
+
+
+def set_wgrad_accumulator(param: torch.Tensor, accumulator) -> None:
+    """``accumulator()`` -> the tensor ``[*param.shape]`` the weight-gradient GEMM adds into."""
+    param.wgrad_accumulator = accumulator
+
+
+def wgrad_accumulator(param: torch.Tensor):
+    """The buffer getter of :func:`set_wgrad_accumulator`, or None (the grad goes to ``.grad``)."""
+    return getattr(param, "wgrad_accumulator", None)
+
+
+def mark_grad_added(param: torch.Tensor) -> None:
+    """This backward's grad of ``param`` is already in its buffer (``.grad`` is a placeholder)."""
+    param.grad_added_to_main_grad = True
+
+
+def take_grad_added(param: torch.Tensor) -> bool:
+    """Whether :func:`mark_grad_added` was called since the last take; clears the mark."""
+    if not getattr(param, "grad_added_to_main_grad", False):
+        return False
+    param.grad_added_to_main_grad = False
+    return True
 
 
 def counted_once(param: torch.Tensor, tp_rank: int, is_first_stage: bool) -> bool:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.configs import ShardingStrategy
-from megalite.parallel.param_attributes import grad_of, set_main_grad
+from megalite.parallel.param_attributes import grad_of, set_main_grad, take_grad_added
 
 if TYPE_CHECKING:
     from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
@@ -67,9 +67,7 @@ class NoShard:
     def grad_ready(self, param: nn.Parameter, bucket: Bucket, sync: bool) -> bool:
         """Take ``param.grad``, this backward's (``sync``: False inside ``no_sync``); return whether
         DDP should launch the buckets complete by now."""
-        if param.grad is not None:
-            grad_of(param).add_(param.grad)  # into main_grad
-            param.grad = None  # main_grad holds it now; free the model-dtype copy
+        absorb_grad(param, grad_of(param))  # into main_grad
         if not sync or not self.overlap:
             return False  # no overlap: finish_grad_sync launches every bucket after backward
         if param in bucket.ready or bucket.launched:
@@ -79,6 +77,11 @@ class NoShard:
             )
         bucket.ready.add(param)
         return True
+
+    def wgrad_buffer(self, param: nn.Parameter, bucket: Bucket) -> torch.Tensor:
+        """Where ``param``'s weight-gradient GEMM adds this backward's grad (gradient accumulation
+        fusion; :meth:`grad_ready` follows): its ``main_grad``."""
+        return grad_of(param)
 
     def launch(self, bucket: Bucket) -> None:
         """Start ``bucket``'s collective (DDP calls it strictly in bucket order)."""
@@ -119,6 +122,14 @@ class NoShard:
 
     def state_dict(self, *args, **kwargs) -> dict:  # of the whole params
         return self.ddp.module.state_dict(*args, **kwargs)
+
+
+def absorb_grad(param: nn.Parameter, target: torch.Tensor) -> None:
+    """Add ``param.grad`` into ``target`` (fp32) and free it; with gradient accumulation fusion the
+    GEMM added it already and ``.grad`` is a placeholder (Megatron's ``grad_added_to_main_grad``)."""
+    if not take_grad_added(param) and param.grad is not None:
+        target.add_(param.grad)
+    param.grad = None  # the buffer holds it now; free the model-dtype copy
 
 
 # ---- autograd engine: torch-private, here only --------------------------------------------------

@@ -11,7 +11,7 @@ staged, so m microbatches send m rounds, not m + 1 (all DP ranks stage alike, so
 from __future__ import annotations
 
 from megalite.configs import ShardingStrategy
-from megalite.parallel.sharding.no_shard import queue_end_of_backward
+from megalite.parallel.sharding.no_shard import absorb_grad, queue_end_of_backward
 from megalite.parallel.sharding.optim import ShardOptim
 
 
@@ -41,16 +41,18 @@ class ShardOptimGrads(ShardOptim):
         self._end_queued = False
         self.ddp.finish_grad_sync()
 
-    def grad_ready(self, param, bucket, sync: bool) -> bool:
-        """Add ``param.grad`` into its bucket's staging buffer (whatever ``sync``)."""
+    def wgrad_buffer(self, param, bucket):
+        """``param``'s slice of its bucket's staging buffer (staged now if it is not yet)."""
         self.expect_end_of_backward()
         self._staged = True
         if bucket.grad_data is None:
             bucket.grad_data = self.ddp.grad_buffer.new_zeros(bucket.numel_padded)
-        if param.grad is not None:
-            lo, hi = bucket.param_ranges[param]
-            bucket.grad_data[lo:hi].view(param.shape).add_(param.grad)
-            param.grad = None
+        lo, hi = bucket.param_ranges[param]
+        return bucket.grad_data[lo:hi].view(param.shape)
+
+    def grad_ready(self, param, bucket, sync: bool) -> bool:
+        """Add ``param.grad`` into its bucket's staging buffer (whatever ``sync``)."""
+        absorb_grad(param, self.wgrad_buffer(param, bucket))
         bucket.ready.add(param)  # a set: a param seen twice before its bucket launched just accumulates
         return self.overlap
 
