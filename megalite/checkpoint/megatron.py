@@ -338,6 +338,12 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def renumber(name: str, offset: int) -> str:
+    """``decoder.layers.i.*`` -> ``decoder.layers.{offset + i}.*`` (a stage-local layer made global)."""
+    m = _LAYER.match(name)
+    return f"decoder.layers.{offset + int(m.group(1))}.{name[m.end() :]}" if m else name
+
+
 def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, object]]:
     """Nested legacy dicts (``language_model`` -> ``encoder`` -> ...) as dotted names."""
     for key, value in tree.items():
@@ -416,7 +422,7 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
             layers = {int(m.group(1)) for name in shards[0] if (m := _LAYER.match(name))}
             for name in shards[0]:
                 whole = merge_tp([s[name] for s in shards], name, config)
-                name = _LAYER.sub(lambda m: f"decoder.layers.{offset + int(m.group(1))}.", name)
+                name = renumber(name, offset)
                 state.setdefault(name, whole)  # the tied head's copy repeats the embedding
             offset += len(layers)
     layout = {"tp": tp, "pp": pp, "vp": vp}
