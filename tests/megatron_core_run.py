@@ -39,13 +39,14 @@ ITERATION = 5
 FLAVOURS = {
     # GPT-2 style: learned positions, LayerNorm, GELU, biases, tied output layer; tp2 x pp2.
     "gpt2": dict(
-        num_layers=4, hidden_size=16, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=32,
+        num_layers=2, save_rng=True, hidden_size=16, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=32,
         position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
         add_bias_linear=True, untie_embeddings_and_output_weights=False, vocab=128, vp=None,
     ),
     # Llama style: RoPE, RMSNorm, SwiGLU, GQA (4 heads, 2 groups), no biases, untied; tp2 x pp2 x vp2.
+    # Saved as with --no-save-rng (no rng_state), to keep the stored fixtures small.
     "llama": dict(
-        num_layers=4, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+        num_layers=4, save_rng=False, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=2,
     ),
@@ -177,7 +178,7 @@ def logits(chunks: list, tp: int, pp: int) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)
 
 
-def save_legacy(chunks: list, args: argparse.Namespace, root: str) -> None:
+def save_legacy(chunks: list, args: argparse.Namespace, root: str, save_rng: bool = True) -> None:
     """Megatron-LM's ``torch`` format: one ``model_optim_rng.pt`` per TP x PP rank, the tracker."""
     from megatron.core import parallel_state as ps
 
@@ -189,14 +190,15 @@ def save_legacy(chunks: list, args: argparse.Namespace, root: str) -> None:
     for i, chunk in enumerate(chunks):
         state["model" if len(chunks) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
     state["opt_param_scheduler"] = {"max_lr": 1e-3, "num_steps": ITERATION * 4}
-    state["rng_state"] = [
-        {
-            "random_rng_state": random.getstate(),
-            "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(),
-            "rng_tracker_states": {},
-        }
-    ]
+    if save_rng:
+        state["rng_state"] = [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+                "rng_tracker_states": {},
+            }
+        ]
     torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
@@ -297,7 +299,7 @@ def write_fixtures(flavour: str, out: str, tp: int = 2, pp: int = 2) -> torch.Te
 
     draw_weights(chunks, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     ref = logits(chunks, tp, pp)
-    save_legacy(chunks, megatron_args(f, tp, pp, "torch"), os.path.join(out, "torch"))
+    save_legacy(chunks, megatron_args(f, tp, pp, "torch"), os.path.join(out, "torch"), f["save_rng"])
     save_torch_dist(chunks, megatron_args(f, tp, pp, "torch_dist"), os.path.join(out, "torch_dist"))
     return ref
 

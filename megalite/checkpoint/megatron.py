@@ -35,6 +35,7 @@ other features megalite does not build are refused in one line naming the format
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import pathlib
@@ -114,8 +115,11 @@ _MEGATRON_CLASSES = (
 def _safe_globals() -> list:
     stand_ins = [(type(name.rsplit(".", 1)[1], (_MegatronObject,), {}), name) for name in _MEGATRON_CLASSES]
     numpy_names = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        numpy_names.append((np.core.multiarray._reconstruct, f"{module}._reconstruct"))
+    multiarray = importlib.import_module(
+        "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
+    )
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):  # numpy 1 and 2 pickle either
+        numpy_names.append((multiarray._reconstruct, f"{module}._reconstruct"))
     plain = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals]
     return plain + numpy_names + stand_ins
 
@@ -482,3 +486,27 @@ def read_megatron(path: str | Path, iteration: int | None = None) -> MegatronChe
         f"{folder}: Megatron-LM {fmt} checkpoint (key {first}): not read; save it from Megatron-LM with "
         "--ckpt-format torch_dist (or torch)"
     )
+
+
+def model_flags(config: ModelConfig) -> list[str]:
+    """The pretrain_gpt.py model flags of ``config`` (all but the vocabulary, which the tokenizer
+    gives): what a run continuing from a converted Megatron-LM checkpoint passes."""
+    c, default = config, ModelConfig()
+    flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--num-attention-heads",
+             c.num_attention_heads, "--ffn-hidden-size", c.ffn_size, "--kv-channels", c.head_dim,
+             "--max-position-embeddings", c.max_position_embeddings,
+             "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by]  # fmt: skip
+    if c.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
+    if c.position_embedding_type != default.position_embedding_type:
+        flags += ["--position-embedding-type", c.position_embedding_type, "--rotary-base", c.rotary_base]
+    if c.rotary_percent != default.rotary_percent:
+        flags += ["--rotary-percent", c.rotary_percent]
+    if c.normalization != default.normalization:
+        flags += ["--normalization", c.normalization]
+    if c.norm_epsilon != default.norm_epsilon:
+        flags += ["--norm-epsilon", c.norm_epsilon]
+    switches = {"--swiglu": c.swiglu, "--openai-gelu": c.openai_gelu, "--apply-layernorm-1p": c.apply_layernorm_1p,
+                "--untie-embeddings-and-output-weights": c.untie_embeddings_and_output_weights,
+                "--disable-bias-linear": not c.add_bias_linear}  # fmt: skip
+    return [str(f) for f in flags] + [s for s, on in switches.items() if on]
