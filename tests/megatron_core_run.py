@@ -304,13 +304,31 @@ def write_fixtures(flavour: str, out: str, tp: int = 2, pp: int = 2) -> torch.Te
     return ref
 
 
-def logits_after_load(flavour: str, folder: str, tp: int, pp: int) -> torch.Tensor | None:
-    """One rank: a fresh megatron-core model at tp x pp loads ``folder`` (torch_dist); its logits."""
-    f = FLAVOURS[flavour]
-    init(tp, pp, f["vp"])
+def load_legacy(chunks: list, folder: str, pp: int) -> None:
+    """Megatron-LM's legacy load: this rank's ``model_optim_rng.pt`` into ``chunks``, strictly."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=False)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+
+
+def logits_after_load(
+    flavour: str, folder: str, fmt: str, tp: int, pp: int, vp: int | None
+) -> torch.Tensor | None:
+    """One rank: a fresh megatron-core model at tp x pp (x vp) loads the ``fmt`` checkpoint folder
+    ``iter_N`` with megatron-core's own loader (``dist_checkpointing.load``, or the legacy
+    ``load_state_dict``); its logits (None off the last stage)."""
+    f = dict(FLAVOURS[flavour], vp=vp)
+    init(tp, pp, vp)
     chunks = build_chunks(f, tp, pp)
     for c in chunks:  # nothing of the fresh init may survive the load
         for p in c.parameters():
             p.data.fill_(float("nan"))
-    load_torch_dist(chunks, folder)
+    if fmt == "torch_dist":
+        load_torch_dist(chunks, folder)
+    else:
+        load_legacy(chunks, folder, pp)
     return logits(chunks, tp, pp)

@@ -7,8 +7,9 @@ Two sources, the same assertions:
   and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
   everywhere (CI has no megatron-core).
-* With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, and
-  the converted model also trains on at another megalite layout.
+* With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
+  converted model trains on at another megalite layout, and its export loads back into
+  megatron-core (``dist_checkpointing.load`` and the legacy ``load_state_dict``) with equal logits.
 
 Import must give megatron-core's logits (fp32, rtol 1e-5); what megalite cannot read fails in one
 line naming the format and the key.
@@ -109,6 +110,33 @@ def test_convert_cli_detects_megatron_formats_into_megalite_and_transformers(tmp
     assert convert_main("--input", str(DATA / "gpt2" / "torch"), "--input-format", "megalite",
                         "--output", str(tmp_path / "x"), "--output-format", "hf") == 2  # fmt: skip
     assert "holds a Megatron-LM checkpoint: use --input-format megatron" in capsys.readouterr().err
+
+
+def test_export_writes_what_megatron_core_writes(tmp_path):
+    """megalite -> Megatron at tp=2 x pp=2: the legacy files hold megatron-core's own tensors under its
+    own keys, rank by rank; torch_dist holds its keys, shapes and tensors; both read back exactly."""
+    for fmt in FORMATS:
+        assert convert_main("--input", str(DATA / "gpt2" / fmt), "--output", str(tmp_path / f"gpt2-{fmt}"),
+                            "--output-format", "megatron", "--ckpt-format", fmt, "--target-tensor-parallel-size",
+                            "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+    ours, theirs = tmp_path / "gpt2-torch" / "iter_0000000", DATA / "gpt2" / "torch" / "iter_0000005"
+    for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
+        a = mg.load_pickle(ours / rank / mg.LEGACY_FILE, "test")["model"]
+        b = mg.load_pickle(theirs / rank / mg.LEGACY_FILE, "test")["model"]
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if b[k] is not None else a[k] is None for k in b)
+
+    from megalite.checkpoint import storage
+
+    ours, theirs = (
+        tmp_path / "gpt2-torch_dist" / "iter_0000000",
+        DATA / "gpt2" / "torch_dist" / "iter_0000005",
+    )
+    mine, real = storage.read_dcp_metadata(ours), storage.read_dcp_metadata(theirs)
+    assert mine.state_dict_metadata.keys() == real.state_dict_metadata.keys()
+    assert storage.stored_shapes(mine) == storage.stored_shapes(real)
+    a, b = mg.read_megatron(ours.parent), mg.read_megatron(theirs.parent)
+    assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
 
 
 def _rewrite_rank_file(root: Path, change) -> None:
@@ -235,7 +263,26 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
             ]  # fmt: skip
         )
     run_distributed(_continue_training, 2, runs, timeout=300)
+    loads = []
     for flavour in FLAVOURS:
         model, _ = load_model(tmp_path / f"{flavour}-tuned")
         with torch.no_grad():
             torch.testing.assert_close(model(tokens)[..., :128], logits[flavour], rtol=1e-5, atol=1e-5)
+        # and out again, from the checkpoint saved at tp=1 x pp=2, into Megatron-LM at tp=2 x pp=2
+        for fmt in FORMATS:
+            out = tmp_path / f"{flavour}-back-{fmt}"
+            assert convert_main("--input", str(tmp_path / f"{flavour}-tuned"), "--output", str(out),
+                                "--output-format", "megatron", "--ckpt-format", fmt,
+                                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+            # torch_dist is global: megatron-core loads it even at 2 virtual stages
+            vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
+            loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp))
+    for (flavour, *_), got in zip(loads, run_distributed(_megatron_core_loads, 4, loads, timeout=400)[-1]):
+        torch.testing.assert_close(got, logits[flavour], rtol=1e-5, atol=1e-5)
+
+
+def _megatron_core_loads(cases):
+    """megatron-core's own loaders, one case after another on the same 4 ranks: logits per case."""
+    import megatron_core_run as mcr
+
+    return [mcr.logits_after_load(*case) for case in cases]

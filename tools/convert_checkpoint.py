@@ -10,6 +10,9 @@
 
     # a Megatron-LM checkpoint (torch or torch_dist, any TP/PP/VP layout; format detected) -> megalite / HF
     python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite
+    # megalite (or HF) -> Megatron-LM torch_dist (or --ckpt-format torch) at a layout of your choice
+    python tools/convert_checkpoint.py --input SAVE --output MEGATRON_SAVE2/ --output-format megatron \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 --input-format is detected when left out (megalite, hf, or megatron: Megatron-LM's ``torch`` and
 ``torch_dist`` formats, told apart by their files). A Megatron checkpoint's model comes from its
@@ -63,7 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Format of --input (default: detected; megatron = Megatron-LM's torch or torch_dist).",
     )
     p.add_argument("--output", required=True, help="Directory to write (must not exist or be empty).")
-    p.add_argument("--output-format", required=True, choices=["megalite", "hf"], help="Format of --output.")
+    p.add_argument(
+        "--output-format", required=True, choices=["megalite", "hf", "megatron"], help="Format of --output."
+    )
+    p.add_argument(
+        "--ckpt-format",
+        choices=["torch_dist", "torch"],
+        default="torch_dist",
+        help="megatron output: Megatron-LM's checkpoint format (its --ckpt-format; default torch_dist).",
+    )
+    p.add_argument(
+        "--target-tensor-parallel-size", type=int, default=1, help="megatron output: the TP size to write."
+    )
+    p.add_argument(
+        "--target-pipeline-parallel-size", type=int, default=1, help="megatron output: the PP size to write."
+    )
     p.add_argument(
         "--ckpt-step",
         type=int,
@@ -155,7 +172,7 @@ def convert(args: argparse.Namespace) -> None:
         raise ConvertError(f"--input {args.input}: no such directory")
     if args.input_format is None:
         args.input_format = detect_input_format(args.input)
-    if args.input_format == args.output_format:
+    if args.input_format == args.output_format != "megatron":  # megatron -> megatron: another layout / format
         raise ConvertError(
             f"--input-format and --output-format are both {args.input_format}: nothing to convert "
             "(megalite checkpoints load at any layout as they are)"
@@ -203,6 +220,13 @@ def convert(args: argparse.Namespace) -> None:
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
         files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)
         log(f"wrote config.json and {', '.join(files)}")
+    elif args.output_format == "megatron":
+        from megalite.checkpoint.megatron_export import write_megatron
+
+        bar.update(1)
+        tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}) to {args.output}")
+        log(f"wrote {write_megatron(state, config, args.output, args.ckpt_format, tp, pp)}")
     else:
         bar.update(1)
         log(f"writing megalite checkpoint to {args.output}")
