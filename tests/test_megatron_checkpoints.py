@@ -286,3 +286,27 @@ def _megatron_core_loads(cases):
     import megatron_core_run as mcr
 
     return [mcr.logits_after_load(*case) for case in cases]
+
+
+def test_load_of_a_megatron_checkpoint_stops_with_the_commands_that_work(tmp_path):
+    """pretrain_gpt.py --load <Megatron checkpoint>: one line with the conversion command and the flags
+    to continue; both, run as given, load the model Megatron saved."""
+    from megalite.arguments import model_config, parse_args
+    from megalite.checkpoint.checkpointing import CheckpointConfig, find_checkpoint
+
+    source = Path(shutil.copytree(DATA / "llama" / "torch_dist", tmp_path / "mlm"))
+    with pytest.raises(mg.MegatronCheckpointError) as e:
+        find_checkpoint(CheckpointConfig(load=str(source)))
+    message = str(e.value)
+    assert "\n" not in message and "Megatron-LM torch_dist checkpoint" in message
+    convert, resume = message.split("python tools/convert_checkpoint.py ")[1].split(", then pretrain_gpt.py ")
+    assert convert_main(*convert.split()) == 0
+    flags = resume.split()
+    assert flags[:3] == ["--load", str(tmp_path / "mlm-megalite"), "--finetune"]
+    args = parse_args(["--mock-data", "--train-iters", "1", *flags])
+    ckpt = mg.read_megatron(source)
+    assert model_config(args, vocab_size=ckpt.config.vocab_size) == ckpt.config
+    model, config = load_model(args.load)
+    want = expected("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(model(want["tokens"])[..., :128], want["logits"], rtol=1e-5, atol=1e-5)

@@ -235,6 +235,8 @@ def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
         apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
         init_method_std=float(getattr(args, "init_method_std", 0.02)),
+        hidden_dropout=float(getattr(args, "hidden_dropout", 0.1)),  # Megatron's defaults
+        attention_dropout=float(getattr(args, "attention_dropout", 0.1)),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128)),
     )
 
@@ -495,7 +497,8 @@ def model_flags(config: ModelConfig) -> list[str]:
     flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--num-attention-heads",
              c.num_attention_heads, "--ffn-hidden-size", c.ffn_size, "--kv-channels", c.head_dim,
              "--max-position-embeddings", c.max_position_embeddings,
-             "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by]  # fmt: skip
+             "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by, "--hidden-dropout",
+             c.hidden_dropout, "--attention-dropout", c.attention_dropout]  # fmt: skip
     if c.num_query_groups is not None:
         flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
     if c.position_embedding_type != default.position_embedding_type:
@@ -510,3 +513,34 @@ def model_flags(config: ModelConfig) -> list[str]:
                 "--untie-embeddings-and-output-weights": c.untie_embeddings_and_output_weights,
                 "--disable-bias-linear": not c.add_bias_linear}  # fmt: skip
     return [str(f) for f in flags] + [s for s, on in switches.items() if on]
+
+
+def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--load") -> None:
+    """Stop (one line) when ``path`` is a Megatron-LM checkpoint, giving the exact commands that
+    convert it and continue from its weights: its optimizer state is not read (the distributed
+    optimizer's flat buffers have no layout-free form here), so the run starts a fresh optimizer."""
+    fmt = detect_format(path, iteration)
+    if fmt is None:
+        return
+    out = f"{str(path).rstrip('/')}-megalite"
+    step = f" --ckpt-step {iteration}" if iteration is not None else ""
+    try:
+        ckpt_flags = " ".join(model_flags(_stored_config(path, iteration)))
+    except MegaliteError:
+        ckpt_flags = "<the model flags of that run>"
+    raise MegatronCheckpointError(
+        f"{flag} {path} holds a Megatron-LM {fmt} checkpoint, which megalite reads through a conversion "
+        "(weights only: its optimizer state is not read): python tools/convert_checkpoint.py --input "
+        f"{path}{step} --output {out} --output-format megalite, then pretrain_gpt.py --load {out} --finetune "
+        f"{ckpt_flags}"
+    )
+
+
+def _stored_config(path: str | Path, iteration: int | None) -> ModelConfig:
+    """The model of a Megatron-LM checkpoint's stored args, reading one file."""
+    folder, _ = iteration_folder(path, iteration)
+    if detect_format(path, iteration) == "torch_dist":
+        where = folder / COMMON_FILE
+    else:
+        where = next(iter(_rank_files(folder).values()))
+    return model_config_from_args(load_pickle(where, "checkpoint")["args"], str(where))
