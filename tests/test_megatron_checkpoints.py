@@ -310,3 +310,55 @@ def test_load_of_a_megatron_checkpoint_stops_with_the_commands_that_work(tmp_pat
     want = expected("llama")
     with torch.no_grad():
         torch.testing.assert_close(model(want["tokens"])[..., :128], want["logits"], rtol=1e-5, atol=1e-5)
+
+
+# Megatron-Core name -> the pre-Core name the same tensor had (megatron/legacy/model/), for a test
+# that rewrites a megatron-core checkpoint into the older nested layout.
+_OLD_NAMES = (
+    ("embedding.", "language_model.embedding."),
+    ("decoder.final_layernorm.", "language_model.encoder.final_layernorm."),
+    ("decoder.layers.", "language_model.encoder.layers."),
+    ("output_layer.", "word_embeddings_for_head."),  # the tied head's copy on the last stage
+    (".self_attention.linear_qkv.", ".self_attention.query_key_value."),
+    (".self_attention.linear_proj.", ".self_attention.dense."),
+    (".pre_mlp_layernorm.", ".post_attention_layernorm."),
+    (".mlp.linear_fc1.", ".mlp.dense_h_to_4h."),
+    (".mlp.linear_fc2.", ".mlp.dense_4h_to_h."),
+)
+
+
+def _nest(flat: dict) -> dict:
+    """``{"a.b.c": t}`` -> ``{"a": {"b": {"c": t}}}`` with the older layout's two top levels."""
+    out: dict = {}
+    for name, t in flat.items():
+        parts = name.split(".")
+        key = (
+            [parts[0], parts[1], ".".join(parts[2:])]
+            if parts[0] == "language_model"
+            else [parts[0], ".".join(parts[1:])]
+        )
+        node = out
+        for k in key[:-1]:
+            node = node.setdefault(k, {})
+        node[key[-1]] = t
+    return out
+
+
+def test_older_language_model_names_read_the_same(tmp_path):
+    root = Path(shutil.copytree(DATA / "gpt2" / "torch", tmp_path / "old"))
+    for path in root.glob("iter_*/mp_rank_*/" + mg.LEGACY_FILE):
+        state = mg.load_pickle(path, "test")
+        flat = {}
+        for name, t in state["model"].items():
+            if t is None:
+                continue  # the older layers had no _extra_state
+            for new, old in _OLD_NAMES:
+                name = name.replace(new, old, 1) if new in name else name
+            flat[name] = t
+        plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
+        torch.save({"args": argparse.Namespace(**plain), "checkpoint_version": 3.0, "iteration": 5,
+                    "model": _nest(flat)}, path)  # fmt: skip
+    ckpt = mg.read_megatron(root)
+    want = expected("gpt2")
+    torch.testing.assert_close(megalite_logits(ckpt.state, ckpt.config, want["tokens"]), want["logits"],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
