@@ -124,7 +124,7 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag(
         "--ckpt-format",
         1,
-        _CKPT + "; it neither reads nor writes torch_dist / torch / fsdp_dtensor",
+        _CKPT + "; tools/convert_checkpoint.py converts Megatron-LM's torch and torch_dist both ways",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
     ),
     CompatFlag(

@@ -180,7 +180,12 @@ def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
     if any(p.name.startswith("mp_rank_") for p in folder.iterdir()):
         return "torch"
     if (folder / ".metadata").is_file() and not any(folder.glob("megalite_*.json")):
-        return "fsdp_dtensor"
+        # Megatron-FSDP's DCP files name every tensor under the wrapped module: model.*
+        try:
+            names = storage.read_dcp_metadata(folder).state_dict_metadata
+        except MegaliteError:
+            return None
+        return "fsdp_dtensor" if any(n.startswith("model.") for n in names) else None
     return None
 
 
