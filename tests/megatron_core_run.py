@@ -310,7 +310,8 @@ def load_legacy(chunks: list, folder: str, pp: int) -> None:
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-    state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=False)
+    # weights_only with megatron-core's own allowlist, which importing megatron.core registers
+    state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=True)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
 

@@ -66,7 +66,9 @@ def convert_main(*argv) -> int:
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_megatron_checkpoints_give_megatron_core_logits(flavour, fmt):
+    before = torch.serialization.get_safe_globals()
     ckpt = mg.read_megatron(DATA / flavour / fmt)
+    assert torch.serialization.get_safe_globals() == before  # the allowlist is ours only while reading
     assert (ckpt.fmt, ckpt.iteration) == (fmt, 5)
     assert mg.detect_format(DATA / flavour / fmt) == fmt
     want = expected(flavour)

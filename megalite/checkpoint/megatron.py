@@ -126,8 +126,12 @@ def _safe_globals() -> list:
 
 def load_pickle(path: Path, what: str) -> dict:
     """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused."""
+    # Only what is not allowed already: leaving the context removes its entries, and must not
+    # remove a caller's own (megatron-core registers the same classes when it is imported).
+    registered = torch.serialization.get_safe_globals()
+    ours = [g for g in _safe_globals() if g not in registered]
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(ours):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(e))
