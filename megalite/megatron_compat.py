@@ -115,7 +115,7 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag(
         "--ckpt-format",
         1,
-        _CKPT + "; it neither reads nor writes torch_dist / torch / fsdp_dtensor",
+        _CKPT + "; tools/convert_checkpoint.py converts Megatron-LM's torch and torch_dist both ways",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
     ),
     CompatFlag(
@@ -165,6 +165,53 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--fsdp-manual-registration", 0, _FSDP_BUFFERS + "; NCCL user-buffer registration"),
     CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", 0, _FSDP_BUFFERS),
     CompatFlag("--megatron-fsdp-max-pool-double-buffer", 0, _FSDP_BUFFERS),
+    CompatFlag("--verify-integrity", 0, _CKPT + "; every load already checks each file's checksum"),
+    CompatFlag("--async-strategy", 1, _CKPT + "; saves are synchronous"),
+    CompatFlag("--async-ckpt-use-cpu-shm", 0, _CKPT + "; saves are synchronous"),
+    CompatFlag(
+        "--save-retain-interval",
+        1,
+        "which old checkpoints Megatron keeps when it deletes the others; megalite deletes none",
+    ),
+    CompatFlag(
+        "--test-mode", 0, "Megatron-Core's built-in run-time self-tests, a diagnostic megalite does not run"
+    ),
+    CompatFlag(
+        "--error-injection-rate",
+        1,
+        "fault injection of Megatron's rerun state machine, which megalite does not have",
+    ),
+    CompatFlag(
+        "--error-injection-type",
+        1,
+        "fault injection of Megatron's rerun state machine, which megalite does not have",
+        choices=("correct_result", "transient_error", "persistent_error"),
+    ),
+    CompatFlag("--wgrad-deferral-limit", 1, _PERF + " (with --defer-embedding-wgrad-compute)"),
+    CompatFlag(
+        "--account-for-embedding-in-pipeline-split",
+        0,
+        "where layers sit on the pipeline stages (the schedule, not the math); megalite splits "
+        "layers evenly or by --decoder-first/last-pipeline-num-layers",
+    ),
+    CompatFlag(
+        "--account-for-loss-in-pipeline-split",
+        0,
+        "where layers sit on the pipeline stages (the schedule, not the math); megalite splits "
+        "layers evenly or by --decoder-first/last-pipeline-num-layers",
+    ),
+    CompatFlag(
+        "--num-virtual-stages-per-pipeline-rank",
+        1,
+        "an interleaved schedule's chunk count (the schedule, not the math); megalite's is "
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+    CompatFlag(
+        "--eval-global-batch-size",
+        1,
+        "validation batches use --global-batch-size: the validation loss averages other samples, "
+        "the trained model is the same",
+    ),
     CompatFlag(
         "--use-torch-optimizer-for-cpu-offload",
         0,
@@ -174,6 +221,11 @@ IGNORED: tuple[CompatFlag, ...] = (
 )
 
 _MOE = "MoE (mixture of experts; megalite trains dense models only)"
+_MLA = "multi-latent attention (DeepSeek MLA)"
+_LINEAR_ATTN = "experimental attention variants (gated delta net linear attention, DeepSeek sparse attention)"
+_KD = "knowledge distillation (ModelOpt's teacher model)"
+_MUP = "muP (maximal-update) parametrization"
+_FIM = "fill-in-the-middle data"
 _FP8 = "fp8 / fp4 training (Transformer Engine on a GPU)"
 _GPT_OSS = "gpt-oss's attention and MLP variants (sinks, sliding windows, clamped GeGLU)"
 
@@ -282,7 +334,28 @@ REFUSED: tuple[CompatFlag, ...] = (
     CompatFlag("--rotary-interleaved", 0, "interleaved (GPT-J style) rotary embeddings"),
     CompatFlag("--qk-layernorm", 0, "query/key layer norms"),
     CompatFlag("--squared-relu", 0, "the squared-ReLU MLP activation"),
-    CompatFlag("--multi-latent-attention", 0, "multi-latent attention (DeepSeek MLA)"),
+    CompatFlag("--multi-latent-attention", 0, _MLA),
+    CompatFlag("--q-lora-rank", 1, _MLA),
+    CompatFlag("--kv-lora-rank", 1, _MLA),
+    CompatFlag("--qk-head-dim", 1, _MLA),
+    CompatFlag("--qk-pos-emb-head-dim", 1, _MLA),
+    CompatFlag("--v-head-dim", 1, _MLA),
+    CompatFlag("--apply-wd-to-qk-layernorm", 0, "query/key layer norms"),
+    CompatFlag("--experimental-attention-variant", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-attention-freq", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-conv-kernel-dim", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-key-head-dim", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-value-head-dim", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-num-key-heads", 1, _LINEAR_ATTN),
+    CompatFlag("--linear-num-value-heads", 1, _LINEAR_ATTN),
+    CompatFlag("--export-te-mcore-model", 0, _KD),
+    CompatFlag("--export-kd-teacher-load", 1, _KD),
+    CompatFlag("--export-kd-cfg", 1, _KD),
+    CompatFlag("--use-mup", 0, _MUP),
+    CompatFlag("--mup-base-hidden-size", 1, _MUP),
+    CompatFlag("--fim-data", 0, _FIM),
+    CompatFlag("--fim-rate", 1, _FIM),
+    CompatFlag("--fim-spm-rate", 1, _FIM),
     CompatFlag("--attention-output-gate", 0, "gated attention output"),
     CompatFlag("--mtp-num-layers", 1, "multi-token prediction"),
     CompatFlag("--use-checkpoint-args", 0, "reading model flags from a checkpoint (pass them explicitly)"),
@@ -307,12 +380,22 @@ REFUSED: tuple[CompatFlag, ...] = (
     ),
 )
 
+# What a user of --transformer-impl transformer_engine can notice: the one start-up warning says it.
+TRANSFORMER_ENGINE = (
+    "megalite builds its local PyTorch layers instead, the same math: no fused Transformer Engine "
+    "kernels (LayerNorm+GEMM, TE attention; slower on GPUs), no fp8, and checkpoints carry no TE "
+    "_extra_state"
+)
+
 # Honoured flags whose megalite default differs from Megatron-LM's (rendered in docs/flags.md).
 DEFAULTS_DIFFER: dict[str, str] = {
     "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, --lr": (
         "Megatron-LM requires them; megalite has small defaults for quick experiments"
     ),
-    "--transformer-impl": "Megatron-LM: transformer_engine; megalite: local (the only one built)",
+    "--transformer-impl": (
+        "Megatron-LM: transformer_engine; megalite: local. transformer_engine is accepted with one "
+        "warning line and builds the same local layers (same math; no fused TE kernels, no fp8)"
+    ),
     "--tokenizer-type": "Megatron-LM: none (required); megalite: NullTokenizer",
     "--num-workers": "Megatron-LM: 2; megalite: 0 (batches load in the training process)",
     "--ddp-bucket-size": "Megatron-LM: max(40M, 1M x dp) elements; megalite: 40M",
@@ -338,6 +421,12 @@ REFUSED_PREFIXES: dict[str, str] = {
     "--fp8-": _FP8,
     "--fp4-": _FP8,
     "--expert-": _MOE,
+    "--dsa-": _LINEAR_ATTN,
+    "--mla-": _MLA,
+    "--linear-attention-": _LINEAR_ATTN,
+    "--export-kd-": _KD,
+    "--mup-": _MUP,
+    "--fim-": _FIM,
 }
 
 ALL: tuple[CompatFlag, ...] = IGNORED + REFUSED

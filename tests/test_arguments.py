@@ -92,7 +92,6 @@ def test_yaml_config(tmp_path):
         ),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--seq-length", "256", "--max-position-embeddings", "128"], 1, "--max-position-embeddings"),
-        (["--transformer-impl", "transformer_engine"], 1, "does not build Transformer Engine layers yet"),
         (["--start-weight-decay", "0.0", "--end-weight-decay", "0.1"], 1, "--weight-decay-incr-style linear"),
         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0"], 1, "needs both"),
         (["--ddp-bucket-size", "0"], 1, "--ddp-bucket-size must be >= 1"),

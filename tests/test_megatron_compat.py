@@ -19,9 +19,12 @@ from megalite.arguments import (
     ArgumentError,
     RefusedFlagError,
     UnknownFlagError,
+    build_configs,
     build_parser,
     ignored_flags_warning,
+    model_config,
     parse_args,
+    start_up_lines,
     validate_args,
 )
 from megalite.spawn import run_distributed
@@ -542,3 +545,44 @@ def test_megatron_fsdp_script(tmp_path):
         assert r["layout"]["shard_params"] and r["layout"]["overlap_param_gather"] and r["layout"]["dp"] == 2
         assert r["measured_extra"]["params_gathered"] == r["predicted_extra"]["params_gathered"] > 0
     assert (tmp_path / "llama3-fsdp" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_transformer_engine_is_one_warning_and_refused_features_are_never_typos():
+    """--transformer-impl transformer_engine (Megatron's default) starts, with one warning line
+    naming what differs; a refused feature's companion flags name the feature, not a spelling."""
+    base = ["--mock-data", "--vocab-size", "128", "--train-iters", "1"]
+    args = validate_args(parse_args([*base, "--transformer-impl", "transformer_engine"]), 1)
+    lines = [line for line in start_up_lines(args) if "warning" in line]
+    assert len(lines) == 1 and "no fused Transformer Engine kernels" in lines[0] and "no fp8" in lines[0]
+    local = validate_args(parse_args(base), 1)
+    ours, theirs = build_configs(args), build_configs(local)
+    assert model_config(args, 128) == model_config(local, 128)  # the same model, layout, optimizer
+    assert (ours.parallel, ours.optimizer, ours.recompute) == (
+        theirs.parallel,
+        theirs.optimizer,
+        theirs.recompute,
+    )
+
+    mla = ["--multi-latent-attention", "--q-lora-rank", "512", "--kv-lora-rank", "64", "--v-head-dim", "32"]
+    for argv in (
+        mla,
+        mla[1:],
+        ["--dsa-indexer-topk", "8"],
+        ["--fim-rate", "0.5", "--mup-base-hidden-size", "8"],
+    ):
+        with pytest.raises(RefusedFlagError) as e:
+            parse_args([*base, *argv, "--not-a-flag"])  # the refusal wins over the typo
+        assert "did you mean" not in str(e.value)
+    with pytest.raises(
+        RefusedFlagError, match=r"multi-latent attention \(DeepSeek MLA\) \[--q-lora-rank 512"
+    ):
+        parse_args([*base, *mla[1:3]])
+
+    # Megatron's pretrain_gpt.py: --vocab-file and --merge-file alone mean GPT2BPETokenizer
+    bpe = validate_args(
+        parse_args(["--mock-data", "--train-iters", "1", "--vocab-file", "v.json", "--merge-file", "m.txt"]),
+        1,
+    )
+    assert bpe.tokenizer_type == "GPT2BPETokenizer"
+    with pytest.raises(ArgumentError, match="NullTokenizer needs --vocab-size"):
+        validate_args(parse_args(["--mock-data", "--train-iters", "1", "--vocab-file", "v.json"]), 1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between megalite and Hugging Face transformers (GPT-2, Llama).
+"""Convert checkpoints between megalite, Hugging Face transformers and Megatron-LM (GPT-2, Llama).
 
     # a megalite checkpoint (any TP/PP/DP layout it was saved in) -> transformers
     python tools/convert_checkpoint.py --input-format megalite --input SAVE \
@@ -7,6 +7,16 @@
     # transformers (GPT2LMHeadModel / LlamaForCausalLM, safetensors) -> megalite
     python tools/convert_checkpoint.py --input-format hf --input hf_model/ \
         --output-format megalite --output SAVE2/
+
+    # a Megatron-LM checkpoint (torch or torch_dist, any TP/PP/VP layout; format detected) -> megalite / HF
+    python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite
+    # megalite (or HF) -> Megatron-LM torch_dist (or --ckpt-format torch) at a layout of your choice
+    python tools/convert_checkpoint.py --input SAVE --output MEGATRON_SAVE2/ --output-format megatron \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+--input-format is detected when left out (megalite, hf, or megatron: Megatron-LM's ``torch`` and
+``torch_dist`` formats, told apart by their files). A Megatron checkpoint's model comes from its
+stored ``args``; no model flags are needed (docs/checkpoints.md, "From and to Megatron-LM").
 
 The HF side is a directory with config.json and model.safetensors (or a sharded
 model.safetensors.index.json); ``AutoModelForCausalLM.from_pretrained(dir)``
@@ -49,11 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--input", required=True, help="Checkpoint directory to read.")
-    p.add_argument("--input-format", required=True, choices=["megalite", "hf"], help="Format of --input.")
-    p.add_argument("--output", required=True, help="Directory to write (must not exist or be empty).")
-    p.add_argument("--output-format", required=True, choices=["megalite", "hf"], help="Format of --output.")
     p.add_argument(
-        "--ckpt-step", type=int, default=None, help="megalite input: this iteration instead of the latest."
+        "--input-format",
+        default=None,
+        choices=["megalite", "hf", "megatron"],
+        help="Format of --input (default: detected; megatron = Megatron-LM's torch or torch_dist).",
+    )
+    p.add_argument("--output", required=True, help="Directory to write (must not exist or be empty).")
+    p.add_argument(
+        "--output-format", required=True, choices=["megalite", "hf", "megatron"], help="Format of --output."
+    )
+    p.add_argument(
+        "--ckpt-format",
+        choices=["torch_dist", "torch"],
+        default="torch_dist",
+        help="megatron output: Megatron-LM's checkpoint format (its --ckpt-format; default torch_dist).",
+    )
+    p.add_argument(
+        "--target-tensor-parallel-size", type=int, default=1, help="megatron output: the TP size to write."
+    )
+    p.add_argument(
+        "--target-pipeline-parallel-size", type=int, default=1, help="megatron output: the PP size to write."
+    )
+    p.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="megalite / megatron input: this iteration, not the latest.",
     )
     p.add_argument(
         "--dtype",
@@ -112,14 +144,39 @@ def write_megalite(state: dict, config, path: str) -> str:
     return str(save_model_checkpoint(state, config, path, iteration=0))
 
 
+def detect_input_format(path: str) -> str:
+    """megalite, hf or megatron, from the files in ``path``."""
+    from megalite.checkpoint import megatron
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    if megatron.detect_format(path) is not None:
+        return "megatron"
+    return "megalite"
+
+
+def read_megatron(path: str, iteration: int | None):
+    """(logical state dict, ModelConfig) of a Megatron-LM checkpoint, format detected."""
+    from megalite.checkpoint import megatron
+
+    ckpt = megatron.read_megatron(path, iteration)
+    layout = ", ".join(f"{k} {v}" for k, v in ckpt.layout.items())
+    log(
+        f"Megatron-LM {ckpt.fmt} checkpoint {ckpt.folder} (iteration {ckpt.iteration}{'; ' + layout if layout else ''})"
+    )
+    return ckpt.state, ckpt.config
+
+
 def convert(args: argparse.Namespace) -> None:
-    if args.input_format == args.output_format:
+    if not os.path.isdir(args.input):
+        raise ConvertError(f"--input {args.input}: no such directory")
+    if args.input_format is None:
+        args.input_format = detect_input_format(args.input)
+    if args.input_format == args.output_format != "megatron":  # megatron -> megatron: another layout / format
         raise ConvertError(
             f"--input-format and --output-format are both {args.input_format}: nothing to convert "
             "(megalite checkpoints load at any layout as they are)"
         )
-    if not os.path.isdir(args.input):
-        raise ConvertError(f"--input {args.input}: no such directory")
     looks_hf = os.path.isfile(os.path.join(args.input, "config.json"))
     looks_megalite = any(
         os.path.isfile(os.path.join(args.input, name)) for name in (ckpt_files.TRACKER, ckpt_files.METADATA)
@@ -127,6 +184,10 @@ def convert(args: argparse.Namespace) -> None:
     if args.input_format == "megalite" and looks_hf and not looks_megalite:
         raise ConvertError(
             f"--input {args.input} holds a transformers checkpoint (config.json): use --input-format hf"
+        )
+    if args.input_format != "megatron" and detect_input_format(args.input) == "megatron":
+        raise ConvertError(
+            f"--input {args.input} holds a Megatron-LM checkpoint: use --input-format megatron (or leave it out)"
         )
     if args.input_format == "hf" and looks_megalite and not looks_hf:
         raise ConvertError(f"--input {args.input} holds a megalite checkpoint: use --input-format megalite")
@@ -141,6 +202,8 @@ def convert(args: argparse.Namespace) -> None:
         log(f"reading transformers checkpoint {args.input}")
         hf_state, hf_config = hf.read_hf_checkpoint(args.input)
         state, config = hf.hf_to_megalite(hf_state, hf_config)
+    elif args.input_format == "megatron":
+        state, config = read_megatron(args.input, args.ckpt_step)
     else:
         step = "latest" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
         log(f"reading megalite checkpoint {args.input} ({step})")
@@ -157,6 +220,13 @@ def convert(args: argparse.Namespace) -> None:
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
         files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)
         log(f"wrote config.json and {', '.join(files)}")
+    elif args.output_format == "megatron":
+        from megalite.checkpoint.megatron_export import write_megatron
+
+        bar.update(1)
+        tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}) to {args.output}")
+        log(f"wrote {write_megatron(state, config, args.output, args.ckpt_format, tp, pp)}")
     else:
         bar.update(1)
         log(f"writing megalite checkpoint to {args.output}")

@@ -61,6 +61,10 @@ def check_megatron_compat(args: argparse.Namespace, refused: dict[str, list[str]
         for f in compat.IGNORED
         if getattr(args, f.dest, None) is not None
     ]
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        args.megatron_ignored.insert(
+            0, f"--transformer-impl transformer_engine ({compat.TRANSFORMER_ENGINE})"
+        )
 
 
 def ignored_flags_warning(args: argparse.Namespace) -> str | None:

@@ -89,6 +89,18 @@ def check(args: argparse.Namespace) -> list[str]:
         args.mock_data or args.data_path,
         "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",
     )
+    notes = []
+    if (
+        args.tokenizer_type == "NullTokenizer"
+        and args.vocab_size is None
+        and args.vocab_file
+        and args.merge_file
+    ):
+        # Megatron's pretrain_gpt.py defaults --tokenizer-type to GPT2BPETokenizer; its GPT configs rely on it.
+        args.tokenizer_type = "GPT2BPETokenizer"
+        notes.append(
+            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (as Megatron-LM)"
+        )
     if args.tokenizer_type == "NullTokenizer":
         need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-    return []
+    return notes

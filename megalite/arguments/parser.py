@@ -150,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             refused.setdefault(feature, []).append(flag)
         else:
             typos.append(flag)
+    # A feature's refusal first: its flags are not typos, and a typo among them is fixed later anyway.
+    check_megatron_compat(args, refused)
     if typos:
         known = _long_options(parser)
         listed = [f + (f" (did you mean {near}?)" if (near := _nearest(f, known)) else "") for f in typos]
@@ -157,7 +159,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"unknown flag{'s' if len(typos) > 1 else ''}: {', '.join(listed)}; "
             "pretrain_gpt.py --help or docs/flags.md lists every flag"
         )
-    check_megatron_compat(args, refused)
     return args
 
 

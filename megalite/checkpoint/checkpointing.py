@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import log
-from megalite.checkpoint import files, optimizer_state, rng_state, storage
+from megalite.checkpoint import files, megatron, optimizer_state, rng_state, storage
 from megalite.checkpoint.logical import (
     is_tied_copy,
     logical_piece,
@@ -258,6 +258,7 @@ def find_checkpoint(config: CheckpointConfig) -> tuple[Path, int] | None:
     restart, as with Megatron-LM on SLURM); otherwise a missing checkpoint is an error.
     """
     root = Path(config.load)
+    megatron.refuse_direct_load(root, config.ckpt_step)  # one line with the conversion command
     same_as_save = config.save is not None and Path(config.save).resolve() == root.resolve()
     empty = not root.exists() or (files.read_tracker(root) is None and not files.finished_iterations(root))
     if same_as_save and config.ckpt_step is None and empty:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -178,6 +179,13 @@ _ALLOWED_GLOBALS = {
 }
 _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
 _ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
+# Megatron-Core's torch_dist saves cache its DCP save plans in the metadata (planner_data).
+_ALLOWED_GLOBALS.update(
+    {
+        ("torch.distributed.checkpoint.planner", name): getattr(dcp_planner, name)
+        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+)
 _ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
 for _cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
     _ALLOWED_GLOBALS[("pathlib", _cls)] = getattr(pathlib, _cls)

@@ -1,0 +1,555 @@
+"""Megatron-LM checkpoints -> megalite's logical state dict + ModelConfig (both on-disk formats).
+
+Megatron-LM writes two formats (its ``--ckpt-format``), both under ``SAVE/iter_NNNNNNN/`` with
+the tracker ``SAVE/latest_checkpointed_iteration.txt`` (megalite's tracker has the same name):
+
+* ``torch`` (legacy): ``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``, one pickle per TP x PP
+  rank holding ``args`` (an ``argparse.Namespace``), ``iteration``, ``checkpoint_version``,
+  ``model`` (or ``model0``, ``model1``, ... one per virtual stage, each with stage-local layer
+  numbers), the optimizer and the RNG states. Read with ``torch.load(weights_only=True)`` and an
+  allowlist of exactly what Megatron stores (:func:`load_pickle`); anything else is refused.
+* ``torch_dist``: ``torch.distributed.checkpoint`` files (``__R_0.distcp`` + ``.metadata``),
+  ``metadata.json`` (``sharded_backend: torch_dist``) and ``common.pt`` (``args``, ``iteration``).
+  Tensors are global: the layers stacked on a leading dimension ``[num_layers, ...]``, TP shards
+  already in place, SwiGLU's fc1 as ``[all gate rows; all up rows]``.
+
+What differs from megalite's logical names (which are Megatron-Core's local-spec names):
+
+* ``decoder.final_layernorm`` is megalite's ``decoder.final_norm``;
+* the Transformer-Engine-style fused norm names ``self_attention.linear_qkv.layer_norm_weight`` /
+  ``mlp.linear_fc1.layer_norm_weight`` (``torch_dist`` always, TE layers in ``torch``) are
+  ``input_layernorm`` / ``pre_mlp_layernorm``;
+* SwiGLU's fused ``linear_fc1`` is megalite's ``linear_fc1_gate`` + ``linear_fc1_up``; in the
+  ``torch`` format each TP shard is ``[gate shard; up shard]``;
+* the pre-Megatron-Core names (``language_model.encoder.layers.N.self_attention.query_key_value``,
+  ``dense``, ``post_attention_layernorm``, ``dense_h_to_4h``, ...) map onto the same;
+* the fused QKV rows are group-major in both (megalite keeps Megatron's layout), so TP shards
+  concatenate as they are;
+* the vocabulary is Megatron's ``padded_vocab_size``: Megatron's softmax runs over the padded
+  rows too, so megalite takes them as real rows and computes the same loss.
+
+The model comes from the stored ``args`` alone (:func:`model_config_from_args`); MoE, fp8 and
+other features megalite does not build are refused in one line naming the format and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import pathlib
+import pickle
+import re
+import signal
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megalite.checkpoint import storage
+from megalite.checkpoint.files import TRACKER
+from megalite.checkpoint.logical import OUTPUT
+from megalite.errors import MegaliteError
+from megalite.model.config import ModelConfig
+
+LEGACY_FILE = "model_optim_rng.pt"
+COMMON_FILE = "common.pt"
+DIST_METADATA = "metadata.json"
+
+
+class MegatronCheckpointError(MegaliteError, ValueError):
+    """A Megatron-LM checkpoint megalite cannot read faithfully; the message names the format and key."""
+
+
+@dataclass
+class MegatronCheckpoint:
+    """A Megatron-LM checkpoint read into megalite's terms.
+
+    ``state``: logical state dict (megalite names, full shapes); ``config``: the model of the
+    stored args; ``fmt``: ``torch`` or ``torch_dist``; ``args``: the stored Namespace.
+    """
+
+    state: dict[str, torch.Tensor]
+    config: ModelConfig
+    fmt: str
+    iteration: int | None
+    folder: Path
+    args: argparse.Namespace
+    layout: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ safe unpickling
+class _MegatronObject:
+    """Stand-in for a Megatron-Core class the stored args refer to (an enum member, a config):
+    its constructor arguments and state are kept as plain data, no Megatron code is run."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self.args}"
+
+
+# What Megatron-LM stores in its pickles besides tensors and builtins: megatron-core's own
+# allowlist (megatron/core/safe_globals.py) names exactly these.
+_MEGATRON_CLASSES = (
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.optimizer.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+)
+
+
+def _safe_globals() -> list:
+    stand_ins = [(type(name.rsplit(".", 1)[1], (_MegatronObject,), {}), name) for name in _MEGATRON_CLASSES]
+    numpy_names = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    multiarray = importlib.import_module(
+        "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
+    )
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):  # numpy 1 and 2 pickle either
+        numpy_names.append((multiarray._reconstruct, f"{module}._reconstruct"))
+    plain = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals]
+    return plain + numpy_names + stand_ins
+
+
+def load_pickle(path: Path, what: str) -> dict:
+    """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused."""
+    # Only what is not allowed already: leaving the context removes its entries, and must not
+    # remove a caller's own (megatron-core registers the same classes when it is imported).
+    registered = torch.serialization.get_safe_globals()
+    ours = [g for g in _safe_globals() if g not in registered]
+    try:
+        with torch.serialization.safe_globals(ours):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(e))
+        detail = found.group(0) if found else str(e).splitlines()[0]
+        raise MegatronCheckpointError(
+            f"{path}: refusing to unpickle this {what}: it holds more than Megatron-LM stores ({detail}); "
+            "only tensors, builtins, argparse.Namespace, numpy RNG states and Megatron's enums are loaded"
+        ) from None
+    except (OSError, RuntimeError) as e:
+        raise MegatronCheckpointError(f"{path}: cannot read this {what} ({str(e).splitlines()[0]})") from None
+
+
+# ------------------------------------------------------------------------------ finding the files
+def iteration_folder(path: str | Path, iteration: int | None = None) -> tuple[Path, int | None]:
+    """The ``iter_N`` (or ``release``) folder of a Megatron save directory, or ``path`` itself."""
+    root = Path(path)
+    if iteration is not None:
+        return root / f"iter_{iteration:07d}", iteration
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return root, _iteration_of(root)
+    text = tracker.read_text().strip()
+    if text == "release":
+        return root / "release", None
+    if not text.isdigit():
+        raise MegatronCheckpointError(f"{tracker}: expected an iteration number or 'release', got {text!r}")
+    return root / f"iter_{int(text):07d}", int(text)
+
+
+def _iteration_of(folder: Path) -> int | None:
+    m = re.fullmatch(r"iter_(\d+)", folder.name)
+    return int(m.group(1)) if m else None
+
+
+def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
+    """``torch``, ``torch_dist``, ``fsdp_dtensor`` / ``torch_dcp`` for a Megatron-LM checkpoint
+    (a save directory or its ``iter_N`` folder), or None when it is not one."""
+    try:
+        folder, _ = iteration_folder(path, iteration)
+    except MegatronCheckpointError:
+        return None
+    if not folder.is_dir():
+        return None
+    if (folder / DIST_METADATA).is_file():
+        try:
+            backend = json.loads((folder / DIST_METADATA).read_text()).get("sharded_backend")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return str(backend) if backend else None
+    if any(p.name.startswith("mp_rank_") for p in folder.iterdir()):
+        return "torch"
+    if (folder / ".metadata").is_file() and not any(folder.glob("megalite_*.json")):
+        # Megatron-FSDP's DCP files name every tensor under the wrapped module: model.*
+        try:
+            names = storage.read_dcp_metadata(folder).state_dict_metadata
+        except MegaliteError:
+            return None
+        return "fsdp_dtensor" if any(n.startswith("model.") for n in names) else None
+    return None
+
+
+# ------------------------------------------------------------------------------ the model's config
+# Megatron args that change the model and that megalite does not build: (arg, off values, feature).
+_REFUSED_ARGS = (
+    ("num_experts", (None, 0, 1), "MoE experts"),
+    ("fp8", (None, False), "fp8 scales"),
+    ("fp4", (None, False), "fp4 scales"),
+    ("multi_latent_attention", (None, False), "multi-latent attention"),
+    ("qk_layernorm", (None, False), "query/key layer norms"),
+    ("squared_relu", (None, False), "the squared-ReLU MLP"),
+    ("rotary_interleaved", (None, False), "interleaved rotary embeddings"),
+    ("mtp_num_layers", (None, 0), "multi-token prediction layers"),
+)
+
+
+def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
+    """The ModelConfig of Megatron-LM's stored ``args`` (vocab: its padded size, see the module doc)."""
+    for name, off, feature in _REFUSED_ARGS:
+        if getattr(args, name, None) not in off:
+            raise MegatronCheckpointError(
+                f"{where}: {feature} (args.{name}={getattr(args, name)!r}) — megalite does not build them, "
+                "so this checkpoint cannot be read"
+            )
+    bias = getattr(args, "add_bias_linear", True)
+    if getattr(args, "add_qkv_bias", bias) != bias:
+        raise MegatronCheckpointError(f"{where}: args.add_qkv_bias differs from args.add_bias_linear")
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    if vocab is None:
+        raise MegatronCheckpointError(
+            f"{where}: the stored args have neither padded_vocab_size nor vocab_size"
+        )
+    gqa = getattr(args, "group_query_attention", False)
+    return ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=int(vocab),
+        max_position_embeddings=getattr(args, "max_position_embeddings", None) or args.seq_length,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        num_query_groups=args.num_query_groups if gqa else None,
+        kv_channels=getattr(args, "kv_channels", None),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        normalization=getattr(args, "normalization", "LayerNorm"),
+        swiglu=bool(getattr(args, "swiglu", False)),
+        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        add_bias_linear=bool(bias),
+        openai_gelu=bool(getattr(args, "openai_gelu", False)),
+        rotary_base=float(getattr(args, "rotary_base", 10000)),
+        rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
+        apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+        init_method_std=float(getattr(args, "init_method_std", 0.02)),
+        hidden_dropout=float(getattr(args, "hidden_dropout", 0.1)),  # Megatron's defaults
+        attention_dropout=float(getattr(args, "attention_dropout", 0.1)),
+        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128)),
+    )
+
+
+# ------------------------------------------------------------------------------ names
+# Pre-Megatron-Core names (``language_model.*``) -> Megatron-Core's.
+_LEGACY_NAMES = (
+    (r"^language_model\.embedding\.", "embedding."),
+    (r"^language_model\.encoder\.final_(layer)?norm\.", "decoder.final_layernorm."),
+    (r"^language_model\.encoder\.layers\.", "decoder.layers."),
+    (r"^language_model\.output_layer\.", "output_layer."),
+    (r"\.self_attention\.query_key_value\.", ".self_attention.linear_qkv."),
+    (r"\.self_attention\.dense\.", ".self_attention.linear_proj."),
+    (r"\.post_attention_(layer)?norm\.", ".pre_mlp_layernorm."),
+    (r"\.mlp\.dense_h_to_4h\.", ".mlp.linear_fc1."),
+    (r"\.mlp\.dense_4h_to_h\.", ".mlp.linear_fc2."),
+    (r"\.input_norm\.", ".input_layernorm."),
+)
+# Megatron-Core's names (local or TE spec) -> megalite's.
+_MCORE_NAMES = (
+    (r"\.self_attention\.linear_qkv\.layer_norm_", ".input_layernorm."),
+    (r"\.mlp\.linear_fc1\.layer_norm_", ".pre_mlp_layernorm."),
+    (r"^decoder\.final_layernorm\.", "decoder.final_norm."),
+)
+# Split along dim 0 (column-parallel, vocab-parallel) or dim 1 (row-parallel) over TP ranks.
+COLUMN_PARALLEL = re.compile(
+    r"(linear_qkv|linear_fc1)\.(weight|bias)$|^(embedding\.word_embeddings|output_layer)\.weight$"
+)
+ROW_PARALLEL = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+# Megatron keys that carry nothing for the model: TE / fp8 extra state (checked apart), the old
+# tied-head copy, the RoPE buffer.
+_SKIP = re.compile(r"_extra_state|^word_embeddings_for_head\.|rotary_pos_emb\.inv_freq$")
+
+
+def megalite_name(name: str) -> str:
+    """Megatron-Core (or pre-Core) parameter name -> megalite's (before SwiGLU's fc1 split)."""
+    for pattern, repl in _LEGACY_NAMES + _MCORE_NAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def refuse_unreadable(keys: Iterable[str], fmt: str, where: str) -> None:
+    """One line for what megalite does not read, naming the format and the key that showed it."""
+    for key in keys:
+        if ".experts." in key or ".router." in key:
+            raise MegatronCheckpointError(
+                f"{where}: {fmt} checkpoint with MoE experts (key {key}): megalite trains dense models only"
+            )
+        if re.search(r"q_layernorm|k_layernorm|linear_q_down_proj|linear_kv_down_proj|mtp\.", key):
+            raise MegatronCheckpointError(
+                f"{where}: {fmt} checkpoint with layers megalite does not build (key {key})"
+            )
+
+
+def split_swiglu(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """``linear_fc1`` rows ``[gate; up]`` (whole, logical) -> megalite's two column-parallel layers."""
+    if not config.swiglu:
+        return state
+    out = {}
+    for name, t in state.items():
+        if ".mlp.linear_fc1." in name:
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("linear_fc1.", "linear_fc1_gate.")] = gate.contiguous()
+            out[name.replace("linear_fc1.", "linear_fc1_up.")] = up.contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+    """Megatron-Core names + whole tensors -> megalite's logical state dict, checked against the config."""
+    from megalite.checkpoint.logical import check_logical_state_dict
+
+    out = {megalite_name(k): v for k, v in state.items()}
+    if not config.untie_embeddings_and_output_weights:
+        out.pop(OUTPUT, None)  # tied: the last stage's copy of the embedding
+    out = split_swiglu(out, config)
+
+    def error(msg: str) -> MegatronCheckpointError:
+        return MegatronCheckpointError(f"{where}: {msg}")
+
+    check_logical_state_dict(out, config, error=error)
+    return out
+
+
+def merge_tp(shards: list[torch.Tensor], name: str, config: ModelConfig) -> torch.Tensor:
+    """The whole tensor ``name`` (Megatron-Core name) from its TP shards, in TP-rank order.
+
+    SwiGLU's fc1 shard ``i`` is ``[gate_i; up_i]``: the whole tensor is ``[gate; up]``.
+    """
+    if len(shards) == 1:
+        return shards[0]
+    if COLUMN_PARALLEL.search(name):
+        if config.swiglu and ".mlp.linear_fc1." in name:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=0)
+    if ROW_PARALLEL.search(name):
+        return torch.cat(shards, dim=1)
+    return shards[0]  # replicated over TP
+
+
+# ------------------------------------------------------------------------------ torch (legacy)
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def renumber(name: str, offset: int) -> str:
+    """``decoder.layers.i.*`` -> ``decoder.layers.{offset + i}.*`` (a stage-local layer made global)."""
+    m = _LAYER.match(name)
+    return f"decoder.layers.{offset + int(m.group(1))}.{name[m.end() :]}" if m else name
+
+
+def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, object]]:
+    """Nested legacy dicts (``language_model`` -> ``encoder`` -> ...) as dotted names."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
+    """``{(tp_rank, pp_rank): model_optim_rng.pt}`` of a legacy iteration folder."""
+    files = {}
+    for p in sorted(folder.iterdir()):
+        m = _RANK_DIR.fullmatch(p.name)
+        if not m:
+            continue
+        if m.group(3) is not None:
+            raise MegatronCheckpointError(
+                f"{folder}: torch checkpoint with expert-parallel ranks ({p.name}): MoE experts are not read"
+            )
+        files[(int(m.group(1)), int(m.group(2) or 0))] = p / LEGACY_FILE
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(r for _, r in files)
+    missing = [f"mp_rank_{t:02d}_{r:03d}" for t in range(tp) for r in range(pp) if (t, r) not in files]
+    missing += [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise MegatronCheckpointError(f"{folder}: incomplete torch checkpoint, missing {', '.join(missing)}")
+    return files
+
+
+def _model_chunks(state: dict, path: Path) -> list[dict[str, torch.Tensor]]:
+    """The ``model`` / ``model0, model1, ...`` dicts of one rank file, flattened, renamed to
+    Megatron-Core's names (stage-local layer numbers), tensors only."""
+    keys = (
+        ["model"]
+        if "model" in state
+        else sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    )
+    if not keys:
+        raise MegatronCheckpointError(f"{path}: no 'model' in this torch checkpoint file")
+    chunks = []
+    for key in keys:
+        flat = {}
+        for name, value in _flatten(state[key]):
+            if isinstance(value, torch.Tensor) and not _SKIP.search(name):
+                for pattern, repl in _LEGACY_NAMES:
+                    name = re.sub(pattern, repl, name)
+                flat[name] = value
+        chunks.append(flat)
+    return chunks
+
+
+def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
+    """Every ``mp_rank_*`` file of a ``torch``-format iteration folder, as one logical model."""
+    files = _rank_files(folder)
+    tp, pp = 1 + max(t for t, _ in files), 1 + max(r for _, r in files)
+    loaded = {rank: load_pickle(path, "torch checkpoint file") for rank, path in files.items()}
+    first = loaded[(0, 0)]
+    where = str(files[(0, 0)])
+    if "args" not in first:
+        raise MegatronCheckpointError(f"{where}: no 'args' in this torch checkpoint file")
+    if float(first.get("checkpoint_version", 0)) < 2.0:
+        raise MegatronCheckpointError(
+            f"{where}: checkpoint_version {first.get('checkpoint_version', 0)} (< 2.0) has another QKV "
+            "order; load it once in Megatron-LM and save again"
+        )
+    config = model_config_from_args(first["args"], where)
+    chunks = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
+    vp = len(chunks[(0, 0)])
+    state: dict[str, torch.Tensor] = {}
+    offset = 0
+    for v in range(vp):  # Megatron's layer order: virtual chunk 0 of every stage, then chunk 1, ...
+        for r in range(pp):
+            shards = [chunks[(t, r)][v] for t in range(tp)]
+            refuse_unreadable(shards[0], "torch", where)
+            layers = {int(m.group(1)) for name in shards[0] if (m := _LAYER.match(name))}
+            for name in shards[0]:
+                whole = merge_tp([s[name] for s in shards], name, config)
+                name = renumber(name, offset)
+                state.setdefault(name, whole)  # the tied head's copy repeats the embedding
+            offset += len(layers)
+    layout = {"tp": tp, "pp": pp, "vp": vp}
+    it = first.get("iteration", iteration)
+    return MegatronCheckpoint(
+        finish_state(state, config, where), config, "torch", it, folder, first["args"], layout
+    )
+
+
+# ------------------------------------------------------------------------------ torch_dist
+_NOT_MODEL = ("optimizer", "rng_state", "rerun_state_machine", "opt_param_scheduler")
+
+
+def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
+    """A ``torch_dist`` iteration folder: ``common.pt``'s args, the DCP tensors, as one logical model."""
+    common_path = folder / COMMON_FILE
+    if not common_path.is_file():
+        raise MegatronCheckpointError(f"{folder}: torch_dist checkpoint without {COMMON_FILE}")
+    common = load_pickle(common_path, "torch_dist common.pt")
+    where = str(common_path)
+    if "args" not in common:
+        raise MegatronCheckpointError(f"{where}: no 'args' in common.pt")
+    config = model_config_from_args(common["args"], where)
+    metadata = storage.read_dcp_metadata(folder)
+    shapes, dtypes = storage.stored_shapes(metadata), storage.stored_dtypes(metadata)
+    names = [n for n in shapes if not n.startswith(_NOT_MODEL) and not _SKIP.search(n)]
+    refuse_unreadable(names, "torch_dist", where)
+    tensors = {n: torch.empty(shapes[n], dtype=dtypes[n]) for n in names}
+    storage.read(tensors, folder, no_dist=True)
+    state = {}
+    for name, t in tensors.items():
+        if name.startswith("decoder.layers."):  # stacked: [num_layers, ...]
+            rest = name[len("decoder.layers.") :]
+            state.update({f"decoder.layers.{i}.{rest}": t[i] for i in range(t.shape[0])})
+        else:
+            state[name] = t
+    it = common.get("iteration", iteration)
+    return MegatronCheckpoint(
+        finish_state(state, config, where), config, "torch_dist", it, folder, common["args"]
+    )
+
+
+def read_megatron(path: str | Path, iteration: int | None = None) -> MegatronCheckpoint:
+    """A Megatron-LM checkpoint (save directory or ``iter_N`` folder), format detected."""
+    folder, it = iteration_folder(path, iteration)
+    fmt = detect_format(path, iteration)
+    if fmt == "torch":
+        return read_legacy(folder, it)
+    if fmt == "torch_dist":
+        return read_torch_dist(folder, it)
+    if fmt is None:
+        raise MegatronCheckpointError(
+            f"{path}: not a Megatron-LM checkpoint (no mp_rank_* folders, no metadata.json)"
+        )
+    first = next(iter(storage.stored_shapes(storage.read_dcp_metadata(folder))), "?")
+    raise MegatronCheckpointError(
+        f"{folder}: Megatron-LM {fmt} checkpoint (key {first}): not read; save it from Megatron-LM with "
+        "--ckpt-format torch_dist (or torch)"
+    )
+
+
+def model_flags(config: ModelConfig) -> list[str]:
+    """The pretrain_gpt.py model flags of ``config`` (all but the vocabulary, which the tokenizer
+    gives): what a run continuing from a converted Megatron-LM checkpoint passes."""
+    c, default = config, ModelConfig()
+    flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--num-attention-heads",
+             c.num_attention_heads, "--ffn-hidden-size", c.ffn_size, "--kv-channels", c.head_dim,
+             "--max-position-embeddings", c.max_position_embeddings,
+             "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by, "--hidden-dropout",
+             c.hidden_dropout, "--attention-dropout", c.attention_dropout]  # fmt: skip
+    if c.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
+    if c.position_embedding_type != default.position_embedding_type:
+        flags += ["--position-embedding-type", c.position_embedding_type, "--rotary-base", c.rotary_base]
+    if c.rotary_percent != default.rotary_percent:
+        flags += ["--rotary-percent", c.rotary_percent]
+    if c.normalization != default.normalization:
+        flags += ["--normalization", c.normalization]
+    if c.norm_epsilon != default.norm_epsilon:
+        flags += ["--norm-epsilon", c.norm_epsilon]
+    switches = {"--swiglu": c.swiglu, "--openai-gelu": c.openai_gelu, "--apply-layernorm-1p": c.apply_layernorm_1p,
+                "--untie-embeddings-and-output-weights": c.untie_embeddings_and_output_weights,
+                "--disable-bias-linear": not c.add_bias_linear}  # fmt: skip
+    return [str(f) for f in flags] + [s for s, on in switches.items() if on]
+
+
+def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--load") -> None:
+    """Stop (one line) when ``path`` is a Megatron-LM checkpoint, giving the exact commands that
+    convert it and continue from its weights: its optimizer state is not read (the distributed
+    optimizer's flat buffers have no layout-free form here), so the run starts a fresh optimizer."""
+    fmt = detect_format(path, iteration)
+    if fmt is None:
+        return
+    out = f"{str(path).rstrip('/')}-megalite"
+    step = f" --ckpt-step {iteration}" if iteration is not None else ""
+    try:
+        ckpt_flags = " ".join(model_flags(_stored_config(path, iteration)))
+    except MegaliteError:
+        ckpt_flags = "<the model flags of that run>"
+    raise MegatronCheckpointError(
+        f"{flag} {path} holds a Megatron-LM {fmt} checkpoint, which megalite reads through a conversion "
+        "(weights only: its optimizer state is not read): python tools/convert_checkpoint.py --input "
+        f"{path}{step} --output {out} --output-format megalite, then pretrain_gpt.py --load {out} --finetune "
+        f"{ckpt_flags}"
+    )
+
+
+def _stored_config(path: str | Path, iteration: int | None) -> ModelConfig:
+    """The model of a Megatron-LM checkpoint's stored args, reading one file."""
+    folder, _ = iteration_folder(path, iteration)
+    if detect_format(path, iteration) == "torch_dist":
+        where = folder / COMMON_FILE
+    else:
+        where = next(iter(_rank_files(folder).values()))
+    return model_config_from_args(load_pickle(where, "checkpoint")["args"], str(where))
