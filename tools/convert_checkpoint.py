@@ -153,6 +153,13 @@ def convert(args: argparse.Namespace) -> None:
 
     if args.output_format == "hf":
         hf_state, hf_config = hf.megalite_to_hf(state, config)
+        # The model identity survives the config it is written as, or nothing is written.
+        lost = ckpt_files.model_differences(config, hf.config_from_hf(hf_config))
+        if lost:
+            raise ConvertError(
+                f"--output-format hf: a transformers config cannot express this model ({'; '.join(lost)}); "
+                "the converted model would compute another function"
+            )
         bar.update(1)
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
         files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)

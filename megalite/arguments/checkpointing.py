@@ -3,7 +3,7 @@ or train on garbage (docs/training.md); :func:`checkpoint_config` makes the ``Ch
 
 import argparse
 
-from megalite.arguments.spec import flag, from_flags, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, above, flag, from_flags, need, switch, value
 from megalite.checkpoint import CheckpointConfig
 
 
@@ -56,6 +56,13 @@ FLAGS = (
     ),
 )
 GROUPS = (("fault tolerance", FAULT_FLAGS), ("checkpointing", FLAGS))
+RULES = {
+    "--distributed-timeout-minutes": above(0),
+    "--save-interval": POSITIVE,
+    "--ckpt-step": NON_NEGATIVE,
+    "--exit-interval": POSITIVE,
+    "--exit-duration-in-mins": above(0),
+}
 
 
 def check(args: argparse.Namespace) -> list[str]:

@@ -3,7 +3,7 @@ and tools/generate.py), and ``build_tokenizer``'s keyword arguments from them.""
 
 import argparse
 
-from megalite.arguments.spec import Flag, add_group, choice, flag, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, Flag, add_group, choice, flag, need, switch, value
 from megalite.data.tokenizers import (
     TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
@@ -66,6 +66,11 @@ def add_tokenizer_args(parser, default_type=None, required=True, title="tokenize
 
 
 GROUPS = (("data and tokenizer", FLAGS), ("tokenizer", tokenizer_flags("NullTokenizer", required=False)))
+RULES = {
+    "--num-workers": NON_NEGATIVE,
+    "--vocab-size": POSITIVE,
+    "--tiktoken-num-special-tokens": NON_NEGATIVE,
+}
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:

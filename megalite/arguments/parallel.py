@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import choice, need, switch, value
+from megalite.arguments.spec import POSITIVE, choice, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
@@ -82,6 +82,14 @@ GROUPS = (
     ("parallel layout", LAYOUT_FLAGS),
     ("data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS),
 )
+RULES = {
+    "--tensor-model-parallel-size": POSITIVE,
+    "--pipeline-model-parallel-size": POSITIVE,
+    "--num-layers-per-virtual-pipeline-stage": POSITIVE,
+    "--decoder-first-pipeline-num-layers": POSITIVE,
+    "--decoder-last-pipeline-num-layers": POSITIVE,
+    "--ddp-bucket-size": POSITIVE,
+}
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:

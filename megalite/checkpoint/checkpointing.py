@@ -265,12 +265,13 @@ def find_checkpoint(config: CheckpointConfig) -> tuple[Path, int] | None:
 
 
 def check_same_model(saved: ModelConfig, current: ModelConfig, where: Path) -> None:
+    """Stop, in one line naming each flag and both values, unless the model identities agree."""
     diffs = files.model_differences(saved, current)
     if diffs:
         raise files.CheckpointError(
-            f"checkpoint {where} holds a different model than this run describes:\n  "
-            + "\n  ".join(diffs)
-            + "\nchange these flags to match the checkpoint, or point --load at a checkpoint of this model"
+            f"checkpoint {where} holds a different model than this run describes: "
+            + "; ".join(diffs)
+            + "; change these flags to match the checkpoint, or point --load at a checkpoint of this model"
         )
 
 
