@@ -91,6 +91,11 @@ def tokenizer_kwargs(args: argparse.Namespace) -> dict:
 
 def check(args: argparse.Namespace) -> list[str]:
     need(
+        not (args.mock_data and args.data_path),
+        f"--mock-data and --data-path {' '.join(args.data_path or [])} exclude each other (mock data would "
+        "replace the files silently); drop one",
+    )
+    need(
         args.mock_data or args.data_path,
         "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",
     )

@@ -114,6 +114,69 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | Non
     return lock
 
 
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _same_command(recorded: dict, config: CheckpointConfig) -> bool:
+    """Whether a checkpoint's recorded flags start the run the way ``config`` does (--load, --ckpt-step,
+    --finetune): then it is this command's own progress, written before a requeue."""
+    load = recorded.get("load")
+    same_load = (load is None and config.load is None) or _same_dir(load, config.load)
+    return (
+        same_load
+        and recorded.get("ckpt_step") == config.ckpt_step
+        and bool(recorded.get("finetune")) == bool(config.finetune)
+    )
+
+
+def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:
+    """Before anything is built: a published iteration of ``--save`` is never overwritten or rolled back.
+
+    Returns the checkpoint flags to run with (and a note), or stops in one line saying how:
+
+    * ``--load D --save D`` with ``--ckpt-step`` before D's latest (a rollback), or with ``--finetune``
+      (a restart at iteration 0): refused; name a new ``--save``.
+    * ``--save`` another directory that already holds checkpoints: when they were written by this
+      same command (its recorded ``--load``, ``--ckpt-step``, ``--finetune``), a requeued job resumes
+      from ``--save`` instead of starting over; a different run there is refused.
+    """
+    if not config.save:
+        return config, None
+    save = Path(config.save)
+    latest = files.read_tracker(save) if save.is_dir() else None
+    if latest is None:
+        return config, None
+    how = "pass a new --save DIR (a requeued job with the same command then resumes from DIR)"
+    if _same_dir(config.load, config.save):
+        if config.finetune:
+            raise files.CheckpointError(
+                f"--finetune with --load = --save {save} restarts at iteration 0 and would overwrite or roll "
+                f"back its published iterations (latest {latest}); {how}"
+            )
+        if config.ckpt_step is not None and config.ckpt_step < latest:
+            raise files.CheckpointError(
+                f"--ckpt-step {config.ckpt_step} rolls --save {save} back from its latest iteration {latest}: "
+                f"saving would replace published iterations and move its tracker backwards; {how}"
+            )
+        return config, None
+    recorded = files.read_metadata(files.iteration_dir(save, latest)).get("args") or {}
+    if _same_command(recorded, config):
+        note = (
+            f"--save {save} holds iteration {latest} written by this same command: resuming from it "
+            f"(not from --load {config.load})"
+            if config.load
+            else None
+        )
+        resumed = dataclasses.replace(config, load=config.save, ckpt_step=None, finetune=False)
+        return resumed, note
+    origin = f" from --load {recorded['load']}" if recorded.get("load") else ""
+    raise files.CheckpointError(
+        f"--save {save} already holds another run (latest iteration {latest}{origin}); this run would "
+        f"overwrite its published iterations: pass --load {save} to resume it, or a new --save DIR"
+    )
+
+
 def resume_iteration(config: CheckpointConfig) -> int | None:
     """The iteration ``--load`` would resume at (None: nothing to resume, or ``--finetune``)."""
     if not config.load or config.finetune:
