@@ -29,8 +29,9 @@ from megalite.arguments import (
     start_up_lines,
     validate_args,
 )
+from megalite.arguments.resume import resume_policy
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
-from megalite.checkpoint.checkpointing import guard_published, resume_iteration
+from megalite.checkpoint.checkpointing import guard_published, recorded_flags, resume_iteration
 from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.integrity import checked_batches, tokenizer_flags
@@ -559,6 +560,11 @@ def pretrain(
                 "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return {}
+    recorded = recorded_flags(ckpt)
+    # Resume policy: a changed identity flag (data order, tokenizer) stops here, before anything is built.
+    resume_notes = resume_policy(recorded, args) if recorded is not None else []
+    if resume_notes and rank0:
+        logger.warning("\n".join(f" note: {n}" for n in resume_notes))
     state = setup(args)
     monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG

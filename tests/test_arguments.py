@@ -308,3 +308,24 @@ def test_every_numeric_flag_has_a_value_rule():
 def test_value_rules_stop_in_one_line(flags, match):
     with pytest.raises(ArgumentError, match=match):
         parsed(*flags)
+
+
+def test_every_flag_has_a_resume_class():
+    """Walks the parser: every flag (but the Megatron compatibility table's, parsed and never used) is
+    in exactly one resume class; data order is never free. A new flag without a class fails here."""
+    from megalite.arguments import compat
+    from megalite.arguments.resume import FREE, IDENTITY, POLICY
+
+    titles = {title for title, _ in compat.GROUPS}
+    dests = {
+        a.dest
+        for g in build_parser()._action_groups
+        if g.title not in titles
+        for a in g._group_actions
+        if a.dest != "help"
+    }
+    assert sorted(dests - set(POLICY)) == []
+    assert sorted(set(POLICY) - dests) == []
+    for data_order in ("split", "seed", "data_path", "seq_length", "mock_data"):
+        assert POLICY[data_order] == IDENTITY
+    assert POLICY["decoupled_lr"] != FREE

@@ -177,6 +177,15 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
     )
 
 
+def recorded_flags(config: CheckpointConfig) -> dict | None:
+    """The flags of the run that wrote the checkpoint ``--load`` resumes (None: nothing to resume,
+    or ``--finetune``, which starts a new run)."""
+    if not config.load or config.finetune:
+        return None
+    found = find_checkpoint(config)
+    return None if found is None else files.read_metadata(found[0]).get("args") or {}
+
+
 def resume_iteration(config: CheckpointConfig) -> int | None:
     """The iteration ``--load`` would resume at (None: nothing to resume, or ``--finetune``)."""
     if not config.load or config.finetune:
