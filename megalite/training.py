@@ -40,6 +40,7 @@ from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
+    check_output_paths,
     detect_peak_tflops,
     model_flops_per_token,
     peak_memory_mb,
@@ -567,6 +568,10 @@ def pretrain(
         logger.warning("\n".join(f" note: {n}" for n in resume_notes))
     state = setup(args)
     monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
+    # Every path this run writes, checked on the ranks that write it before any step (the save dir: hooks).
+    check_output_paths(
+        state.configs.logging, state.configs.profiling, state.mesh, is_logging_rank(state.mesh)
+    )
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
     hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
     mesh = state.mesh

@@ -16,15 +16,19 @@ tensors its own layout needs, whatever layout wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import log
 from megalite.checkpoint import files, optimizer_state, rng_state, storage
@@ -84,8 +88,19 @@ def first_error(error: str | None) -> str | None:
     return next((e for e in errors if e is not None), None)
 
 
-def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | None:
-    """Collective, before training: every rank can write ``--save``, and no other job is writing it.
+def checkpoint_bytes(state) -> int:
+    """About how many bytes one checkpoint of ``state`` takes: every parameter once (this rank's
+    count times the model-parallel ranks) at its dtype, plus the optimizer state the memory model counts
+    per parameter: two fp32 Adam moments and, for bf16 / fp16 weights, the fp32 main copy."""
+    params = [p for _, _, p in named_parameters(state.model)]
+    width = params[0].element_size() if params else 4
+    per_param = width + 8 + (4 if width != 4 else 0)
+    return sum(p.numel() for p in params) * state.mesh.tp_size * state.mesh.pp_size * per_param
+
+
+def claim_save_dir(config: CheckpointConfig, mesh: Mesh, need_bytes: int = 0) -> files.SaveLock | None:
+    """Collective, before training: every rank can write ``--save``, it has room for one checkpoint
+    (``need_bytes``), and no other job is writing it.
 
     Returns the lock (rank 0 holds it; release it when the run ends), None without ``--save``.
     """
@@ -97,6 +112,12 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | Non
         probe = root / f".write_test.{socket.gethostname()}.{os.getpid()}"
         probe.write_text("ok")  # every rank writes its own shard file: every rank must be able to
         probe.unlink()
+        free = shutil.disk_usage(root).free
+        if free < need_bytes:
+            raise files.CheckpointError(
+                f"--save {root}: {free} bytes free, one checkpoint needs about {need_bytes} (the model's "
+                "weights and optimizer state); free space or pick another --save"
+            )
         if mesh.rank == 0:
             lock = files.SaveLock(root)
             note = lock.acquire()
@@ -248,7 +269,8 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
         pieces = model_pieces(state.model, state.config, mesh)
         pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
         pieces.update(rng_state.capture(mesh, state.rng))
-        storage.write(pieces, staging)  # returns once every rank's files are on disk
+        with disk_full_is_one_line(state, root, iteration):
+            storage.write(pieces, staging)  # returns once every rank's files are on disk
     checksums = gather_checksums(staging, mesh)  # each rank reads back its own files, in parallel
 
     error, final = None, files.iteration_dir(root, iteration)
@@ -276,7 +298,7 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
                 },
             )
         except Exception as e:  # every rank must learn of it, or they would carry on without a save
-            error = e
+            error = disk_full(e, state, root, iteration) or e
     if any_rank([error is not None], mesh)[0]:
         if error is not None:
             raise error
@@ -288,6 +310,38 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
             f"({size / 2**20:.1f} MiB)"
         )
     return final
+
+
+def disk_full(e: BaseException, state, root: Path, iteration: int) -> files.CheckpointError | None:
+    """``e`` as one line naming ``--save``, the bytes needed and the checkpoint that stays the latest,
+    when it says the device is full (an ENOSPC OSError, or DCP / torch's wrapped report of one)."""
+    text = str(e)
+    if not (
+        isinstance(e, OSError)
+        and e.errno == errno.ENOSPC
+        or "No space left on device" in text
+        or f"[Errno {errno.ENOSPC}]" in text
+    ):
+        return None
+    shutil.rmtree(files.staging_dir(root, iteration), ignore_errors=True)  # its partial files take space
+    latest = files.read_tracker(root)
+    kept = f"iteration {latest} is still the latest checkpoint" if latest is not None else "no checkpoint yet"
+    return files.CheckpointError(
+        f"--save {root}: no space left on the device while saving iteration {iteration} (about "
+        f"{checkpoint_bytes(state)} bytes needed for one checkpoint, {shutil.disk_usage(root).free} free); "
+        f"{kept}: free space (or pick another --save) and rerun the same command to resume"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(state, root: Path, iteration: int):
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        error = disk_full(e, state, root, iteration)
+        if error is None:
+            raise
+        raise error from None
 
 
 def gather_checksums(staging: Path, mesh: Mesh) -> dict | None:
