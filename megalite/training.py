@@ -29,7 +29,9 @@ from megalite.arguments import (
     start_up_lines,
     validate_args,
 )
+from megalite.arguments.parser import value_rules
 from megalite.arguments.resume import resume_policy
+from megalite.arguments.spec import check_rules
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import guard_published, recorded_flags, resume_iteration
 from megalite.configs import RunConfig
@@ -545,6 +547,7 @@ def pretrain(
     sits above training in the layers.
     """
     args = parse_args(argv)
+    check_rules(args, value_rules())  # before any flag is used, even to find the checkpoint
     log.configure(args.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # A published iteration is never overwritten: a rollback or --finetune into a --save holding a later

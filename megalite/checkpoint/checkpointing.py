@@ -187,7 +187,8 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
             f"--save {save} holds iteration {latest} written by this same command: resuming from it "
             f"(not from --load {config.load})"
             if config.load
-            else None
+            else f"--save {save} holds iteration {latest} of a run started the same way (no --load): resuming "
+            "from it rather than overwriting it (a fresh run needs a new --save)"
         )
         resumed = dataclasses.replace(config, load=config.save, ckpt_step=None, finetune=False)
         return resumed, note
