@@ -222,6 +222,8 @@ def run_case(case: Case, fx: Fixtures) -> Row:
         problems += [f"message blames {n!r}" for n in case.absent if n in message]
     else:
         problems += [f"output lacks {n!r}" for n in case.needles if n not in r.out + r.err]
+        said = [x for x in (r.out + r.err).splitlines() if case.needles and case.needles[-1] in x]
+        message = said[0] if said else "(done as asked)"
     if [tree_hash(p) for p in inputs] != before:
         problems.append("an input changed")
     if case.check is not None and not problems:

@@ -67,6 +67,16 @@ def from_flags(cls, args: argparse.Namespace, **values):
 # behaves as a positive one. NaN and +-inf are refused by every rule.
 
 
+def _number(x) -> str:
+    return (
+        str(int(x))
+        if isinstance(x, (int, float)) and float(x).is_integer()
+        else f"{x:g}"
+        if x is not None
+        else ""
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A numeric flag's accepted values: ``low``/``high`` bounds (open or closed), a ``multiple_of``."""
@@ -79,10 +89,11 @@ class Rule:
     why: str = ""  # said after the range: what the bound protects
 
     def describe(self) -> str:
-        lo = "" if self.low is None else ("> " if self.low_open else ">= ") + f"{self.low:g}"
-        hi = "" if self.high is None else ("< " if self.high_open else "<= ") + f"{self.high:g}"
+        low, high = _number(self.low), _number(self.high)
+        lo = "" if self.low is None else ("> " if self.low_open else ">= ") + low
+        hi = "" if self.high is None else ("< " if self.high_open else "<= ") + high
         if lo and hi:
-            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         else:
             text = lo or hi or "a finite number"
         if self.multiple_of:
