@@ -181,7 +181,7 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
                 f"saving would replace published iterations and move its tracker backwards; {how}"
             )
         return config, None
-    recorded = files.read_metadata(files.iteration_dir(save, latest)).get("args") or {}
+    recorded = files.read_metadata(files.resolve(save, latest, flag="--save")[0]).get("args") or {}
     if _same_command(recorded, config):
         note = (
             f"--save {save} holds iteration {latest} written by this same command: resuming from it "
