@@ -244,7 +244,7 @@ def _values() -> list[Case]:
         ("--loss-scale-window", "0", ">= 1"), ("--hysteresis", "-1", ">= 1"), ("--ddp-bucket-size", "-1", ">= 1"),
         ("--make-vocab-size-divisible-by", "0", ">= 1"), ("--rotary-base", "0", "> 0"),
         ("--tensorboard-queue-size", "0", ">= 1"), ("--weight-decay", "-0.1", ">= 0"), ("--clip-grad", "-1", ">= 0"),
-        ("--optimizer-offload-fraction", "1.5", "[0, 1]"), ("--exit-duration-in-mins", "-1", "> 0"),
+        ("--optimizer-offload-fraction", "1.5", "[0, 1]"), ("--exit-duration-in-mins", "-1", ">= 0"),
         ("--micro-batch-size", "0", ">= 1"), ("--vocab-size", "0", ">= 1"), ("--peak-tflops", "0", "> 0"),
         ("--eval-iters", "-3", ">= 0"), ("--manual-gc-interval", "-1", ">= 0"),
     ]  # fmt: skip

@@ -264,7 +264,8 @@ def test_every_numeric_flag_has_a_value_rule():
     """Walks the parser: a numeric flag (int, float or a number-parsing type) of any group but the
     Megatron compatibility table (parsed, never used) needs an entry in its module's RULES, and every
     rule names a real flag. A new numeric flag without a rule fails here."""
-    from megalite.arguments import compat, parser as parser_module
+    from megalite.arguments import compat
+    from megalite.arguments import parser as parser_module
 
     rules = parser_module.value_rules()
     parser = build_parser()

@@ -3,7 +3,17 @@ or train on garbage (docs/training.md); :func:`checkpoint_config` makes the ``Ch
 
 import argparse
 
-from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, above, flag, from_flags, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    above,
+    at_least,
+    flag,
+    from_flags,
+    need,
+    switch,
+    value,
+)
 from megalite.checkpoint import CheckpointConfig
 
 
@@ -61,7 +71,7 @@ RULES = {
     "--save-interval": POSITIVE,
     "--ckpt-step": NON_NEGATIVE,
     "--exit-interval": POSITIVE,
-    "--exit-duration-in-mins": above(0),
+    "--exit-duration-in-mins": at_least(0, "0: stop after the first iteration"),
 }
 
 
