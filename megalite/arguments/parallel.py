@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import POSITIVE, choice, need, switch, value
+from megalite.arguments.spec import POSITIVE, at_least, choice, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
@@ -86,8 +86,8 @@ RULES = {
     "--tensor-model-parallel-size": POSITIVE,
     "--pipeline-model-parallel-size": POSITIVE,
     "--num-layers-per-virtual-pipeline-stage": POSITIVE,
-    "--decoder-first-pipeline-num-layers": POSITIVE,
-    "--decoder-last-pipeline-num-layers": POSITIVE,
+    "--decoder-first-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
+    "--decoder-last-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
     "--ddp-bucket-size": POSITIVE,
 }
 
