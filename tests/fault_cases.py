@@ -432,7 +432,29 @@ def _inputs() -> list[Case]:
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_size)  # fmt: skip
 
     last = lambda fx: [getattr(fx, "last_input", fx.run)]  # noqa: E731
+
+    def generate_with(*flags):
+        return lambda fx: call("tools/generate.py", "--load", fx.run, "--prompt", "1 2", *flags)
+
+    def preprocess_with(*flags):
+        def run(fx):
+            out = fx.fresh("out")
+            out.mkdir()
+            return call("tools/preprocess_data.py", "--input", fx.root / "run.jsonl", "--output-prefix", out / "o",
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", 64, *flags)  # fmt: skip
+
+        return run
+
     return [
+        Case("generate --max-new-tokens -1", "values", generate_with("--max-new-tokens", -1),
+             ("--max-new-tokens must be >= 1, got -1",)),
+        Case("generate --top-p 0", "values", generate_with("--top-p", 0), ("--top-p must be in (0, 1], got 0",)),
+        Case("preprocess --workers 0", "values", preprocess_with("--workers", 0), ("--workers must be >= 1, got 0",),
+             inputs=lambda fx: [fx.root / "run.jsonl"]),
+        Case("convert --ckpt-step -3", "values",
+             lambda fx: call("tools/convert_checkpoint.py", "--input", fx.run, "--input-format", "megalite",
+                             "--output-format", "hf", "--output", fx.fresh("hf"), "--ckpt-step", -3),
+             ("--ckpt-step must be >= 0, got -3",)),
         Case("--mock-data with --data-path", "inputs", lambda fx: pretrain("--train-iters", 1, "--data-path", fx.data),
              ("--mock-data and --data-path", "exclude each other")),
         Case(".idx dtype code float32", "inputs", train_on(lambda fx: idx_with_code(fx, 7)),

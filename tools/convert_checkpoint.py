@@ -113,6 +113,9 @@ def write_megalite(state: dict, config, path: str) -> str:
 
 
 def convert(args: argparse.Namespace) -> None:
+    from megalite.arguments.spec import NON_NEGATIVE, check_rules
+
+    check_rules(args, {"--ckpt-step": NON_NEGATIVE})
     if args.input_format == args.output_format:
         raise ConvertError(
             f"--input-format and --output-format are both {args.input_format}: nothing to convert "

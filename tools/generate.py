@@ -127,8 +127,27 @@ def run(args: argparse.Namespace) -> str:
     return tokenizer.detokenize(new_ids)
 
 
+def value_rules() -> dict:
+    """generate.py's numeric flags' rules (beside the tokenizer flags' own, megalite/arguments/data.py)."""
+    from megalite.arguments import data
+    from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, between
+
+    return {
+        **data.RULES,
+        "--ckpt-step": NON_NEGATIVE,
+        "--max-new-tokens": POSITIVE,
+        "--temperature": NON_NEGATIVE,
+        "--top-k": NON_NEGATIVE,
+        "--top-p": between(0, 1, low_open=True),
+        "--seed": between(0, 2**32 - 1, why="numpy's seed range"),
+    }
+
+
 def _main(argv: list[str] | None) -> int:
+    from megalite.arguments.spec import check_rules
+
     args = build_parser().parse_args(argv)
+    check_rules(args, value_rules())
     print(run(args), flush=True)
     return 0
 
