@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import one_thread
-from fault_cases import entry, tree_hash
+from fault_cases import TINY, entry, tree_hash
 
 from megalite.checkpoint import files, load_model, save_model_checkpoint
 from megalite.model.config import ModelConfig
@@ -32,11 +32,6 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
-    "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
-]  # fmt: skip
 
 
 class Result:
