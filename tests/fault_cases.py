@@ -189,6 +189,7 @@ class Case:
     inputs: Callable[[Fixtures], list[Path]] = lambda fx: [fx.run]
     check: Callable[[Fixtures, Result], str | None] | None = None
     absent: tuple[str, ...] = ()  # must not be in the message (a wrong cause)
+    setup: Callable[[Fixtures], list[Path]] | None = None  # makes the case's own inputs (hashed too)
 
 
 @dataclass
@@ -202,7 +203,7 @@ class Row:
 
 
 def run_case(case: Case, fx: Fixtures) -> Row:
-    inputs = case.inputs(fx)
+    inputs = case.inputs(fx) + (case.setup(fx) if case.setup is not None else [])
     before = [tree_hash(p) for p in inputs]
     try:
         r = case.run(fx)
@@ -391,10 +392,16 @@ def _inputs() -> list[Case]:
             f.write(struct.pack("<B", code))
         return prefix
 
-    def train_on(prefix_fn, *extra):
+    def with_code(code):
+        def setup(fx):
+            fx.prefix = idx_with_code(fx, code)
+            return [Path(fx.prefix).parent]
+
+        return setup
+
+    def train_on(*extra):
         def run(fx):
-            p = prefix_fn(fx)
-            fx.last_input = Path(p).parent
+            p = fx.prefix
             return call("pretrain_gpt.py", *TINY[1:], "--train-iters", 1, "--data-path", p, "--split", "100,0,0",
                         "--data-cache-path", fx.fresh("cache"), *extra)  # fmt: skip
 
@@ -411,12 +418,12 @@ def _inputs() -> list[Case]:
         folder = fx.fresh("raw")
         folder.mkdir()
         (folder / name).write_bytes(blob[: len(blob) // 2])
-        fx.last_input = folder
-        return folder / name
+        fx.src = folder / name
+        return [folder]
 
     def preprocess(kind):
         def run(fx):
-            src, out = compressed(fx, kind), fx.fresh("out")
+            src, out = fx.src, fx.fresh("out")
             out.mkdir()
             return call("tools/preprocess_data.py", "--input", src, "--output-prefix", out / "o",
                         "--tokenizer-type", "NullTokenizer", "--vocab-size", 64, "--workers", 1)  # fmt: skip
@@ -430,8 +437,6 @@ def _inputs() -> list[Case]:
     def generate(vocab_size):
         return lambda fx: call("tools/generate.py", "--load", fx.run, "--prompt", "1 2", "--max-new-tokens", 2,
                                "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_size)  # fmt: skip
-
-    last = lambda fx: [getattr(fx, "last_input", fx.run)]  # noqa: E731
 
     def generate_with(*flags):
         return lambda fx: call("tools/generate.py", "--load", fx.run, "--prompt", "1 2", *flags)
@@ -457,14 +462,15 @@ def _inputs() -> list[Case]:
              ("--ckpt-step must be >= 0, got -3",)),
         Case("--mock-data with --data-path", "inputs", lambda fx: pretrain("--train-iters", 1, "--data-path", fx.data),
              ("--mock-data and --data-path", "exclude each other")),
-        Case(".idx dtype code float32", "inputs", train_on(lambda fx: idx_with_code(fx, 7)),
-             (".idx", "dtype code 7 (float32) is not an integer token dtype"), inputs=last),
-        Case(".idx dtype code disagrees with .bin", "inputs", train_on(lambda fx: idx_with_code(fx, 4)),
-             (".idx", "dtype code 4 (int32, 4-byte ids) disagrees with", "2-byte ids"), inputs=last),
-        Case(".idx dtype code int64 vs .bin", "inputs", train_on(lambda fx: idx_with_code(fx, 5)),
-             ("dtype code 5 (int64, 8-byte ids) disagrees",), inputs=last),
-        Case("truncated .jsonl.zst", "inputs", preprocess("zst"), ("in.jsonl.zst", "truncated", "zstd frame"), inputs=last),
-        Case("truncated .jsonl.gz", "inputs", preprocess("gz"), ("in.jsonl.gz", "truncated"), inputs=last),
+        Case(".idx dtype code float32", "inputs", train_on(),
+             (".idx", "dtype code 7 (float32) is not an integer token dtype"), setup=with_code(7)),
+        Case(".idx dtype code disagrees with .bin", "inputs", train_on(),
+             (".idx", "dtype code 4 (int32, 4-byte ids) disagrees with", "2-byte ids"), setup=with_code(4)),
+        Case(".idx dtype code int64 vs .bin", "inputs", train_on(),
+             ("dtype code 5 (int64, 8-byte ids) disagrees",), setup=with_code(5)),
+        Case("truncated .jsonl.zst", "inputs", preprocess("zst"), ("in.jsonl.zst", "truncated", "zstd frame"),
+             setup=lambda fx: compressed(fx, "zst")),
+        Case("truncated .jsonl.gz", "inputs", preprocess("gz"), ("in.jsonl.gz", "truncated"), setup=lambda fx: compressed(fx, "gz")),
         Case("swapped --vocab-file / --merge-file", "inputs", gpt2_tokenizer(lambda fx: fx.merge_file, lambda fx: fx.vocab_file),
              ("are swapped", "--vocab-file", "--merge-file"), inputs=lambda fx: [fx.vocab_file, fx.merge_file]),
         Case("--vocab-file not a vocab.json", "inputs", gpt2_tokenizer(lambda fx: fx.merge_file, lambda fx: fx.merge_file),
@@ -481,14 +487,14 @@ def _inputs() -> list[Case]:
 
 
 def _published() -> list[Case]:
-    def rollback_same_dir(fx):
+    def copy(fx) -> list[Path]:
         fx.copy = fx.copy_run()
-        fx.last_input = fx.copy
+        return [fx.copy]
+
+    def rollback_same_dir(fx):
         return pretrain("--train-iters", 3, "--load", fx.copy, "--save", fx.copy, "--ckpt-step", 1)
 
     def finetune_same_dir(fx):
-        fx.copy = fx.copy_run()
-        fx.last_input = fx.copy
         return pretrain("--train-iters", 1, "--load", fx.copy, "--save", fx.copy, "--finetune")
 
     def same_command_again(fx):
@@ -507,8 +513,6 @@ def _published() -> list[Case]:
         )
 
     def fresh_into_other(fx):
-        fx.copy = fx.copy_run()
-        fx.last_input = fx.copy
         return pretrain(
             "--train-iters", 3, "--save", fx.copy, "--seed", 5, "--load", fx.models["rope"], "--finetune"
         )
@@ -545,24 +549,25 @@ def _published() -> list[Case]:
         got = files.finished_iterations(fx.new)
         return None if got == [1, 2] else f"--save holds {got}, expected [1, 2] (the requeue restarted)"
 
-    def other_run_in_save(fx):
-        other = fx.fresh("other")
-        assert pretrain("--train-iters", 2, "--load", fx.run, "--ckpt-step", 1, "--save", other).rc == 0
-        fx.last_input = other
-        return pretrain("--train-iters", 3, "--load", fx.run, "--save", other)
+    def other_rollback(fx) -> list[Path]:
+        fx.other = fx.fresh("other")
+        assert pretrain("--train-iters", 2, "--load", fx.run, "--ckpt-step", 1, "--save", fx.other).rc == 0
+        return [fx.other]
 
-    last = lambda fx: [fx.run, getattr(fx, "last_input", fx.run)]  # noqa: E731
+    def other_run_in_save(fx):
+        return pretrain("--train-iters", 3, "--load", fx.run, "--save", fx.other)
+
     return [
         Case("rollback --ckpt-step into the same --save", "published", rollback_same_dir,
-             ("--ckpt-step 1 rolls --save", "latest iteration 2", "pass a new --save DIR"), inputs=last),
+             ("--ckpt-step 1 rolls --save", "latest iteration 2", "pass a new --save DIR"), setup=copy),
         Case("--finetune with --load = --save", "published", finetune_same_dir,
-             ("--finetune with --load = --save", "pass a new --save DIR"), inputs=last),
+             ("--finetune with --load = --save", "pass a new --save DIR"), setup=copy),
         Case("--finetune into a --save holding another run", "published", fresh_into_other,
-             ("already holds another run", "pass --load"), inputs=last),
+             ("already holds another run", "pass --load"), setup=copy),
         Case("the same command requeued without --load", "published", same_command_again,
              ("started the same way", "resuming from it"), rc=0, check=continued),
         Case("--save holding another rollback", "published", other_run_in_save,
-             ("already holds another run (latest iteration 2 from --load", "a new --save DIR"), inputs=last),
+             ("already holds another run (latest iteration 2 from --load", "a new --save DIR"), setup=other_rollback),
         Case("rollback into a new --save, then requeued", "published", rollback_new_dir,
              ("written by this same command: resuming from it",), rc=0, check=rollback_resumed),
         Case("--finetune into a new --save, then requeued", "published", finetune_new_dir,
