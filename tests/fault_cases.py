@@ -251,19 +251,19 @@ def _values() -> list[Case]:
     ]  # fmt: skip
     cases = [
         Case(f"{flag} {v}", "values", lambda fx, f=flag, v=v: pretrain("--train-iters", 1, f, v, "--save", fx.fresh("s")),
-             (f"{flag} must be", want, f"got {v}"))
+             (f"{flag} must be", want, f"got {flag} {v}"))
         for flag, v, want in bad
     ]  # fmt: skip
     cases += [
         Case("--loss-scale 0 (fp16)", "values", lambda fx: pretrain("--train-iters", 1, "--fp16", "--loss-scale", 0),
              ("--loss-scale must be > 0",)),
         Case("--profile-ranks 0 -1", "values", lambda fx: pretrain("--train-iters", 1, "--profile-ranks", 0, -1),
-             ("--profile-ranks must be >= 0, got -1",)),
+             ("--profile-ranks must be >= 0, got --profile-ranks -1",)),
         Case("--rampup-batch-size 2 -2 10", "values",
              lambda fx: pretrain("--train-samples", 8, "--global-batch-size", 4, "--rampup-batch-size", 2, -2, 10),
-             ("--rampup-batch-size must be >= 1, got -2",)),
+             ("--rampup-batch-size must be >= 1, got --rampup-batch-size -2",)),
         Case("--ckpt-step -1", "values", lambda fx: pretrain("--train-iters", 3, "--load", fx.run, "--ckpt-step", -1),
-             ("--ckpt-step must be >= 0, got -1",)),
+             ("--ckpt-step must be >= 0, got --ckpt-step -1",)),
     ]  # fmt: skip
     return cases
 
@@ -452,14 +452,14 @@ def _inputs() -> list[Case]:
 
     return [
         Case("generate --max-new-tokens -1", "values", generate_with("--max-new-tokens", -1),
-             ("--max-new-tokens must be >= 1, got -1",)),
-        Case("generate --top-p 0", "values", generate_with("--top-p", 0), ("--top-p must be in (0, 1], got 0",)),
-        Case("preprocess --workers 0", "values", preprocess_with("--workers", 0), ("--workers must be >= 1, got 0",),
+             ("--max-new-tokens must be >= 1, got --max-new-tokens -1",)),
+        Case("generate --top-p 0", "values", generate_with("--top-p", 0), ("--top-p must be in (0, 1], got --top-p 0",)),
+        Case("preprocess --workers 0", "values", preprocess_with("--workers", 0), ("--workers must be >= 1, got --workers 0",),
              inputs=lambda fx: [fx.root / "run.jsonl"]),
         Case("convert --ckpt-step -3", "values",
              lambda fx: call("tools/convert_checkpoint.py", "--input", fx.run, "--input-format", "megalite",
                              "--output-format", "hf", "--output", fx.fresh("hf"), "--ckpt-step", -3),
-             ("--ckpt-step must be >= 0, got -3",)),
+             ("--ckpt-step must be >= 0, got --ckpt-step -3",)),
         Case("--mock-data with --data-path", "inputs", lambda fx: pretrain("--train-iters", 1, "--data-path", fx.data),
              ("--mock-data and --data-path", "exclude each other")),
         Case(".idx dtype code float32", "inputs", train_on(),

@@ -290,20 +290,23 @@ def test_every_numeric_flag_has_a_value_rule():
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--save-interval", "-5", "--save", "x"], "--save-interval must be >= 1, got -5"),
+        (["--save-interval", "-5", "--save", "x"], "--save-interval must be >= 1, got --save-interval -5"),
         (["--log-interval", "0"], "--log-interval must be >= 1"),
         (["--eval-interval", "-1"], "--eval-interval must be >= 1"),
         (["--exit-interval", "-2"], "--exit-interval must be >= 1"),
         (["--adam-beta2", "1.0"], r"--adam-beta2 must be in \[0, 1\)"),
         (["--adam-eps", "0"], "--adam-eps must be > 0"),
-        (["--init-method-std", "nan"], "--init-method-std must be >= 0, got nan"),
-        (["--lr", "inf"], "--lr must be >= 0, got inf"),
+        (["--init-method-std", "nan"], "--init-method-std must be >= 0, got --init-method-std nan"),
+        (["--lr", "inf"], "--lr must be >= 0, got --lr inf"),
         (["--seed", "-1"], "--seed must be in"),
         (["--num-workers", "-1"], "--num-workers must be >= 0"),
         (["--hidden-dropout", "1"], r"--hidden-dropout must be in \[0, 1\)"),
         (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
-        (["--profile-ranks", "0", "-1"], "--profile-ranks must be >= 0, got -1"),
-        (["--rampup-batch-size", "2", "-2", "10"], "--rampup-batch-size must be >= 1, got -2"),
+        (["--profile-ranks", "0", "-1"], "--profile-ranks must be >= 0, got --profile-ranks -1"),
+        (
+            ["--rampup-batch-size", "2", "-2", "10"],
+            "--rampup-batch-size must be >= 1, got --rampup-batch-size -2",
+        ),
     ],
 )
 def test_value_rules_stop_in_one_line(flags, match):

@@ -136,4 +136,4 @@ def check_rules(args: argparse.Namespace, rules: dict[str, Rule]) -> None:
     for option, rule in rules.items():
         given = getattr(args, dest_of(option), None)
         for x in given if isinstance(given, (list, tuple)) else [given]:
-            need(x is None or rule.accepts(x), f"{option} must be {rule.describe()}, got {x}")
+            need(x is None or rule.accepts(x), f"{option} must be {rule.describe()}, got {option} {x}")
