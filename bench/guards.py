@@ -1,6 +1,13 @@
-"""Per-step cost of the non-finite guard (--check-for-nan-in-loss-and-grad), as a ratio in one run.
+"""Per-step cost of the non-finite guard (--check-for-nan-in-loss-and-grad), as a ratio in one run;
+with ``--table``, issue 25's fault table instead.
 
     python bench/guards.py [--iters 30] [--rounds 5] [--hidden-size 256] [--num-layers 4]
+    python bench/guards.py --table [--json]
+
+``--table`` runs every case of tests/fault_cases.py (the fault suite tests/test_faults_guards.py
+asserts) in this process and prints the table: case, class, exit, the one-line message, verdict
+("ok", or what went wrong: a traceback, a wrong exit, a message not naming the flag, an input
+changed, a checkpoint lost), then the totals; ``--json`` prints the rows as one JSON object.
 
 One process builds the training state once (``megalite.training.setup``) and runs ``train_step``
 in alternating blocks with the guard on and off (``optimizer.check_for_nan``), so both see the
@@ -93,7 +100,34 @@ def measure(a, clip: float) -> tuple[float, float]:
     return statistics.median(times[False]), statistics.median(times[True])
 
 
+def fault_table(as_json: bool) -> None:
+    import dataclasses
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from fault_cases import CASES, Fixtures, resumes_bitwise, run_case, table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fx = Fixtures(tmp)
+        rows = [run_case(case, fx) for case in CASES]
+        bitwise = resumes_bitwise(fx)
+    summary = {
+        "cases": len(rows),
+        "ok": sum(r.verdict == "ok" for r in rows),
+        "tracebacks": sum(r.verdict == "traceback" or "traceback" in r.verdict for r in rows),
+        "exit_0_expected": sum(c.rc == 0 for c in CASES),
+        "fixture_resumes_bitwise": bitwise is None,
+    }
+    if as_json:
+        print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "summary": summary}))
+    else:
+        print(table(rows))
+        print(json.dumps(summary))
+
+
 def main() -> None:
+    if "--table" in sys.argv:
+        return fault_table("--json" in sys.argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=5, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=10, help="blocks per setting")

@@ -78,6 +78,68 @@ WANDB_INSTALL = "pip install 'megalite[wandb]'"
 
 
 # ---------------------------------------------------------------------------- sinks
+
+
+# ------------------------------------------------------------------------------- output paths
+def output_paths(
+    logging_config: LoggingConfig, profile: ProfilingConfig, rank: int, logs_here: bool
+) -> list[tuple[str, str, str]]:
+    """``(flag, path, kind)`` of everything this rank will write besides checkpoints: ``kind`` "dir"
+    (files are created in it) or "file" (appended to / written)."""
+    out = []
+    if logs_here:
+        if logging_config.tensorboard_dir:
+            out.append(("--tensorboard-dir", logging_config.tensorboard_dir, "dir"))
+        if logging_config.metrics_file:
+            out.append(("--metrics-file", logging_config.metrics_file, "file"))
+        if logging_config.wandb_project:
+            out.append(("--wandb-save-dir", wandb_init_kwargs(logging_config)["dir"], "dir"))
+    if profile.profile and profile.profiles(rank):
+        out.append(("--profile-dir", profiling.profile_dir(profile, logging_config.tensorboard_dir), "dir"))
+    if profiling.records_memory_history(profile, rank):
+        out.append(("--memory-snapshot-path", profiling.snapshot_path(profile, rank), "file"))
+    return out
+
+
+def path_problem(flag: str, path: str, kind: str) -> str | None:
+    """Why this process cannot write ``path`` as a ``kind`` ("dir" / "file"), in one line; None if it can.
+    A missing directory is created (as the writer would); a missing file is not."""
+    try:
+        if kind == "dir":
+            if os.path.exists(path) and not os.path.isdir(path):
+                return f"{flag} {path}: exists and is not a directory; pick a directory"
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, f".write_test.{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.unlink(probe)
+            return None
+        if os.path.isdir(path):
+            return f"{flag} {path}: is a directory, not a file; name a file"
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+            return f"{flag} {path}: not writable by this job (permission denied); pick a path it can write"
+        return None
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror or e}); pick a path this job can write"
+
+
+def check_output_paths(
+    logging_config: LoggingConfig, profile: ProfilingConfig, mesh, logs_here: bool
+) -> None:
+    """Collective, before the first step: every rank checks the paths it will write; the first
+    problem on any rank stops every rank with the same line (no rank is left waiting)."""
+    problems = [path_problem(*p) for p in output_paths(logging_config, profile, mesh.rank, logs_here)]
+    mine = next((p for p in problems if p), None)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        mine = next((f"rank {r}: {p}" for r, p in enumerate(every) if p), None)
+    if mine is not None:
+        raise MegaliteError(mine)
+
+
 class MetricSinks:
     """Where metrics go: console always; TensorBoard, wandb and JSON lines when asked.
 

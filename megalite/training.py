@@ -29,8 +29,11 @@ from megalite.arguments import (
     start_up_lines,
     validate_args,
 )
+from megalite.arguments.parser import value_rules
+from megalite.arguments.resume import resume_policy
+from megalite.arguments.spec import check_rules
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
-from megalite.checkpoint.checkpointing import resume_iteration
+from megalite.checkpoint.checkpointing import guard_published, recorded_flags, resume_iteration
 from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.integrity import checked_batches, tokenizer_flags
@@ -39,6 +42,7 @@ from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
+    check_output_paths,
     detect_peak_tflops,
     model_flops_per_token,
     peak_memory_mb,
@@ -339,10 +343,15 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
     try:
         ok, grad_norm, num_zeros = state.optimizer.step(loss_not_finite(losses))
     except NonFiniteError as e:
+        advice = (
+            first_step_suspects(state)
+            if state.iteration == 0
+            else "Lower --lr, check the data, or resume from the last checkpoint"
+        )
         raise NonFiniteError(
             f"iteration {state.iteration + 1}: {e}; stopped before the optimizer step, so the weights "
-            f"and the checkpoints are untouched. Lower --lr, check the data, or resume from the last "
-            f"checkpoint (--no-check-for-nan-in-loss-and-grad lets such steps through)"
+            f"and the checkpoints are untouched. {advice} (--no-check-for-nan-in-loss-and-grad lets such "
+            "steps through)"
         ) from None
     if ok:
         state.scheduler.step(gbs)  # the schedule counts samples, as Megatron's
@@ -360,6 +369,25 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
         "num_zeros": num_zeros,
         "global_batch_size": gbs,
     }
+
+
+def first_step_suspects(state: TrainState) -> str:
+    """What to check when iteration 1 is not finite: no update has run yet, so --lr is not the cause;
+    the flags that make non-finite numbers by construction when set to such values are, with theirs."""
+    c, opt = state.config, state.configs.optimizer
+    flags = [f"--init-method-std {c.init_method_std:g}", f"--norm-epsilon {c.norm_epsilon:g}"]
+    if opt.params_dtype == torch.float16:
+        scale = opt.loss_scale if opt.loss_scale is not None else opt.initial_loss_scale
+        flags.append(f"--{'loss-scale' if opt.loss_scale is not None else 'initial-loss-scale'} {scale:g}")
+    huge = [
+        f for f, bad in zip(flags, (c.init_method_std > 1.0, c.norm_epsilon < 1e-12), strict=False) if bad
+    ]
+    where = "the loaded weights (--load) or " if state.configs.checkpoint.load else ""
+    return (
+        "Iteration 1 runs before any update, so --lr is not the cause: "
+        + (f"{', '.join(huge)} makes non-finite values by construction; " if huge else "")
+        + f"check {', '.join(flags)} (the values that can overflow by construction), {where}the data"
+    )
 
 
 def loss_not_finite(losses: list) -> torch.Tensor | None:
@@ -565,9 +593,14 @@ def pretrain(
     sits above training in the layers.
     """
     args = parse_args(argv)
+    check_rules(args, value_rules())  # before any flag is used, even to find the checkpoint
     log.configure(args.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    ckpt = checkpoint_config(args)
+    # A published iteration is never overwritten: a rollback or --finetune into a --save holding a later
+    # or another run stops; this command's own earlier progress in --save is resumed (SLURM requeue).
+    ckpt, resume_note = guard_published(checkpoint_config(args))
+    if resume_note and rank0:
+        logger.warning(f" note: {resume_note}")
     done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
     # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
     if done is not None and args.train_iters is not None and done >= args.train_iters:
@@ -577,8 +610,17 @@ def pretrain(
                 "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return {}
+    recorded = recorded_flags(ckpt)
+    # Resume policy: a changed identity flag (data order, tokenizer) stops here, before anything is built.
+    resume_notes = resume_policy(recorded, args) if recorded is not None else []
+    if resume_notes and rank0:
+        logger.warning("\n".join(f" note: {n}" for n in resume_notes))
     state = setup(args)
     monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
+    # Every path this run writes, checked on the ranks that write it before any step (the save dir: hooks).
+    check_output_paths(
+        state.configs.logging, state.configs.profiling, state.mesh, is_logging_rank(state.mesh)
+    )
     load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
     hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
     mesh = state.mesh

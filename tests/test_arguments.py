@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megalite.arguments import ArgumentError, model_config, parse_args, validate_args
+from megalite.arguments import ArgumentError, build_parser, model_config, parse_args, validate_args
 from megalite.model.config import ModelConfigError
 
 BASE = ["--mock-data", "--vocab-size", "100", "--train-iters", "10"]
@@ -257,3 +257,78 @@ def test_start_up_prints_the_notes_once(capsys):
     assert len(notes) == 2, out
     assert notes[0] == "note: --sequence-parallel is a no-op with --tensor-model-parallel-size 1; disabled"
     assert notes[1].startswith("note: --use-torch-fsdp2 runs megalite's own ZeRO-3")
+
+
+def test_every_numeric_flag_has_a_value_rule():
+    """Walks the parser: a numeric flag (int, float or a number-parsing type) of any group but the
+    Megatron compatibility table (parsed, never used) needs an entry in its module's RULES, and every
+    rule names a real flag. A new numeric flag without a rule fails here."""
+    from megalite.arguments import compat
+    from megalite.arguments import parser as parser_module
+
+    rules = parser_module.value_rules()
+    parser = build_parser()
+    compat_titles = {title for title, _ in compat.GROUPS}
+    numeric, options = [], set()
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            options.update(action.option_strings)
+            if group.title in compat_titles or action.type in (None, str):
+                continue
+            try:
+                is_number = isinstance(action.type("1"), (int, float))
+            except Exception:
+                is_number = False
+            if is_number:
+                numeric.append(action.option_strings[0])
+    assert len(numeric) > 60, numeric
+    assert [f for f in numeric if f not in rules] == []
+    assert [f for f in rules if f not in options] == []
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--save-interval", "-5", "--save", "x"], "--save-interval must be >= 1, got --save-interval -5"),
+        (["--log-interval", "0"], "--log-interval must be >= 1"),
+        (["--eval-interval", "-1"], "--eval-interval must be >= 1"),
+        (["--exit-interval", "-2"], "--exit-interval must be >= 1"),
+        (["--adam-beta2", "1.0"], r"--adam-beta2 must be in \[0, 1\)"),
+        (["--adam-eps", "0"], "--adam-eps must be > 0"),
+        (["--init-method-std", "nan"], "--init-method-std must be >= 0, got --init-method-std nan"),
+        (["--lr", "inf"], "--lr must be >= 0, got --lr inf"),
+        (["--seed", "-1"], "--seed must be in"),
+        (["--num-workers", "-1"], "--num-workers must be >= 0"),
+        (["--hidden-dropout", "1"], r"--hidden-dropout must be in \[0, 1\)"),
+        (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
+        (["--profile-ranks", "0", "-1"], "--profile-ranks must be >= 0, got --profile-ranks -1"),
+        (
+            ["--rampup-batch-size", "2", "-2", "10"],
+            "--rampup-batch-size must be >= 1, got --rampup-batch-size -2",
+        ),
+    ],
+)
+def test_value_rules_stop_in_one_line(flags, match):
+    with pytest.raises(ArgumentError, match=match):
+        parsed(*flags)
+
+
+def test_every_flag_has_a_resume_class():
+    """Walks the parser: every flag (but the Megatron compatibility table's, parsed and never used) is
+    in exactly one resume class; data order is never free. A new flag without a class fails here."""
+    from megalite.arguments import compat
+    from megalite.arguments.resume import FREE, IDENTITY, POLICY
+
+    titles = {title for title, _ in compat.GROUPS}
+    dests = {
+        a.dest
+        for g in build_parser()._action_groups
+        if g.title not in titles
+        for a in g._group_actions
+        if a.dest != "help"
+    }
+    assert sorted(dests - set(POLICY)) == []
+    assert sorted(set(POLICY) - dests) == []
+    for data_order in ("split", "seed", "data_path", "seq_length", "mock_data"):
+        assert POLICY[data_order] == IDENTITY
+    assert POLICY["decoupled_lr"] != FREE

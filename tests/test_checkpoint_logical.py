@@ -131,3 +131,47 @@ def test_tp_shards_sit_at_their_rank_offset(tp):
     set_tensor_model_parallel(replicated, False, -1)
     local = replicated.data
     assert logical_piece("decoder.final_norm.weight", local, replicated, cfg, 1, tp) is local
+
+
+# A value unlike the preset's, for each identity field (one per field: a new field needs one here).
+_OTHER = {
+    "num_layers": 3, "hidden_size": 48, "num_attention_heads": 2, "vocab_size": 101,
+    "max_position_embeddings": 32, "ffn_hidden_size": 96, "num_query_groups": 2, "kv_channels": 16,
+    "position_embedding_type": "rope", "normalization": "RMSNorm", "rotary_base": 500.0,
+    "rotary_percent": 0.5, "norm_epsilon": 1e-6,
+}  # fmt: skip
+
+
+def test_model_identity_is_every_config_field_but_the_listed_exclusions():
+    """The rule itself: every ModelConfig field is either compared on load (a changed value is named
+    by its flag) or listed in NOT_IDENTITY with a reason. A new field is identity by default; one
+    this test cannot vary fails here until it gets a value in _OTHER or a reasoned exclusion."""
+    import dataclasses
+
+    from megalite.model.config import NOT_IDENTITY, ONLY_WHEN, flag_of
+
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in NOT_IDENTITY:
+            assert len(NOT_IDENTITY[f.name]) > 20  # a reason, not a placeholder
+            continue
+        rope = ONLY_WHEN.get(f.name, ("", ""))[1] == "rope"
+        base = (ModelConfig.llama if rope else ModelConfig.gpt2)(**BASE)
+        value = getattr(base, f.name)
+        other = (not value) if isinstance(value, bool) else _OTHER.get(f.name)
+        assert other is not None and other != value, f"ModelConfig.{f.name}: no decision (identity or not)"
+        diffs = files.model_differences(base, dataclasses.replace(base, **{f.name: other}))
+        assert any(flag_of(f.name) in d and repr(other) in d for d in diffs), (f.name, diffs)
+    # A field added tomorrow is compared without anyone listing it.
+    Extended = dataclasses.make_dataclass(
+        "Extended", [("new_switch", bool, False)], bases=(ModelConfig,), frozen=True
+    )
+    a, b = Extended(**BASE), Extended(**BASE, new_switch=True)
+    assert files.model_differences(a, b) == ["new_switch: checkpoint False, this run True (--new-switch)"]
+
+
+@pytest.mark.parametrize("change,flag", [({"rotary_percent": 0.5}, "--rotary-percent"),
+                                         ({"apply_layernorm_1p": True}, "--apply-layernorm-1p")])  # fmt: skip
+def test_the_two_flags_the_audit_found_are_identity(change, flag):
+    saved = ModelConfig.llama(**BASE)
+    diffs = files.model_differences(saved, ModelConfig.llama(**BASE, **change))
+    assert len(diffs) == 1 and flag in diffs[0], diffs

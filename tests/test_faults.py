@@ -12,7 +12,6 @@ against the vocabulary, index checksums) live with the data tests.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import one_thread
+from fault_cases import TINY, entry, tree_hash
 
 from megalite.checkpoint import files, load_model, save_model_checkpoint
 from megalite.model.config import ModelConfig
@@ -32,22 +32,6 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
-    "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--log-interval", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
-]  # fmt: skip
-
-
-def entry(relpath: str):
-    """``pretrain_gpt.py`` / ``tools/X.py`` as a module, to call its ``main(argv)`` here."""
-    name = "fault_entry_" + Path(relpath).stem
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / relpath)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
 
 
 class Result:
@@ -79,13 +63,6 @@ def assert_user_error(r: Result, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     return lines[0]
-
-
-def tree_hash(path: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``path`` (or of the file itself)."""
-    path = Path(path)
-    paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
 def train_metrics(path: Path) -> dict[int, dict]:

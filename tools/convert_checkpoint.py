@@ -168,6 +168,10 @@ def read_megatron(path: str, iteration: int | None):
 
 
 def convert(args: argparse.Namespace) -> None:
+    from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, check_rules
+
+    positive_target = {f"--target-{d}-parallel-size": POSITIVE for d in ("tensor", "pipeline")}
+    check_rules(args, {"--ckpt-step": NON_NEGATIVE, **positive_target})
     if not os.path.isdir(args.input):
         raise ConvertError(f"--input {args.input}: no such directory")
     if args.input_format is None:
@@ -216,6 +220,13 @@ def convert(args: argparse.Namespace) -> None:
 
     if args.output_format == "hf":
         hf_state, hf_config = hf.megalite_to_hf(state, config)
+        # The model identity survives the config it is written as, or nothing is written.
+        lost = ckpt_files.model_differences(config, hf.config_from_hf(hf_config))
+        if lost:
+            raise ConvertError(
+                f"--output-format hf: a transformers config cannot express this model ({'; '.join(lost)}); "
+                "the converted model would compute another function"
+            )
         bar.update(1)
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
         files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)

@@ -88,10 +88,19 @@ def run(args: argparse.Namespace) -> str:
     model.to(device)
     flags = tokenizer_flags(args, saved_args, config.vocab_size)
     tokenizer = build_tokenizer(**flags)  # bad files: one-line TokenizerError
-    if tokenizer.vocab_size > config.vocab_size:
+    # Both directions: a bigger tokenizer makes ids the model has no row for; a smaller one cannot
+    # decode every id the model generates.
+    if tokenizer.vocab_size != config.vocab_size:
+        bigger = "tokenizer" if tokenizer.vocab_size > config.vocab_size else "model"
         raise MegaliteError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}: "
-            "pass the tokenizer flags the checkpoint was trained with"
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size} (the {bigger} is "
+            "bigger: "
+            + (
+                "the model has no row for its extra ids"
+                if bigger == "tokenizer"
+                else "it would generate ids the tokenizer cannot decode"
+            )
+            + "); pass the tokenizer flags the checkpoint was trained with"
         )
     log(
         f"loaded {folder} (iteration {iteration}, {model.num_parameters():,} parameters) on {device} "
@@ -118,8 +127,27 @@ def run(args: argparse.Namespace) -> str:
     return tokenizer.detokenize(new_ids)
 
 
+def value_rules() -> dict:
+    """generate.py's numeric flags' rules (beside the tokenizer flags' own, megalite/arguments/data.py)."""
+    from megalite.arguments import data
+    from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, between
+
+    return {
+        **data.RULES,
+        "--ckpt-step": NON_NEGATIVE,
+        "--max-new-tokens": POSITIVE,
+        "--temperature": NON_NEGATIVE,
+        "--top-k": NON_NEGATIVE,
+        "--top-p": between(0, 1, low_open=True),
+        "--seed": between(0, 2**32 - 1, why="numpy's seed range"),
+    }
+
+
 def _main(argv: list[str] | None) -> int:
+    from megalite.arguments.spec import check_rules
+
     args = build_parser().parse_args(argv)
+    check_rules(args, value_rules())
     print(run(args), flush=True)
     return 0
 

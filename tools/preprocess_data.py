@@ -53,11 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    from megalite.arguments import tokenizer_kwargs
+    from megalite.arguments import data, tokenizer_kwargs
+    from megalite.arguments.spec import POSITIVE, check_rules
 
     args = build_parser().parse_args(argv)
     log.configure()  # INFO, on stderr
     try:
+        check_rules(
+            args, {**data.RULES, "--workers": POSITIVE, "--chunk-bytes": POSITIVE, "--log-interval": POSITIVE}
+        )
         return preprocess(
             args.input,
             args.output_prefix,

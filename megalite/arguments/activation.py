@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import choice, need, switch, value
+from megalite.arguments.spec import POSITIVE, choice, need, switch, value
 from megalite.configs import RecomputeConfig, check_activation_memory
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -52,6 +52,7 @@ COMPILE_FLAGS = (
     ),
 )
 GROUPS = (("activation memory: sequence parallelism and recompute", FLAGS), ("compilation", COMPILE_FLAGS))
+RULES = {"--recompute-num-layers": POSITIVE}
 
 
 def sequence_parallel(args: argparse.Namespace) -> bool:

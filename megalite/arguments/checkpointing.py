@@ -3,7 +3,17 @@ or train on garbage (docs/training.md); :func:`checkpoint_config` makes the ``Ch
 
 import argparse
 
-from megalite.arguments.spec import flag, from_flags, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    above,
+    at_least,
+    flag,
+    from_flags,
+    need,
+    switch,
+    value,
+)
 from megalite.checkpoint import CheckpointConfig
 
 
@@ -56,6 +66,13 @@ FLAGS = (
     ),
 )
 GROUPS = (("fault tolerance", FAULT_FLAGS), ("checkpointing", FLAGS))
+RULES = {
+    "--distributed-timeout-minutes": above(0),
+    "--save-interval": POSITIVE,
+    "--ckpt-step": NON_NEGATIVE,
+    "--exit-interval": POSITIVE,
+    "--exit-duration-in-mins": at_least(0, "0: stop after the first iteration"),
+}
 
 
 def check(args: argparse.Namespace) -> list[str]:

@@ -3,7 +3,7 @@ and tools/generate.py), and ``build_tokenizer``'s keyword arguments from them.""
 
 import argparse
 
-from megalite.arguments.spec import Flag, add_group, choice, flag, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, Flag, add_group, choice, flag, need, switch, value
 from megalite.data.tokenizers import (
     TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
@@ -66,6 +66,11 @@ def add_tokenizer_args(parser, default_type=None, required=True, title="tokenize
 
 
 GROUPS = (("data and tokenizer", FLAGS), ("tokenizer", tokenizer_flags("NullTokenizer", required=False)))
+RULES = {
+    "--num-workers": NON_NEGATIVE,
+    "--vocab-size": POSITIVE,
+    "--tiktoken-num-special-tokens": NON_NEGATIVE,
+}
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:
@@ -85,6 +90,11 @@ def tokenizer_kwargs(args: argparse.Namespace) -> dict:
 
 
 def check(args: argparse.Namespace) -> list[str]:
+    need(
+        not (args.mock_data and args.data_path),
+        f"--mock-data and --data-path {' '.join(args.data_path or [])} exclude each other (mock data would "
+        "replace the files silently); drop one",
+    )
     need(
         args.mock_data or args.data_path,
         "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",

@@ -2,7 +2,17 @@
 
 import argparse
 
-from megalite.arguments.spec import choice, from_flags, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    above,
+    between,
+    choice,
+    from_flags,
+    need,
+    switch,
+    value,
+)
 from megalite.model.config import ModelConfig
 
 FLAGS = (
@@ -77,6 +87,23 @@ FLAGS = (
     ),
 )
 GROUPS = (("model", FLAGS),)
+RULES = {
+    "--num-layers": POSITIVE,
+    "--hidden-size": POSITIVE,
+    "--ffn-hidden-size": POSITIVE,
+    "--num-attention-heads": POSITIVE,
+    "--num-query-groups": POSITIVE,
+    "--kv-channels": POSITIVE,
+    "--seq-length": POSITIVE,
+    "--max-position-embeddings": POSITIVE,
+    "--rotary-base": above(0, "RoPE's frequencies are powers of it"),
+    "--rotary-percent": between(0, 1, low_open=True),
+    "--norm-epsilon": above(0, "0 divides an all-zero row by zero"),
+    "--hidden-dropout": between(0, 1, high_open=True),
+    "--attention-dropout": between(0, 1, high_open=True),
+    "--init-method-std": NON_NEGATIVE,
+    "--make-vocab-size-divisible-by": POSITIVE,
+}
 
 
 def max_position_embeddings(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from megalite.arguments.spec import choice, flag, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, above, between, choice, flag, need, switch, value
 from megalite.metrics import WANDB_INSTALL
 
 LOG_FLAGS = (
@@ -138,6 +138,20 @@ GROUPS = (
     ("TensorBoard and Weights & Biases (Megatron-LM's tags)", SINK_FLAGS),
     ("profiling", PROFILING_FLAGS),
 )
+RULES = {
+    "--log-interval": POSITIVE,
+    "--eval-interval": POSITIVE,
+    "--eval-iters": NON_NEGATIVE,
+    "--logging-level": NON_NEGATIVE,
+    "--peak-tflops": above(0),
+    "--tensorboard-log-interval": POSITIVE,
+    "--tensorboard-queue-size": POSITIVE,
+    "--profile-step-start": NON_NEGATIVE,
+    "--profile-step-end": NON_NEGATIVE,
+    "--profile-ranks": NON_NEGATIVE,
+    "--manual-gc-interval": NON_NEGATIVE,
+    "--timing-log-level": between(0, 2),
+}
 
 
 def check(args: argparse.Namespace) -> list[str]:

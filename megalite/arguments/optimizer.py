@@ -6,7 +6,18 @@ import argparse
 import torch
 
 from megalite.arguments.schedule import by_samples
-from megalite.arguments.spec import choice, exclusive, flag, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    above,
+    between,
+    choice,
+    exclusive,
+    flag,
+    need,
+    switch,
+    value,
+)
 
 LR_FLAGS = (
     value("--lr", float, 3e-4, "Peak learning rate."),
@@ -115,6 +126,31 @@ GROUPS = (
     ("mixed precision and loss scaling", PRECISION_FLAGS),
     ("optimizer offload", OFFLOAD_FLAGS),
 )
+RULES = {
+    "--lr": NON_NEGATIVE,
+    "--min-lr": NON_NEGATIVE,
+    "--lr-warmup-iters": NON_NEGATIVE,
+    "--lr-decay-iters": POSITIVE,
+    "--lr-warmup-samples": NON_NEGATIVE,
+    "--lr-decay-samples": POSITIVE,
+    "--lr-warmup-fraction": between(0, 1, high_open=True),
+    "--lr-warmup-init": NON_NEGATIVE,
+    "--decoupled-lr": NON_NEGATIVE,
+    "--decoupled-min-lr": NON_NEGATIVE,
+    "--weight-decay": NON_NEGATIVE,
+    "--start-weight-decay": NON_NEGATIVE,
+    "--end-weight-decay": NON_NEGATIVE,
+    "--adam-beta1": between(0, 1, high_open=True),
+    "--adam-beta2": between(0, 1, high_open=True),
+    "--adam-eps": above(0, "0 makes 0/0 of a parameter whose gradient is 0"),
+    "--clip-grad": NON_NEGATIVE,
+    "--loss-scale": above(0),
+    "--initial-loss-scale": above(0),
+    "--min-loss-scale": above(0),
+    "--loss-scale-window": POSITIVE,
+    "--hysteresis": POSITIVE,
+    "--optimizer-offload-fraction": between(0, 1),
+}
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import choice, exclusive, flag, need, switch, value
+from megalite.arguments.spec import POSITIVE, at_least, choice, exclusive, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.context_parallel import COMM_TYPES as CP_BUILT
@@ -119,6 +119,14 @@ GROUPS = (
     ("parallel layout", LAYOUT_FLAGS),
     ("data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS),
 )
+RULES = {
+    "--tensor-model-parallel-size": POSITIVE,
+    "--pipeline-model-parallel-size": POSITIVE,
+    "--num-layers-per-virtual-pipeline-stage": POSITIVE,
+    "--decoder-first-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
+    "--decoder-last-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
+    "--ddp-bucket-size": POSITIVE,
+}
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:

@@ -20,7 +20,7 @@ from megalite.arguments import (
 )
 from megalite.arguments import compat as compat_flags
 from megalite.arguments.compat import check_megatron_compat, ignored_flags_warning
-from megalite.arguments.spec import add_group
+from megalite.arguments.spec import Rule, add_group, check_rules
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
@@ -162,12 +162,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def value_rules() -> dict[str, Rule]:
+    """Every group's value rules (``RULES`` beside its flags): ``{option: Rule}``."""
+    return {option: rule for module in MODULES for option, rule in module.RULES.items()}
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the flags against ``world_size`` and complete ``args`` with the derived values.
 
     Raises ArgumentError (or ModelConfigError) naming the flag; prints nothing: the notes are in
     ``args.notes`` (:func:`start_up_lines`). May run twice on one namespace.
     """
+    check_rules(args, value_rules())  # every number in its range before any check computes with it
     args.data_parallel_size = parallel.data_parallel_size(args, world_size)
     notes = schedule.check(args) + model.check(args) + optimizer.check(args)
     schedule.derive(args)  # batches, microbatches, step count: the checks below read them

@@ -3,7 +3,7 @@
 
 import argparse
 
-from megalite.arguments.spec import flag, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, between, flag, need, switch, value
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
 from megalite.errors import ArgumentError
 
@@ -41,6 +41,14 @@ FLAGS = (
     ),
 )
 GROUPS = (("training", FLAGS),)
+RULES = {
+    "--micro-batch-size": POSITIVE,
+    "--global-batch-size": POSITIVE,
+    "--train-iters": NON_NEGATIVE,
+    "--train-samples": NON_NEGATIVE,
+    "--rampup-batch-size": POSITIVE,
+    "--seed": between(0, 2**32 - 1, why="numpy's seed range"),
+}
 
 
 def by_samples(args: argparse.Namespace) -> bool:

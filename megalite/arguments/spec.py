@@ -6,6 +6,7 @@ A group module lists its flags in ``GROUPS``, (title, specs) pairs, built with :
 
 import argparse
 import dataclasses
+import math
 
 from megalite.errors import need as need  # the groups' one-line check (an ArgumentError)
 
@@ -56,3 +57,83 @@ def from_flags(cls, args: argparse.Namespace, **values):
     """``cls`` with each field read from the flag of its name, unless given in ``values``."""
     names = [f.name for f in dataclasses.fields(cls) if f.name not in values]
     return cls(**{k: getattr(args, k) for k in names}, **values)
+
+
+# ------------------------------------------------------------------------------- value rules
+# Every numeric flag has one rule, declared in its group module's ``RULES`` next to its ``FLAGS``
+# (tests/test_arguments.py walks the parser and fails on a numeric flag without one). The rules are
+# checked before anything else reads the values (``check_rules``), so a nonsense number stops with one
+# line naming the flag instead of a torch traceback, a NaN blamed on --lr, or a negative interval that
+# behaves as a positive one. NaN and +-inf are refused by every rule.
+
+
+def _number(x) -> str:
+    return (
+        str(int(x))
+        if isinstance(x, (int, float)) and float(x).is_integer()
+        else f"{x:g}"
+        if x is not None
+        else ""
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A numeric flag's accepted values: ``low``/``high`` bounds (open or closed), a ``multiple_of``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    multiple_of: int | None = None
+    why: str = ""  # said after the range: what the bound protects
+
+    def describe(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        lo = "" if self.low is None else ("> " if self.low_open else ">= ") + low
+        hi = "" if self.high is None else ("< " if self.high_open else "<= ") + high
+        if lo and hi:
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        else:
+            text = lo or hi or "a finite number"
+        if self.multiple_of:
+            text += f" and a multiple of {self.multiple_of}"
+        return text + (f" ({self.why})" if self.why else "")
+
+    def accepts(self, x) -> bool:
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if self.low is not None and (x <= self.low if self.low_open else x < self.low):
+            return False
+        if self.high is not None and (x >= self.high if self.high_open else x > self.high):
+            return False
+        return not self.multiple_of or x % self.multiple_of == 0
+
+
+def at_least(low: float, why: str = "") -> Rule:
+    return Rule(low=low, why=why)
+
+
+def above(low: float, why: str = "") -> Rule:
+    return Rule(low=low, low_open=True, why=why)
+
+
+def between(low: float, high: float, low_open: bool = False, high_open: bool = False, why: str = "") -> Rule:
+    return Rule(low=low, high=high, low_open=low_open, high_open=high_open, why=why)
+
+
+POSITIVE = at_least(1)  # counts and sizes
+NON_NEGATIVE = at_least(0)
+FINITE = Rule(why="any finite value")  # a flag whose every finite value means something
+
+
+def dest_of(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+def check_rules(args: argparse.Namespace, rules: dict[str, Rule]) -> None:
+    """Each flag of ``rules`` that is set (not None) obeys its rule (each element of a list flag)."""
+    for option, rule in rules.items():
+        given = getattr(args, dest_of(option), None)
+        for x in given if isinstance(given, (list, tuple)) else [given]:
+            need(x is None or rule.accepts(x), f"{option} must be {rule.describe()}, got {option} {x}")

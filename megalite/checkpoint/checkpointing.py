@@ -16,15 +16,19 @@ tensors its own layout needs, whatever layout wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import log
 from megalite.checkpoint import files, megatron, optimizer_state, rng_state, storage
@@ -84,8 +88,19 @@ def first_error(error: str | None) -> str | None:
     return next((e for e in errors if e is not None), None)
 
 
-def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | None:
-    """Collective, before training: every rank can write ``--save``, and no other job is writing it.
+def checkpoint_bytes(state) -> int:
+    """About how many bytes one checkpoint of ``state`` takes: every parameter once (this rank's
+    count times the model-parallel ranks) at its dtype, plus the optimizer state the memory model counts
+    per parameter: two fp32 Adam moments and, for bf16 / fp16 weights, the fp32 main copy."""
+    params = [p for _, _, p in named_parameters(state.model)]
+    width = params[0].element_size() if params else 4
+    per_param = width + 8 + (4 if width != 4 else 0)
+    return sum(p.numel() for p in params) * state.mesh.tp_size * state.mesh.pp_size * per_param
+
+
+def claim_save_dir(config: CheckpointConfig, mesh: Mesh, need_bytes: int = 0) -> files.SaveLock | None:
+    """Collective, before training: every rank can write ``--save``, it has room for one checkpoint
+    (``need_bytes``), and no other job is writing it.
 
     Returns the lock (rank 0 holds it; release it when the run ends), None without ``--save``.
     """
@@ -97,6 +112,12 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | Non
         probe = root / f".write_test.{socket.gethostname()}.{os.getpid()}"
         probe.write_text("ok")  # every rank writes its own shard file: every rank must be able to
         probe.unlink()
+        free = shutil.disk_usage(root).free
+        if free < need_bytes:
+            raise files.CheckpointError(
+                f"--save {root}: {free} bytes free, one checkpoint needs about {need_bytes} (the model's "
+                "weights and optimizer state); free space or pick another --save"
+            )
         if mesh.rank == 0:
             lock = files.SaveLock(root)
             note = lock.acquire()
@@ -112,6 +133,79 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh) -> files.SaveLock | Non
     if note:
         _log(mesh, f" note: {note}", logging.WARNING)
     return lock
+
+
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _same_command(recorded: dict, config: CheckpointConfig) -> bool:
+    """Whether a checkpoint's recorded flags start the run the way ``config`` does (--load, --ckpt-step,
+    --finetune): then it is this command's own progress, written before a requeue."""
+    load = recorded.get("load")
+    same_load = (load is None and config.load is None) or _same_dir(load, config.load)
+    return (
+        same_load
+        and recorded.get("ckpt_step") == config.ckpt_step
+        and bool(recorded.get("finetune")) == bool(config.finetune)
+    )
+
+
+def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:
+    """Before anything is built: a published iteration of ``--save`` is never overwritten or rolled back.
+
+    Returns the checkpoint flags to run with (and a note), or stops in one line saying how:
+
+    * ``--load D --save D`` with ``--ckpt-step`` before D's latest (a rollback), or with ``--finetune``
+      (a restart at iteration 0): refused; name a new ``--save``.
+    * ``--save`` another directory that already holds checkpoints: when they were written by this
+      same command (its recorded ``--load``, ``--ckpt-step``, ``--finetune``), a requeued job resumes
+      from ``--save`` instead of starting over; a different run there is refused.
+    """
+    if not config.save:
+        return config, None
+    save = Path(config.save)
+    latest = files.read_tracker(save) if save.is_dir() else None
+    if latest is None:
+        return config, None
+    how = "pass a new --save DIR (a requeued job with the same command then resumes from DIR)"
+    if _same_dir(config.load, config.save):
+        if config.finetune:
+            raise files.CheckpointError(
+                f"--finetune with --load = --save {save} restarts at iteration 0 and would overwrite or roll "
+                f"back its published iterations (latest {latest}); {how}"
+            )
+        if config.ckpt_step is not None and config.ckpt_step < latest:
+            raise files.CheckpointError(
+                f"--ckpt-step {config.ckpt_step} rolls --save {save} back from its latest iteration {latest}: "
+                f"saving would replace published iterations and move its tracker backwards; {how}"
+            )
+        return config, None
+    recorded = files.read_metadata(files.resolve(save, latest, flag="--save")[0]).get("args") or {}
+    if _same_command(recorded, config):
+        note = (
+            f"--save {save} holds iteration {latest} written by this same command: resuming from it "
+            f"(not from --load {config.load})"
+            if config.load
+            else f"--save {save} holds iteration {latest} of a run started the same way (no --load): resuming "
+            "from it rather than overwriting it (a fresh run needs a new --save)"
+        )
+        resumed = dataclasses.replace(config, load=config.save, ckpt_step=None, finetune=False)
+        return resumed, note
+    origin = f" from --load {recorded['load']}" if recorded.get("load") else ""
+    raise files.CheckpointError(
+        f"--save {save} already holds another run (latest iteration {latest}{origin}); this run would "
+        f"overwrite its published iterations: pass --load {save} to resume it, or a new --save DIR"
+    )
+
+
+def recorded_flags(config: CheckpointConfig) -> dict | None:
+    """The flags of the run that wrote the checkpoint ``--load`` resumes (None: nothing to resume,
+    or ``--finetune``, which starts a new run)."""
+    if not config.load or config.finetune:
+        return None
+    found = find_checkpoint(config)
+    return None if found is None else files.read_metadata(found[0]).get("args") or {}
 
 
 def resume_iteration(config: CheckpointConfig) -> int | None:
@@ -177,7 +271,8 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
         pieces = model_pieces(state.model, state.config, mesh)
         pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
         pieces.update(rng_state.capture(mesh, state.rng))
-        storage.write(pieces, staging)  # returns once every rank's files are on disk
+        with disk_full_is_one_line(state, root, iteration):
+            storage.write(pieces, staging)  # returns once every rank's files are on disk
     checksums = gather_checksums(staging, mesh)  # each rank reads back its own files, in parallel
 
     error, final = None, files.iteration_dir(root, iteration)
@@ -205,7 +300,7 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
                 },
             )
         except Exception as e:  # every rank must learn of it, or they would carry on without a save
-            error = e
+            error = disk_full(e, state, root, iteration) or e
     if any_rank([error is not None], mesh)[0]:
         if error is not None:
             raise error
@@ -217,6 +312,38 @@ def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
             f"({size / 2**20:.1f} MiB)"
         )
     return final
+
+
+def disk_full(e: BaseException, state, root: Path, iteration: int) -> files.CheckpointError | None:
+    """``e`` as one line naming ``--save``, the bytes needed and the checkpoint that stays the latest,
+    when it says the device is full (an ENOSPC OSError, or DCP / torch's wrapped report of one)."""
+    text = str(e)
+    if not (
+        isinstance(e, OSError)
+        and e.errno == errno.ENOSPC
+        or "No space left on device" in text
+        or f"[Errno {errno.ENOSPC}]" in text
+    ):
+        return None
+    shutil.rmtree(files.staging_dir(root, iteration), ignore_errors=True)  # its partial files take space
+    latest = files.read_tracker(root)
+    kept = f"iteration {latest} is still the latest checkpoint" if latest is not None else "no checkpoint yet"
+    return files.CheckpointError(
+        f"--save {root}: no space left on the device while saving iteration {iteration} (about "
+        f"{checkpoint_bytes(state)} bytes needed for one checkpoint, {shutil.disk_usage(root).free} free); "
+        f"{kept}: free space (or pick another --save) and rerun the same command to resume"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(state, root: Path, iteration: int):
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        error = disk_full(e, state, root, iteration)
+        if error is None:
+            raise
+        raise error from None
 
 
 def gather_checksums(staging: Path, mesh: Mesh) -> dict | None:
@@ -267,12 +394,13 @@ def find_checkpoint(config: CheckpointConfig) -> tuple[Path, int] | None:
 
 
 def check_same_model(saved: ModelConfig, current: ModelConfig, where: Path) -> None:
+    """Stop, in one line naming each flag and both values, unless the model identities agree."""
     diffs = files.model_differences(saved, current)
     if diffs:
         raise files.CheckpointError(
-            f"checkpoint {where} holds a different model than this run describes:\n  "
-            + "\n  ".join(diffs)
-            + "\nchange these flags to match the checkpoint, or point --load at a checkpoint of this model"
+            f"checkpoint {where} holds a different model than this run describes: "
+            + "; ".join(diffs)
+            + "; change these flags to match the checkpoint, or point --load at a checkpoint of this model"
         )
 
 

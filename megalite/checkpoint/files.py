@@ -28,7 +28,7 @@ from pathlib import Path
 
 from megalite import __version__
 from megalite.errors import MegaliteError
-from megalite.model.config import ModelConfig
+from megalite.model.config import EFFECTIVE, ModelConfig, flag_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LOCK = ".megalite_save.lock"  # which job writes this --save directory: {"host", "pid", "job", "started"}
@@ -281,52 +281,16 @@ def directory_bytes(folder: Path) -> int:
 
 
 # ------------------------------------------------------------------------------- model identity
-# Fields that decide what function the network computes (and its tensor shapes), with the flag
-# that sets each. Dropout, init, seed and the TP-dependent vocab padding may differ.
-_IDENTITY = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "vocab_size": "--vocab-size / the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file)",
-    "ffn_size": "--ffn-hidden-size",
-    "query_groups": "--group-query-attention --num-query-groups",
-    "head_dim": "--kv-channels",
-    "position_embedding_type": "--position-embedding-type",
-    "normalization": "--normalization",
-    "swiglu": "--swiglu",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "add_bias_linear": "--disable-bias-linear",
-    "openai_gelu": "--openai-gelu",
-    "rotary_base": "--rotary-base",
-    "norm_epsilon": "--norm-epsilon",
-}
-
-
-def _identity(config: ModelConfig) -> dict:
-    out = {name: getattr(config, name) for name in _IDENTITY}
-    if config.position_embedding_type == "learned_absolute":  # the position table's size
-        out["max_position_embeddings"] = config.max_position_embeddings
-    if config.position_embedding_type != "rope":
-        out.pop("rotary_base")
-    return out
-
-
-# Derived sizes and the field that sets them explicitly; left to their defaults on both sides, a
-# difference only echoes another one (e.g. --hidden-size changes the default ffn size).
-_DERIVED = {"ffn_size": "ffn_hidden_size", "head_dim": "kv_channels", "query_groups": "num_query_groups"}
-
-
 def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    """Human-readable differences between two models' identities (empty: same model)."""
-    a, b = _identity(saved), _identity(current)
-    flags = dict(_IDENTITY, max_position_embeddings="--max-position-embeddings")
+    """One line per field of the model identity (:meth:`ModelConfig.identity`) that differs, naming
+    its flag and both values (empty: the same model)."""
+    a, b = saved.identity(), current.identity()
 
-    def echo(k: str) -> bool:
-        base = _DERIVED.get(k)
-        return base is not None and getattr(saved, base) is None and getattr(current, base) is None
+    def echo(k: str) -> bool:  # both sides left a derived size to its default: it echoes another flag
+        return k in EFFECTIVE and getattr(saved, k) is None and getattr(current, k) is None
 
     return [
-        f"{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r} ({flags[k]})"
+        f"{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r} ({flag_of(k)})"
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and not echo(k)
     ]

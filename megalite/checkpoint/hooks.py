@@ -25,7 +25,13 @@ import signal
 import time
 
 from megalite import log
-from megalite.checkpoint.checkpointing import CheckpointConfig, any_rank, claim_save_dir, save_checkpoint
+from megalite.checkpoint.checkpointing import (
+    CheckpointConfig,
+    any_rank,
+    checkpoint_bytes,
+    claim_save_dir,
+    save_checkpoint,
+)
 
 logger = log.get_logger(__name__)
 
@@ -49,7 +55,9 @@ class CheckpointHooks:
     def __init__(self, state, config: CheckpointConfig | None = None):
         self.config = config or state.configs.checkpoint
         # Collective: --save is writable by every rank and no other job writes it (a lock, until close()).
-        self.lock = claim_save_dir(self.config, state.mesh)
+        self.lock = claim_save_dir(
+            self.config, state.mesh, checkpoint_bytes(state) if self.config.save else 0
+        )
         self.start = time.monotonic()
         # A loaded checkpoint needs no re-save at the same iteration.
         self.last_saved = state.iteration if state.iteration > 0 else None

@@ -158,6 +158,24 @@ class IndexedDataset:
     def _validate(self, idx_path: str, bin_path: str, bin_size: int) -> None:
         """Cheap whole-file consistency checks, in bounded memory (chunks of 1M sequences)."""
         itemsize = self.dtype.itemsize
+        if self.dtype.kind not in "iu":  # float codes would read integer ids as ~0.0: training on zeros
+            raise _fail(
+                idx_path,
+                f"dtype code {DType.code_from_dtype(self.dtype)} ({self.dtype.name}) is not an integer token dtype",
+            )
+        tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        if (
+            tokens
+            and bin_size != tokens * itemsize
+            and bin_size % tokens == 0
+            and bin_size // tokens in (1, 2, 4, 8)
+        ):
+            raise _fail(
+                idx_path,
+                f"dtype code {DType.code_from_dtype(self.dtype)} ({self.dtype.name}, {itemsize}-byte ids) disagrees "
+                f"with {bin_path}: its {bin_size} bytes hold the {tokens} tokens as {bin_size // tokens}-byte ids; "
+                "re-create the .idx with tools/preprocess_data.py (or restore the matching pair)",
+            )
         doc = self.document_indices
         if doc[0] != 0 or doc[-1] != self.sequence_count:
             raise _fail(

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import glob
 import gzip
+import io
 import json
 import multiprocessing as mp
 import os
@@ -144,6 +145,50 @@ class _CountingReader:
         return True
 
 
+def _zstd_chunks(zstd, src, path: str):
+    """The decompressed bytes of every zstd frame of ``src``, read to its end: a file that ends inside
+    a frame (a cut download) is named as truncated (zstandard's stream reader just stops there)."""
+    new = zstd.ZstdDecompressor().decompressobj
+    obj, fed = new(), False
+    while True:
+        chunk = src.read(1 << 20)
+        if not chunk:
+            if fed and not obj.eof:
+                raise InputError(
+                    f"--input {path}: truncated: the file ends inside a zstd frame (a cut download or copy?); "
+                    "fetch or compress it again"
+                )
+            return
+        while chunk:
+            if obj.eof:
+                obj, fed = new(), False
+            out = obj.decompress(chunk)
+            fed = True
+            if out:
+                yield out
+            chunk = obj.unused_data if obj.eof else b""
+
+
+class _ChunkStream(io.RawIOBase):
+    """A readable raw stream over an iterator of byte chunks (for ``io.BufferedReader``)."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks, self.rest = chunks, b""
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while not self.rest:
+            self.rest = next(self.chunks, None)
+            if self.rest is None:
+                self.rest = b""
+                return 0
+        n = min(len(b), len(self.rest))
+        b[:n], self.rest = self.rest[:n], self.rest[n:]
+        return n
+
+
 def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
     """Items ``("lines", path, offset, data, raw_bytes)`` of whole decompressed lines."""
     raw = open(path, "rb")  # noqa: SIM115 - closed below, after the streaming readers
@@ -155,9 +200,7 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
         else:
             zstd = require("zstandard", f"--input {path}")
             corrupt += (zstd.ZstdError,)
-            stream = zstd.ZstdDecompressor().stream_reader(counter, read_across_frames=True)
-        import io
-
+            stream = _ChunkStream(_zstd_chunks(zstd, counter, path))
         reader = io.BufferedReader(stream, buffer_size=1 << 20)
         offset, reported = 0, 0
         while True:
@@ -171,6 +214,10 @@ def _compressed_line_chunks(path: str, fmt: str, chunk_bytes: int):
     except corrupt as err:
         if isinstance(err, MegaliteError):
             raise
+        if isinstance(err, EOFError):  # gzip: "Compressed file ended before the end-of-stream marker"
+            raise InputError(
+                f"--input {path}: truncated ({fmt}: {err}); fetch or compress it again"
+            ) from None
         raise InputError(f"--input {path}: cannot decompress ({fmt}): {err}") from None
     finally:
         raw.close()

@@ -36,7 +36,7 @@ import numpy as np
 import tiktoken
 
 from megalite.data.optional import require
-from megalite.errors import MegaliteError
+from megalite.errors import MegaliteError, reading
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -145,6 +145,28 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def _starts_like_json(path: str) -> bool:
+    """Recognised by content: a vocab.json is a JSON object, a merges.txt is lines of two symbols."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"{")
+
+
+def check_gpt2_files(vocab_file: str, merge_file: str) -> None:
+    """``--vocab-file`` holds a vocab.json and ``--merge-file`` a merges.txt, by content; a swapped pair
+    is named as swapped."""
+    vocab_json, merges_json = _starts_like_json(vocab_file), _starts_like_json(merge_file)
+    if not vocab_json and merges_json:
+        raise TokenizerError(
+            f"--vocab-file {vocab_file} and --merge-file {merge_file} are swapped: the first holds merges "
+            "(merges.txt), the second the vocabulary (vocab.json); exchange the two paths"
+        )
+    if not vocab_json:
+        raise TokenizerError(f"--vocab-file {vocab_file}: not a vocab.json (a JSON object of token -> id)")
+    if merges_json:
+        raise TokenizerError(f"--merge-file {merge_file}: a JSON file, not a merges.txt (lines 'a b')")
+
+
 def read_merges(merge_file: str) -> list[tuple[str, str]]:
     """merges.txt: one ``a b`` pair per line, in merge order (a ``#version`` first line skipped)."""
     merges = []
@@ -235,7 +257,12 @@ class GPT2BPETokenizer(Tokenizer):
     CUT = "\x00"
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        with open(vocab_file, encoding="utf-8") as f:
+        check_gpt2_files(vocab_file, merge_file)
+        what = f"--vocab-file {vocab_file}"
+        with (
+            reading(what, json.JSONDecodeError, UnicodeDecodeError, OSError),
+            open(vocab_file, encoding="utf-8") as f,
+        ):
             vocab: dict[str, int] = json.load(f)
         if "<|endoftext|>" not in vocab:
             raise TokenizerError(

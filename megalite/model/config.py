@@ -6,7 +6,7 @@ Field names follow Megatron-LM's flags (``--num-layers`` -> ``num_layers``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from megalite.errors import MegaliteError
 
@@ -24,6 +24,36 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) 
     """
     multiple = make_vocab_size_divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+# The ModelConfig fields that do NOT change the function the weights compute, each with the reason.
+# Every other field is part of a checkpoint's model identity (``ModelConfig.identity``); a new field
+# must be one or the other (tests/test_checkpoint_logical.py fails on a field in neither list).
+NOT_IDENTITY = {
+    "hidden_dropout": "training-time noise only; the weights compute the same function",
+    "attention_dropout": "training-time noise only; the weights compute the same function",
+    "init_method_std": "draws the initial weights, which a loaded checkpoint replaces",
+    "seed": "draws the initial weights and dropout masks, not the function of loaded weights",
+    "make_vocab_size_divisible_by": "padding rows are zero, their logits masked, and not stored",
+}
+# Fields whose default is derived from others: compared by the size they give.
+EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups"}
+# Fields that act only under one value of another field: (that field, that value).
+ONLY_WHEN = {
+    "max_position_embeddings": ("position_embedding_type", "learned_absolute"),  # RoPE has no table
+    "rotary_base": ("position_embedding_type", "rope"),
+    "rotary_percent": ("position_embedding_type", "rope"),
+}
+# The flag that sets a field, where it is not ``--`` + the field's name with dashes.
+FLAG_OF = {
+    "vocab_size": "--vocab-size / the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file)",
+    "num_query_groups": "--group-query-attention --num-query-groups",
+    "add_bias_linear": "--disable-bias-linear",
+}
+
+
+def flag_of(field: str) -> str:
+    return FLAG_OF.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True)
@@ -105,6 +135,24 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def identity(self) -> dict[str, object]:
+        """``{field: value}`` of every field that changes the function the weights compute.
+
+        Derived from the dataclass: every field is identity unless :data:`NOT_IDENTITY` says why
+        not, so a new architecture field is compared on load (and in conversions) from the day it
+        is added. A field with a derived default compares its effective size (:data:`EFFECTIVE`);
+        a field that only acts under one flavour is left out of the others (:data:`ONLY_WHEN`).
+        """
+        out = {}
+        for f in fields(self):
+            if f.name in NOT_IDENTITY:
+                continue
+            when = ONLY_WHEN.get(f.name)
+            if when is not None and getattr(self, when[0]) != when[1]:
+                continue
+            out[f.name] = getattr(self, EFFECTIVE.get(f.name, f.name))
+        return out
 
     # ---- validation -----------------------------------------------------------
     def validate(self, tp: int = 1) -> ModelConfig:
