@@ -126,6 +126,7 @@ RULES = {
     "--decoder-first-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
     "--decoder-last-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
     "--ddp-bucket-size": POSITIVE,
+    "--context-parallel-size": POSITIVE,
 }
 
 

@@ -49,7 +49,8 @@ POLICY = _classes(
     "adam_beta1 adam_beta2 adam_eps clip_grad bf16 fp16 hysteresis initial_loss_scale loss_scale "
     "loss_scale_window min_loss_scale optimizer_cpu_offload optimizer_offload_fraction "
     "overlap_cpu_optimizer_d2h_h2d data_cache_path eod_mask_loss num_workers merge_file tokenizer_model "
-    "vocab_file check_for_nan_in_loss_and_grad",
+    "vocab_file check_for_nan_in_loss_and_grad attention_backend context_parallel_size cp_comm_type "
+    "gradient_accumulation_fusion deterministic_mode",
     invocation="config override_opt_param_scheduler use_checkpoint_opt_param_scheduler eval_interval "
     "eval_iters log_interval logging_level metrics_file peak_tflops tensorboard_dir log_loss_scale_to_tensorboard "
     "log_memory_to_tensorboard log_num_zeros_in_grad log_params_norm log_throughput log_timers_to_tensorboard "

@@ -35,6 +35,7 @@ NOT_IDENTITY = {
     "init_method_std": "draws the initial weights, which a loaded checkpoint replaces",
     "seed": "draws the initial weights and dropout masks, not the function of loaded weights",
     "make_vocab_size_divisible_by": "padding rows are zero, their logits masked, and not stored",
+    "attention_backend": "which SDPA kernel computes attention; every backend computes the same function",
 }
 # Fields whose default is derived from others: compared by the size they give.
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups"}
