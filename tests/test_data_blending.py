@@ -79,7 +79,7 @@ def test_equals_megatron_core_helpers():
 
 # ---- every form of --data-path Megatron accepts, with the sampled shares checked (issue #29) ----
 SOURCE = 100_000  # dataset k's tokens are k * SOURCE + position: every sample names its dataset
-DOC_TOKENS = {"A": 1000, "B": 3000, "C": 2000}
+DOC_TOKENS = {"A": (1000, 20), "B": (3000, 30), "C": (2000, 40)}  # tokens, document length
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,9 @@ def three_datasets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("blend")
     prefixes = {}
-    for k, (name, tokens) in enumerate(DOC_TOKENS.items()):
+    for k, (name, (tokens, doc)) in enumerate(DOC_TOKENS.items()):  # documents 50 : 100 : 50
         prefixes[name] = str(root / name)
-        write_position_dataset(prefixes[name], [20] * (tokens // 20), offset=k * SOURCE)
+        write_position_dataset(prefixes[name], [doc] * (tokens // doc), offset=k * SOURCE)
     return prefixes
 
 
@@ -101,7 +101,7 @@ def three_datasets(tmp_path_factory):
         (["0.3", "A", "0.7", "B"], [0.3, 0.7, 0.0]),  # weights summing to 1
         (["100", "A", "300", "B", "200", "C"], [1 / 6, 1 / 2, 1 / 3]),  # token counts as weights
         (["1", "A", "0", "B", "3", "C"], [0.25, 0.0, 0.75]),  # a zero weight: never sampled
-        (["A", "B", "C"], [1 / 6, 1 / 2, 1 / 3]),  # no weights: by each dataset's tokens
+        (["A", "B", "C"], [1 / 6, 1 / 2, 1 / 3]),  # no weights: by each dataset's tokens (not documents)
         (["0.5", "A", "0.5", "B", "0.5", "C"], [1 / 3, 1 / 3, 1 / 3]),  # summing to 1.5
     ],
     ids=["relative", "sum-1", "token-counts", "zero-weight", "unweighted", "sum-1.5"],

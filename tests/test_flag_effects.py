@@ -185,6 +185,41 @@ NEEDS = {
     "--tiktoken-special-tokens": (["--tiktoken-special-tokens", "<a>"], {"data.tokenizer"}),
     "--data-path": (["--mock-data", None, "--data-path", "/tmp/x"], {"data.mock_data"}),
 }
+# Fields a flag must change (besides any field of its own name): the ones named otherwise.
+MUST = {
+    "--grad-reduce-in-bf16": {"data_parallel.grad_reduce_dtype"},
+    "--disable-bias-linear": {"model.add_bias_linear"},
+    "--use-distributed-optimizer": {"data_parallel.sharding_strategy"},
+    "--use-torch-fsdp2": {"data_parallel.sharding_strategy"},
+    "--recompute-activations": {"recompute.granularity"},
+    "--recompute-granularity": {"recompute.granularity", "recompute.method", "recompute.num_layers"},
+    "--lr": {"scheduler.max_lr", "optimizer.lr"},
+    "--min-lr": {"scheduler.min_lr", "optimizer.min_lr"},
+    "--lr-warmup-init": {"scheduler.init_lr"},
+    "--lr-warmup-iters": {"scheduler.lr_warmup_steps"},
+    "--lr-warmup-samples": {"scheduler.lr_warmup_steps", "scheduler.length_unit"},
+    "--lr-warmup-fraction": {"scheduler.lr_warmup_steps"},
+    "--lr-decay-iters": {"scheduler.lr_decay_steps"},
+    "--lr-decay-samples": {"scheduler.lr_decay_steps"},
+    "--lr-decay-style": {"scheduler.lr_decay_style"},
+    "--train-samples": {"scheduler.length_unit", "training.train_iters"},
+    "--start-weight-decay": {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"},
+    "--ddp-bucket-size": {"data_parallel.bucket_size"},
+    "--group-query-attention": {"model.num_query_groups"},
+    "--max-position-embeddings": {"model.max_position_embeddings"},
+    "--seq-length": {"training.seq_length", "model.max_position_embeddings"},
+    "--seed": {"training.seed", "model.seed"},
+    "--save": {"checkpoint.save", "logging.save"},
+    "--bf16": {"optimizer.params_dtype", "training.params_dtype"},
+    "--fp16": {"optimizer.params_dtype", "training.params_dtype"},
+    "--vocab-size": {"data.tokenizer"},
+    "--micro-batch-size": {"training.micro_batch_size", "training.num_microbatches"},
+    "--global-batch-size": {
+        "training.global_batch_size",
+        "training.num_microbatches",
+        "scheduler.global_batch_size",
+    },
+}
 # Flags that no typed config holds, and why (read where they act, each tested there).
 NOT_IN_CONFIGS = {
     "--transformer-impl": "only 'local' is accepted (the other value is refused)",
@@ -282,6 +317,9 @@ def test_every_flag_reaches_its_field_and_nothing_else():
     for flag, changed, allowed, got, action in sweep():
         own = [k for k in got if k.split(".", 1)[1] == action.dest]
         assert changed, f"{flag} changed no config field"
+        assert MUST.get(flag, set()) <= set(changed), f"{flag} left {sorted(MUST[flag] - set(changed))}"
+        if own and flag not in MUST:  # (MUST names --vocab-size's: the model's comes from the tokenizer)
+            assert set(own) & set(changed), f"{flag} did not change {own}"
         if "*" in allowed:
             continue
         assert set(changed) <= set(allowed), f"{flag} also changed {sorted(set(changed) - set(allowed))}"

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
-from megalite.arguments import build_configs, model_config, parse_args, validate_args
+from megalite.arguments import build_configs, build_parser, model_config, parse_args, validate_args
 from megalite.errors import MegaliteError
 from megalite.memory import MemoryLayout, predict_rank
 from megalite.model.config import ModelConfig
@@ -499,7 +499,7 @@ VALIDATION_BASE += ["--lr", "1e-3", "--bf16"]
 VALIDATION_CASES = [  # (model flags, GPUs, global batch, seq): GQA's query groups, interleaving's m % pp
     (["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
       "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"], 8, 12, 32),
-    (["--num-layers", "6", "--hidden-size", "48", "--num-attention-heads", "6", "--ffn-hidden-size", "96"], 6, 12, 18),
+    (["--num-layers", "6", "--hidden-size", "48", "--num-attention-heads", "6", "--ffn-hidden-size", "96"], 6, 12, 20),
 ]  # fmt: skip
 
 
@@ -522,14 +522,17 @@ def test_candidates_are_exactly_the_launches_validation_accepts(model, gpus, gbs
     args = parse_args(base)
     cfg = model_config(args, vocab_size=300)
     p = planner.Problem(cfg, planner.Cluster(gpus, gpus, planner.GPUS["H100-SXM"]), seq, gbs)
-    proposed = {}
-    for c in planner.layouts(p):
+    proposed, parser = {}, build_parser()  # parse_args' parser (one: building it is the slow part)
+    for c in planner.layouts(p):  # each launch line, through the parser: accepted, and meaning c
+        launch = parser.parse_args(base + planner.launch_flags(c, cfg.num_layers).split())
+        assert _accepted(launch, gpus), planner.launch_flags(c, cfg.num_layers)
+        got = validate_args(launch, gpus)
+        meant = (got.tensor_model_parallel_size, got.pipeline_model_parallel_size, got.virtual_pipeline_model_parallel_size,
+                 got.data_parallel_size, got.micro_batch_size, got.sequence_parallel and got.tensor_model_parallel_size > 1,
+                 got.recompute_granularity or "none", got.data_parallel_sharding_strategy)  # fmt: skip
+        assert meant == dataclasses.astuple(c)[:8], (meant, c)
         if c.recompute == "none" and c.sharding in ("no_shard", "optim"):
             proposed[(c.tp, c.pp, c.vp, c.micro_batch_size, c.sequence_parallel, c.sharding)] = c
-    for c in proposed.values():  # each launch line, through the parser
-        launch = parse_args(base + planner.launch_flags(c, cfg.num_layers).split())
-        assert _accepted(launch, gpus), planner.launch_flags(c, cfg.num_layers)
-        assert c.tp * c.pp * c.dp == gpus
     accepted = set()
     layers = cfg.num_layers
     for tp in range(1, gpus + 1):
