@@ -858,6 +858,7 @@ PLAN_PRUNE = "tests/test_planner.py::test_state_floor_is_below_every_prediction_
 PLAN_BIG = "tests/test_planner.py::test_big_models_on_8_gpus_are_answered_with_what_does_not_fit"
 PLAN_WHY = "tests/test_planner.py::test_overhead_and_activations_are_named_when_they_are_what_does_not_fit"
 BLEND = "tests/test_data_blending.py::test_every_blend_form_samples_its_shares"
+BLEND_SAME = "tests/test_data_blending.py::test_unnormalised_weights_are_the_normalised_ones_sample_by_sample"
 
 MUTANTS += [
     # ---- arguments/: every flag reaches its field ---------------------------------------------------
@@ -1218,7 +1219,7 @@ MUTANTS += [
         "megalite/data/builder.py",
         "return cls(prefixes, indexed, normalize_weights(weights) if weights is not None else None)",
         "return cls(prefixes, indexed, weights)",
-        (BLEND,),
+        (BLEND_SAME,),
         "each dataset's sample count computed from the raw weight: 2 and 6 ask for 2 x and 6 x the samples",
     ),
 ]

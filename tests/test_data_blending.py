@@ -119,3 +119,19 @@ def test_every_blend_form_samples_its_shares(three_datasets, form, shares):
     for i in range(n):  # each sample is one dataset's contiguous tokens
         tokens = np.asarray(train[i]["tokens"])
         assert len(set(tokens // SOURCE)) == 1, i
+
+
+def test_unnormalised_weights_are_the_normalised_ones_sample_by_sample(three_datasets):
+    """Megatron normalises the weights before it sizes each dataset: relative weights (2, 6),
+    token counts (100, 300) and sums other than 1 give the very samples of (0.25, 0.75), not
+    only the same shares (a dataset sized by the raw weight would shuffle more epochs)."""
+    from megalite.data.builder import build_train_valid_test_datasets
+
+    def stream(form):
+        path = [three_datasets.get(x, x) for x in form]
+        train, _, _ = build_train_valid_test_datasets(path, "100,0,0", 8, 1234, 120, None, None)
+        return np.stack([np.asarray(train[i]["tokens"]) for i in range(len(train))])
+
+    normalised = stream(["0.25", "A", "0.75", "B"])
+    for form in (["2", "A", "6", "B"], ["100", "A", "300", "B"], ["0.5", "A", "1.5", "B"]):
+        assert np.array_equal(stream(form), normalised), form

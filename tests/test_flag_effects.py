@@ -30,6 +30,32 @@ BASE += ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size",
 # ramp default to the run's length.
 SAMPLES = {"training.train_iters", "scheduler.length_unit", "training.train_samples_total"}
 SAMPLES |= {"scheduler.lr_decay_steps", "scheduler.wd_incr_steps"}
+FULL_RECOMPUTE = {"recompute.granularity", "recompute.method", "recompute.num_layers"}
+WD_RAMP = {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"}
+
+
+def _full(method: str, layers: int) -> list[str]:
+    return [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        method,
+        "--recompute-num-layers",
+        str(layers),
+    ]
+
+
+def _wd(style: str, start: float, end: float) -> list[str]:
+    return [
+        "--weight-decay-incr-style",
+        style,
+        "--start-weight-decay",
+        str(start),
+        "--end-weight-decay",
+        str(end),
+    ]
+
+
 # Flags whose generic non-default value (below) needs company or another value: argv, and the
 # fields that change besides the flag's own (``section.field``; a ``*`` entry: any field may).
 NEEDS = {
@@ -46,16 +72,16 @@ NEEDS = {
     "--max-position-embeddings": (["--max-position-embeddings", "64"], {}),
     "--init-method-std": (["--init-method-std", "0.05"], {}),
     "--recompute-granularity": (
-        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-        {"recompute.granularity", "recompute.method", "recompute.num_layers"},
+        _full("uniform", 2),
+        FULL_RECOMPUTE,
     ),
     "--recompute-method": (
-        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
-        {"recompute.granularity", "recompute.method", "recompute.num_layers"},
+        _full("block", 1),
+        FULL_RECOMPUTE,
     ),
     "--recompute-num-layers": (
-        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
-        {"recompute.granularity", "recompute.method", "recompute.num_layers"},
+        _full("block", 3),
+        FULL_RECOMPUTE,
     ),
     "--recompute-activations": (["--recompute-activations"], {"recompute.granularity"}),
     "--micro-batch-size": (["--micro-batch-size", "4"], {"training.num_microbatches"}),
@@ -97,16 +123,16 @@ NEEDS = {
         {"optimizer.decoupled_lr"},
     ),
     "--start-weight-decay": (
-        ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01", "--end-weight-decay", "0.1"],
-        {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"},
+        _wd("linear", 0.01, 0.1),
+        WD_RAMP,
     ),
     "--end-weight-decay": (
-        ["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.02", "--end-weight-decay", "0.2"],
-        {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"},
+        _wd("cosine", 0.02, 0.2),
+        WD_RAMP,
     ),
     "--weight-decay-incr-style": (
-        ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01", "--end-weight-decay", "0.1"],
-        {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"},
+        _wd("linear", 0.01, 0.1),
+        WD_RAMP,
     ),
     "--save-interval": (["--save", "/tmp/x", "--save-interval", "3"], {"checkpoint.save", "logging.save"}),
     "--grad-reduce-in-bf16": (
@@ -192,7 +218,7 @@ MUST = {
     "--use-distributed-optimizer": {"data_parallel.sharding_strategy"},
     "--use-torch-fsdp2": {"data_parallel.sharding_strategy"},
     "--recompute-activations": {"recompute.granularity"},
-    "--recompute-granularity": {"recompute.granularity", "recompute.method", "recompute.num_layers"},
+    "--recompute-granularity": FULL_RECOMPUTE,
     "--lr": {"scheduler.max_lr", "optimizer.lr"},
     "--min-lr": {"scheduler.min_lr", "optimizer.min_lr"},
     "--lr-warmup-init": {"scheduler.init_lr"},
@@ -203,7 +229,7 @@ MUST = {
     "--lr-decay-samples": {"scheduler.lr_decay_steps"},
     "--lr-decay-style": {"scheduler.lr_decay_style"},
     "--train-samples": {"scheduler.length_unit", "training.train_iters"},
-    "--start-weight-decay": {"scheduler.start_wd", "scheduler.end_wd", "scheduler.wd_incr_style"},
+    "--start-weight-decay": WD_RAMP,
     "--ddp-bucket-size": {"data_parallel.bucket_size"},
     "--group-query-attention": {"model.num_query_groups"},
     "--max-position-embeddings": {"model.max_position_embeddings"},
