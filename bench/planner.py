@@ -110,6 +110,43 @@ def published() -> list[dict]:
     return out
 
 
+# Questions the planner must answer in bounded time (issue #25): (name, model, GPUs, GPU, batch, seq).
+QUESTIONS = [
+    ("Llama-2 70B on 8 H100", "llama", dict(num_layers=80, hidden_size=8192, num_attention_heads=64,
+     num_query_groups=8, ffn_hidden_size=28672, vocab_size=32000), 8, "H100-SXM", 1024, 4096),
+    ("1T on 8 H100", "gpt2", dict(num_layers=128, hidden_size=25600, num_attention_heads=160, vocab_size=51200),
+     8, "H100-SXM", 3072, 2048),
+    ("Llama-2 70B on 64 H100", "llama", dict(num_layers=80, hidden_size=8192, num_attention_heads=64,
+     num_query_groups=8, ffn_hidden_size=28672, vocab_size=32000), 64, "H100-SXM", 1024, 4096),
+    ("GPT-3 175B on 1536 A100", "gpt2", dict(num_layers=96, hidden_size=12288, num_attention_heads=96,
+     vocab_size=51200), 1536, "A100-80GB", 1536, 2048),
+    ("Llama 7B, 1M tokens per sequence, on 8 H100", "llama", dict(num_layers=32, hidden_size=4096,
+     num_attention_heads=32, vocab_size=32000), 8, "H100-SXM", 512, 1 << 20),
+]  # fmt: skip
+
+
+def questions() -> list[dict]:
+    """Each question's answer (the best layout's flags, or the one-line reason none fits) and
+    the wall and CPU seconds it took (a fresh process's caches: each question on its own)."""
+    import time
+
+    from megalite.model.config import ModelConfig
+
+    out = []
+    for name, flavour, shape, gpus, gpu, batch, seq in QUESTIONS:
+        cfg = getattr(ModelConfig, flavour)(max_position_embeddings=seq, **shape)
+        p = planner.Problem(cfg, planner.Cluster(gpus, 8, planner.GPUS[gpu]), seq, batch)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            cands = planner.plan(p)
+            answer = {"layouts_that_fit": len(cands), "best": cands[0].flags}
+        except planner.PlanError as e:
+            answer = {"error": str(e)}
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        out.append({"question": name, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), **answer})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default=str(calibration.default_path()))
@@ -125,7 +162,13 @@ def main() -> None:
     ap.add_argument(
         "--published", action="store_true", help="Narayanan et al. 2021's runs instead (no CPU runs)."
     )
+    ap.add_argument(
+        "--questions", action="store_true", help="Time the planner's answers to QUESTIONS (no CPU runs)."
+    )
     a = ap.parse_args()
+    if a.questions:
+        print(json.dumps(questions(), indent=1))
+        return
     if a.published:
         print(json.dumps(published(), indent=1))
         return

@@ -294,9 +294,32 @@ def _units(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[
     return [unit_of_name(s.name, prefixes) for s in chunk_param_shapes(config, layout.tp, chunk)]
 
 
+_UNIT_BUCKETS: dict = {}  # the planner asks for the same split's buckets many times (read-only)
+
+
 def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[tuple[Bucket, str]]:
     """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory), each
-    with its ZeRO-3 unit name (:data:`~megalite.parallel.param_gather.ROOT` when params are not sharded)."""
+    with its ZeRO-3 unit name (:data:`~megalite.parallel.param_gather.ROOT` when params are not sharded);
+    cached by what decides them."""
+    key = (
+        config,
+        layout.tp,
+        layout.grad_dp,  # dp x cp: the buckets are padded and sharded over it
+        layout.params_dtype,
+        layout.sharding_strategy,
+        layout.ddp_bucket_size,
+    )
+    key += (chunk,)
+    if key not in _UNIT_BUCKETS:
+        if len(_UNIT_BUCKETS) > 4096:
+            _UNIT_BUCKETS.clear()
+        _UNIT_BUCKETS[key] = _build_unit_buckets(config, layout, chunk)
+    return _UNIT_BUCKETS[key]
+
+
+def _build_unit_buckets(
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec
+) -> list[tuple[Bucket, str]]:
     params = _meta_params(chunk_param_shapes(config, layout.tp, chunk), layout.params_dtype)
     units = _units(config, layout, chunk) or [ROOT] * len(params)
     unit_of = {id(p): u for p, u in zip(params, units)}

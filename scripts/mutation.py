@@ -180,12 +180,36 @@ def table(results: list[Result], mutants: dict) -> str:
         + "; "
         f"score {killed}/{scored} = {score:.1f}%"
     )
+    lines += package_lines(results, mutants)
     for r in results:
         if r.status == "survived":
             lines.append(f"SURVIVED {r.id}: {mutants[r.id].why}")
         elif r.status in ("invalid", "error"):
             lines.append(f"{r.status.upper()} {r.id}: {r.detail}")
     return "\n".join(lines)
+
+
+def package_of(path: str) -> str:
+    """``megalite/parallel/x.py`` -> ``parallel``; a top-level module (``megalite/memory.py``) -> its
+    name; anything outside the package (tests' own helpers) -> its first directory."""
+    parts = path.split("/")
+    if parts[0] == "megalite":
+        return parts[1] if len(parts) > 2 else parts[1].removesuffix(".py")
+    return parts[0]
+
+
+def package_lines(results: list[Result], mutants: dict) -> list[str]:
+    """One line per package: mutants, killed, survived (the spread the check keeps in proportion)."""
+    by: dict[str, list[Result]] = {}
+    for r in results:
+        by.setdefault(package_of(mutants[r.id].file), []).append(r)
+    out = ["per package:"]
+    for name in sorted(by):
+        rs = by[name]
+        killed = sum(r.status == "killed" for r in rs)
+        survived = sum(r.status == "survived" for r in rs)
+        out.append(f"  {name:<16} {len(rs):>4} mutants  {killed:>4} killed  {survived:>3} survived")
+    return out
 
 
 def main(argv=None) -> int:
@@ -209,6 +233,10 @@ def main(argv=None) -> int:
     if args.list:
         for m in mutants:
             print(f"{m.id:<34} {m.file:<38} {stale_reason(m, ROOT) or 'applies'}")
+        counts: dict[str, int] = {}
+        for m in mutants:
+            counts[package_of(m.file)] = counts.get(package_of(m.file), 0) + 1
+        print(f"{len(mutants)} mutants: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         return 0
 
     base = tempfile.mkdtemp(prefix="megalite-mutation-")

@@ -75,3 +75,63 @@ def test_equals_megatron_core_helpers():
         helpers_cpp.build_blending_indices(di, si, w, len(w), len(di), False)
         ours = build_blending_indices(w, len(di))
         assert ours[0].tobytes() == di.tobytes() and ours[1].tobytes() == si.tobytes()
+
+
+# ---- every form of --data-path Megatron accepts, with the sampled shares checked (issue #29) ----
+SOURCE = 100_000  # dataset k's tokens are k * SOURCE + position: every sample names its dataset
+DOC_TOKENS = {"A": (1000, 20), "B": (3000, 30), "C": (2000, 40)}  # tokens, document length
+
+
+@pytest.fixture(scope="module")
+def three_datasets(tmp_path_factory):
+    from test_data_gpt import write_position_dataset
+
+    root = tmp_path_factory.mktemp("blend")
+    prefixes = {}
+    for k, (name, (tokens, doc)) in enumerate(DOC_TOKENS.items()):  # documents 50 : 100 : 50
+        prefixes[name] = str(root / name)
+        write_position_dataset(prefixes[name], [doc] * (tokens // doc), offset=k * SOURCE)
+    return prefixes
+
+
+@pytest.mark.parametrize(
+    "form,shares",
+    [
+        (["2", "A", "6", "B"], [0.25, 0.75, 0.0]),  # relative weights (Megatron normalises them)
+        (["0.3", "A", "0.7", "B"], [0.3, 0.7, 0.0]),  # weights summing to 1
+        (["100", "A", "300", "B", "200", "C"], [1 / 6, 1 / 2, 1 / 3]),  # token counts as weights
+        (["1", "A", "0", "B", "3", "C"], [0.25, 0.0, 0.75]),  # a zero weight: never sampled
+        (["A", "B", "C"], [1 / 6, 1 / 2, 1 / 3]),  # no weights: by each dataset's tokens (not documents)
+        (["0.5", "A", "0.5", "B", "0.5", "C"], [1 / 3, 1 / 3, 1 / 3]),  # summing to 1.5
+    ],
+    ids=["relative", "sum-1", "token-counts", "zero-weight", "unweighted", "sum-1.5"],
+)
+def test_every_blend_form_samples_its_shares(three_datasets, form, shares):
+    from megalite.data.builder import build_train_valid_test_datasets
+
+    path = [three_datasets.get(x, x) for x in form]
+    n = 240
+    train, valid, test = build_train_valid_test_datasets(path, "100,0,0", 8, 1234, n, None, None)
+    assert len(train) == n and valid is None and test is None
+    counts = np.bincount([int(train[i]["tokens"][0]) // SOURCE for i in range(n)], minlength=3)
+    # the greedy blend keeps every prefix of the stream within one sample of its share
+    assert np.all(np.abs(counts - n * np.asarray(shares)) <= 1), (counts, shares)
+    for i in range(n):  # each sample is one dataset's contiguous tokens
+        tokens = np.asarray(train[i]["tokens"])
+        assert len(set(tokens // SOURCE)) == 1, i
+
+
+def test_unnormalised_weights_are_the_normalised_ones_sample_by_sample(three_datasets):
+    """Megatron normalises the weights before it sizes each dataset: relative weights (2, 6),
+    token counts (100, 300) and sums other than 1 give the very samples of (0.25, 0.75), not
+    only the same shares (a dataset sized by the raw weight would shuffle more epochs)."""
+    from megalite.data.builder import build_train_valid_test_datasets
+
+    def stream(form):
+        path = [three_datasets.get(x, x) for x in form]
+        train, _, _ = build_train_valid_test_datasets(path, "100,0,0", 8, 1234, 120, None, None)
+        return np.stack([np.asarray(train[i]["tokens"]) for i in range(len(train))])
+
+    normalised = stream(["0.25", "A", "0.75", "B"])
+    for form in (["2", "A", "6", "B"], ["100", "A", "300", "B"], ["0.5", "A", "1.5", "B"]):
+        assert np.array_equal(stream(form), normalised), form

@@ -36,6 +36,9 @@ PAIRS = {
     "dp2-z2-llama": (2, BASE + LLAMA + Z2),
     # ZeRO-3: each layer's all-gather prefetched one layer ahead (also in the evaluations' forwards).
     "dp2-z3-llama": (2, BASE + LLAMA + Z1 + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    # Buckets of 100 elements: each fc1 bias (128) closes a bucket, its weight opens the next, so one
+    # module's params arrive in two gathers (test_split_buckets_split_modules checks the layout).
+    "dp2-z1-gpt2-split-modules": (2, BASE + Z1 + ["--ddp-bucket-size", "100"]),
     "tp2-pp2-dp2-1f1b-llama": (8, BASE + LLAMA + layout(2, 2) + Z1),
     "tp2-pp2-dp2-interleaved-gpt2": (8, BASE + layout(2, 2) + Z1 + INTERLEAVED),
 }
@@ -163,3 +166,24 @@ def test_flag_rules(flags, message):
     with pytest.raises(ArgumentError) as e:
         validate_args(parse_args(BASE + flags), 2)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_split_buckets_split_modules():
+    """The split-modules pair's bucket layout (DDP's own bucket split, on meta tensors) has
+    modules whose weight and bias are in different buckets; the default pair's has none."""
+    from megalite.arguments import build_configs, model_config
+    from megalite.memory import MemoryLayout, _unit_buckets, chunk_param_shapes, stage_chunks
+
+    def split_modules(argv):
+        args = validate_args(parse_args(argv), 2)
+        cfg, lay = model_config(args, vocab_size=101), MemoryLayout.from_configs(build_configs(args))
+        (chunk,) = stage_chunks(cfg, lay)[0]
+        names = [s.name for s in reversed(chunk_param_shapes(cfg, 1, chunk))]  # bucket order
+        index = [i for i, (bucket, _) in enumerate(_unit_buckets(cfg, lay, chunk)) for _ in bucket.params]
+        buckets_of: dict[str, set] = {}
+        for name, i in zip(names, index, strict=True):
+            buckets_of.setdefault(name.rsplit(".", 1)[0], set()).add(i)
+        return sorted(m for m, b in buckets_of.items() if len(b) > 1)
+
+    assert len(split_modules(PAIRS["dp2-z1-gpt2-split-modules"][1])) >= 4
+    assert split_modules(PAIRS["dp2-z1-gpt2"][1]) == []

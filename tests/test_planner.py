@@ -10,6 +10,7 @@ report within 5%, so no second spawn here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -21,7 +22,8 @@ import pytest
 import torch
 from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
-from megalite.arguments import build_configs, model_config, parse_args, validate_args
+from megalite.arguments import build_configs, build_parser, model_config, parse_args, validate_args
+from megalite.errors import MegaliteError
 from megalite.memory import MemoryLayout, predict_rank
 from megalite.model.config import ModelConfig
 from megalite.planning import planner
@@ -442,3 +444,147 @@ def test_planner_proposes_context_parallelism_for_long_sequences():
     # the model FLOPs (MFU's numerator) count attention once: the same for every cp
     no_cp = planner.with_time(p, cands[1])
     assert best.mfu * best.step_time_s == pytest.approx(no_cp.mfu * no_cp.step_time_s)
+
+
+# ---- bounded time: the state floor prunes, the answer says what does not fit (issue #25) ---------
+LLAMA_70B = ModelConfig.llama(
+    num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
+    vocab_size=32000, max_position_embeddings=4096,
+)  # fmt: skip
+GPT_1T = ModelConfig.gpt2(
+    num_layers=128, hidden_size=25600, num_attention_heads=160, vocab_size=51200, max_position_embeddings=2048
+)
+
+
+def _gb(msg: str, what: str) -> float:
+    return float(re.search(rf"{what} ([\d.]+) GB", msg).group(1))
+
+
+def test_big_models_on_8_gpus_are_answered_with_what_does_not_fit():
+    """The questions that once ran for minutes (bench/planner.py --questions times them): the
+    answer names the category and its bytes per GPU, which the state floor gives by hand."""
+    h100 = planner.Cluster(8, 8, planner.GPUS["H100-SXM"])
+    with pytest.raises(planner.PlanError) as e:
+        planner.plan(planner.Problem(LLAMA_70B, h100, 4096, 1024))
+    msg = str(e.value)
+    n = planner.model_numel(LLAMA_70B)
+    assert 68.9e9 < n < 69.1e9  # Llama-2 70B's parameter count
+    # ZeRO-3 over the 8 GPUs: bf16 params, fp32 grads, fp32 main params + 2 moments, all / 8
+    for what, per_param in (("parameters", 2), ("gradients", 4), ("optimizer state", 12)):
+        assert _gb(msg, what) == pytest.approx(per_param * n / 8 / planner.GIB, abs=0.06), (what, msg)
+    assert "model's state needs" in msg and "smallest that fits is --num-gpus 32" in msg, msg
+    assert len(msg.splitlines()) == 1
+    with pytest.raises(planner.PlanError, match=r"the parameters alone need [\d.]+ GB per GPU") as e:
+        planner.plan(planner.Problem(GPT_1T, h100, 2048, 3072))
+    n = planner.model_numel(GPT_1T)
+    assert _gb(str(e.value), "need") == pytest.approx(2 * n / 8 / planner.GIB, abs=0.06)
+    assert re.search(r"smallest that fits is --num-gpus \d+$", str(e.value)), e.value
+
+
+def test_overhead_and_activations_are_named_when_they_are_what_does_not_fit():
+    # SMALL's state is ~12 MB: 2.0 GB of CUDA context leaves nothing on a 2 GB GPU
+    overhead = r"per-GPU overhead \(2 GB CUDA context \+ 8% allocator\) makes it 2\.\d GB; no GPU count fits"
+    with pytest.raises(planner.PlanError, match=overhead):
+        planner.plan(_small(gpus=1, memory=2.0, gbs=8))
+    # a sequence of 64k tokens on 2.3 GB: the state fits, the activations of the leanest layout do not
+    long = dataclasses.replace(SMALL, max_position_embeddings=1 << 16)
+    gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=2.3)
+    p = planner.Problem(long, planner.Cluster(8, 8, gpu), 1 << 16, 8)
+    with pytest.raises(
+        planner.PlanError, match=r"the state fits .* but the activations do not: .*recompute full"
+    ):
+        planner.plan(p)
+
+
+def test_state_floor_is_below_every_prediction_and_pruning_changes_nothing():
+    """The floor never exceeds the exact state bytes of a layout's peak stage, and the pruned
+    search returns what predicting every layout with memory.predict_rank returns (brute force)."""
+    for gpus, memory, gbs in ((4, 80.0, 16), (8, 2.2, 8), (4, 2.06, 8)):
+        p = _small(gpus=gpus, gpn=8, memory=memory, gbs=gbs)
+        brute = []
+        for c in planner.layouts(p, None, True):
+            layout = planner.memory_layout(p, c)
+            ranks = [predict_rank(SMALL, layout, r) for r in range(c.pp)]
+            floor = planner.state_floor(p, c.tp, c.pp, c.dp, c.sharding).total
+            assert floor <= max(m.params + m.grads + m.optimizer for m in ranks), c
+            peak = max(ranks, key=lambda m: sum(m.categories().values()))
+            need = sum(peak.categories().values())
+            if (
+                planner.CONTEXT_GB * planner.GIB
+                + (1 + planner.FRAGMENTATION) * need
+                + sum(peak.extra.values())
+            ) <= memory * planner.GIB:
+                brute.append(c)
+        pruned = list(planner._fitting(p, None, True))
+        key = lambda c: dataclasses.astuple(c)[:8]  # noqa: E731
+        assert sorted(map(key, pruned)) == sorted(map(key, brute)), (gpus, memory)
+
+
+# ---- every candidate is a launch the launcher accepts (issue #29) --------------------------------
+VALIDATION_BASE = [
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--train-iters",
+    "1",
+]
+VALIDATION_BASE += ["--lr", "1e-3", "--bf16"]
+VALIDATION_CASES = [  # (model flags, GPUs, global batch, seq): GQA's query groups, interleaving's m % pp
+    (["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+      "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"], 8, 12, 32),
+    (["--num-layers", "6", "--hidden-size", "48", "--num-attention-heads", "6", "--ffn-hidden-size", "96"], 6, 12, 20),
+]  # fmt: skip
+
+
+def _accepted(args, gpus: int, **flags) -> bool:
+    """validate_args on a copy of the parsed ``args`` with ``flags`` (dests) set."""
+    try:
+        validate_args(argparse.Namespace(**{**vars(args), **flags}), gpus)
+    except MegaliteError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model,gpus,gbs,seq", VALIDATION_CASES, ids=["gqa-rope", "mha-6"])
+def test_candidates_are_exactly_the_launches_validation_accepts(model, gpus, gbs, seq):
+    """Brute force: every (tp, pp, layers per virtual stage, micro batch, SP) written as flags by
+    hand and passed through parse_args + validate_args. The planner proposes exactly the accepted
+    ones inside its own policy (vp <= 8, SP only with tp > 1, a ZeRO level only with dp > 1; one
+    node, so no TP across nodes), each as its own launch flags, and nothing validation refuses."""
+    base = VALIDATION_BASE + model + ["--seq-length", str(seq), "--global-batch-size", str(gbs)]
+    args = parse_args(base)
+    cfg = model_config(args, vocab_size=300)
+    p = planner.Problem(cfg, planner.Cluster(gpus, gpus, planner.GPUS["H100-SXM"]), seq, gbs)
+    proposed, parser = {}, build_parser()  # parse_args' parser (one: building it is the slow part)
+    for c in planner.layouts(p):  # each launch line, through the parser: accepted, and meaning c
+        launch = parser.parse_args(base + planner.launch_flags(c, cfg.num_layers).split())
+        assert _accepted(launch, gpus), planner.launch_flags(c, cfg.num_layers)
+        got = validate_args(launch, gpus)
+        meant = (got.tensor_model_parallel_size, got.pipeline_model_parallel_size, got.virtual_pipeline_model_parallel_size,
+                 got.data_parallel_size, got.micro_batch_size, got.sequence_parallel and got.tensor_model_parallel_size > 1,
+                 got.recompute_granularity or "none", got.data_parallel_sharding_strategy)  # fmt: skip
+        assert meant == dataclasses.astuple(c)[:8], (meant, c)
+        if c.recompute == "none" and c.sharding in ("no_shard", "optim"):
+            proposed[(c.tp, c.pp, c.vp, c.micro_batch_size, c.sequence_parallel, c.sharding)] = c
+    accepted = set()
+    layers = cfg.num_layers
+    for tp in range(1, gpus + 1):
+        for pp in range(1, gpus // tp + 1):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for vpl in [None, *range(1, layers + 1)]:
+                vp = 1 if vpl is None else layers // (pp * vpl)
+                for mbs in planner.MICRO_BATCH_SIZES:
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for sharding in ("no_shard", "optim") if dp > 1 else ("no_shard",):
+                            flags = dict(
+                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                num_layers_per_virtual_pipeline_stage=vpl, micro_batch_size=mbs,
+                                sequence_parallel=sp, use_distributed_optimizer=sharding == "optim",
+                            )  # fmt: skip
+                            if vp <= 8 and _accepted(args, gpus, **flags):
+                                accepted.add((tp, pp, vp, mbs, sp, sharding))
+    assert accepted == set(proposed), (sorted(accepted - set(proposed)), sorted(set(proposed) - accepted))

@@ -119,10 +119,68 @@ def check_recompute(mesh):
     assert not all(torch.equal(a, b) for a, b in zip(g0, g2))
 
 
+def _stream_at_dropouts(model, x):
+    """The CPU RNG state at every dropout call of one training forward: F.dropout (the hidden
+    dropout) and SDPA with dropout_p > 0 (the attention dropout), in call order."""
+    seen = {"hidden": [], "attention": []}
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def hidden(t, p=0.5, *a, **k):
+        seen["hidden"].append(torch.get_rng_state())
+        return dropout(t, p, *a, **k)
+
+    def attention(*a, **k):
+        if k.get("dropout_p", 0.0) > 0:
+            seen["attention"].append(torch.get_rng_state())
+        return sdpa(*a, **k)
+
+    F.dropout, F.scaled_dot_product_attention = hidden, attention
+    try:
+        model.train()
+        out = model(x)
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+    return seen, out
+
+
+def check_model_dropout(mesh):
+    """In the model (not only the streams): without SP the hidden dropout of the replicated
+    activations draws from the default stream, the same on every TP rank, so the replicated
+    layer outputs stay equal; the attention dropout of each rank's own heads draws from its TP
+    stream; under SP the hidden dropout of each rank's own tokens does too. Afterwards the
+    default stream is where it is on the other TP ranks (and the model's params are equal)."""
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+
+    cfg = ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                           max_position_embeddings=8, hidden_dropout=0.5, attention_dropout=0.5)  # fmt: skip
+    x = torch.arange(16).reshape(2, 8) % 64
+    for sp in (False, True):
+        rng = set_random_seed(SEED, mesh, "cpu")
+        model = GPTModel(cfg, mesh, rng=rng, sequence_parallel=sp, post_process=False)
+        seen, out = _stream_at_dropouts(model, x)
+        assert len(seen["hidden"]) >= 5 and len(seen["attention"]) == 2, {k: len(v) for k, v in seen.items()}
+        for kind, states in seen.items():
+            gathered = [all_gather(s, mesh.tp_group, mesh.tp_size) for s in states]
+            same = [torch.equal(g[0], g[1]) for g in gathered]
+            own_stream = kind == "attention" or sp
+            assert same == [not own_stream] * len(states), (kind, sp, same)
+        if not sp:  # the replicated hidden states are equal on the TP ranks
+            outs = all_gather(out.detach().contiguous(), mesh.tp_group, mesh.tp_size)
+            assert torch.equal(outs[0], outs[1])
+        states = all_gather(torch.get_rng_state(), mesh.tp_group, mesh.tp_size)
+        assert torch.equal(states[0], states[1])
+        for name, p in model.named_parameters():  # replicated params equal, shards of one init
+            if not getattr(p, "tensor_model_parallel", False):
+                ps = all_gather(p.detach().contiguous(), mesh.tp_group, mesh.tp_size)
+                assert torch.equal(ps[0], ps[1]), name
+
+
 def run_all():
     mesh = initialize_model_parallel(2, 2)
     check_streams(mesh)
     check_recompute(mesh)
+    check_model_dropout(mesh)
     return True
 
 

@@ -44,10 +44,23 @@ import torch
 
 from megalite.configs import RunConfig
 from megalite.errors import MegaliteError
-from megalite.memory import MemoryLayout, RankMemory, activation_bytes, dtype_bytes, extra_bytes, predict_rank
+from megalite.memory import (
+    MemoryLayout,
+    RankMemory,
+    chunk_activation_bytes,
+    chunk_param_shapes,
+    dtype_bytes,
+    extra_bytes,
+    gathered_param_bytes,
+    grad_buffer_bytes,
+    optimizer_device_bytes,
+    param_bytes,
+    stage_chunks,
+)
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
 from megalite.parallel.context_parallel import context_parallel_comm_bytes
+from megalite.parallel.schedules import schedule_plan
 from megalite.planning import calibration as cm
 
 GIB = 2**30
@@ -178,29 +191,145 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 
 # The bytes of params, grads and optimizer depend on the model split only, not on the micro-batch,
 # SP or recompute: a planner run meets each split many times, and DDP's bucket split on meta
-# tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept.
+# tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept; so is
+# ZeRO-3's gathered-unit peak (the same buckets), and each schedule's in-flight pattern.
 _STATE_FIELDS = (
     "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
 )  # fmt: skip
+_GATHER_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "overlap_param_gather")
 _state_cache: dict = {}
+_gathered_cache: dict = {}
+_in_flight_cache: dict = {}
+
+
+def _in_flight_patterns(layout: MemoryLayout, pp_rank: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct live-microbatch counts per chunk right after each forward of this rank's
+    schedule plan: ``memory.peak_in_flight`` is the max of their dot products with the chunks'
+    bytes, and a plan of m microbatches has only a handful of distinct ones."""
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    key = (schedule, layout.pp, pp_rank, layout.num_microbatches, layout.vp)
+    if key not in _in_flight_cache:
+        live, seen = [0] * layout.vp, set()
+        for step in schedule_plan(schedule, layout.pp, pp_rank, layout.num_microbatches, layout.vp):
+            if step.forward is not None:
+                live[step.forward[0]] += 1
+                seen.add(tuple(live))
+            if step.backward is not None:
+                live[step.backward[0]] -= 1
+        _in_flight_cache[key] = tuple(seen)
+    return _in_flight_cache[key]
+
+
+def _activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """``memory.activation_bytes``, walking each schedule once (cached patterns)."""
+    per_chunk = [chunk_activation_bytes(config, layout, c) for c in stage_chunks(config, layout)[pp_rank]]
+    patterns = _in_flight_patterns(layout, pp_rank)
+    return max((sum(n * b for n, b in zip(live, per_chunk)) for live in patterns), default=0)
+
+
+def _rank_state(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of ``predict_rank``, cached per model split."""
+    split = dict((f, getattr(layout, f)) for f in _STATE_FIELDS)
+    if not layout.use_distributed_optimizer:
+        split["dp"] = split["cp"] = 1  # only the distributed optimizer pads or shards by dp x cp
+    key = (config, tuple(split.values()), pp_rank)
+    if key not in _state_cache:
+        _state_cache[key] = (
+            param_bytes(config, layout, pp_rank),
+            grad_buffer_bytes(config, layout, pp_rank),
+            optimizer_device_bytes(config, layout, pp_rank),
+        )
+    return _state_cache[key]
+
+
+def _gathered_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """``memory.gathered_param_bytes``, cached per split and what it reads of the recompute."""
+    if not layout.shard_params:
+        return 0
+    group = None
+    if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
+        group = layout.recompute_num_layers
+    key = (
+        config,
+        tuple(getattr(layout, f) for f in _STATE_FIELDS),
+        pp_rank,
+        group,
+        layout.overlap_param_gather,
+    )
+    if key not in _gathered_cache:
+        _gathered_cache[key] = gathered_param_bytes(config, layout, pp_rank)
+    return _gathered_cache[key]
 
 
 def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> RankMemory:
     """``predict_rank(config, layout, pp_rank)`` (equal, field by field: a test checks), with its
-    state bytes cached per model split."""
-    split = dict((f, getattr(layout, f)) for f in _STATE_FIELDS)
-    if not layout.use_distributed_optimizer:
-        split["dp"] = split["cp"] = 1  # only the distributed optimizer pads or shards by dp x cp
-    key = (dataclasses.astuple(config), tuple(split.values()), pp_rank)
-    if key not in _state_cache:
-        full = predict_rank(config, layout, pp_rank)
-        _state_cache[key] = (full.params, full.grads, full.optimizer)
-        return full
+    slow terms cached."""
     layout.validate()
+    config.validate(layout.tp)
+    # extra_bytes without ZeRO-3's gathered units (the slow term, cached)
+    extra = extra_bytes(config, dataclasses.replace(layout, shard_params=False), pp_rank)
+    extra["params_gathered"] = _gathered_bytes(config, layout, pp_rank)
     return RankMemory(
-        *_state_cache[key], activation_bytes(config, layout, pp_rank), extra_bytes(config, layout, pp_rank)
+        *_rank_state(config, layout, pp_rank), _activation_bytes(config, layout, pp_rank), extra
     )
+
+
+# ---- lower bounds: what no layout of a split can go below (they prune the search) --------------
+@dataclass(frozen=True)
+class StateFloor:
+    """Bytes per GPU that every layout of a split holds at least: its share of the parameters,
+    of the fp32 gradient buffer and of the optimizer state (padding and replicated norms only add)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+_numel_cache: dict = {}
+
+
+def model_numel(config: ModelConfig) -> int:
+    """Parameter elements of the whole model, one copy of each (tp = pp = 1)."""
+    if config not in _numel_cache:
+        chunks = stage_chunks(config, MemoryLayout())[0]
+        _numel_cache[config] = sum(s.numel for c in chunks for s in chunk_param_shapes(config, 1, c))
+    return _numel_cache[config]
+
+
+def state_floor(p: Problem, tp: int, pp: int, dp: int, sharding: str) -> StateFloor:
+    """Each of the tp x pp ranks of a replica holds on average 1/(tp pp) of every parameter
+    (at least: TP shards add up to the tensor, replicated ones count twice), the first and the
+    last stage at least the average; each ZeRO level divides its category by ``dp`` (pass dp x cp:
+    ZeRO shards over both)."""
+    sh = SHARDING[sharding]
+    per_rank = model_numel(p.config) / (tp * pp)
+    main_copy = 0 if p.params_dtype == torch.float32 else 4  # memory.optimizer_device_bytes
+    return StateFloor(
+        params=dtype_bytes(p.params_dtype) * per_rank / (dp if sh.get("shard_params") else 1),
+        grads=4 * per_rank / (dp if sh.get("shard_grads") else 1),
+        optimizer=(8 + main_copy) * per_rank / (dp if sh.get("use_distributed_optimizer") else 1),
+    )
+
+
+def floor_gb(floor: StateFloor) -> float:
+    """The GiB ``fits`` compares at least: the floor, its fragmentation and the CUDA context."""
+    return CONTEXT_GB + (1 + FRAGMENTATION) * floor.total / GIB
+
+
+def may_fit(p: Problem, c: Candidate) -> bool:
+    """False only when no prediction could fit: ``state_floor`` is a lower bound (a test checks),
+    then the split's exact state bytes (cached), before any activation or ZeRO-3 gather term."""
+    gpu_gb = p.cluster.gpu.memory_gb
+    if floor_gb(state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding)) > gpu_gb:
+        return False
+    layout = memory_layout(p, c)
+    state = max(sum(_rank_state(p.config, layout, r)) for r in sorted({0, c.pp - 1}))
+    return CONTEXT_GB + (1 + FRAGMENTATION) * state / GIB <= gpu_gb
 
 
 def peak_rank_memory(p: Problem, c: Candidate) -> RankMemory:
@@ -540,6 +669,8 @@ def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[
         else dataclasses.replace(p, cluster=dataclasses.replace(p.cluster, num_gpus=num_gpus))
     )
     for c in layouts(q, num_gpus, cross_node_tp):
+        if not may_fit(q, c):
+            continue
         c = with_memory(q, c)
         if fits(q, c):
             yield c
@@ -558,17 +689,52 @@ def plan(p: Problem) -> list[Candidate]:
     return [dataclasses.replace(c, flags=launch_flags(c, p.config.num_layers)) for c in ranked]
 
 
-def smallest_gpu_count(p: Problem, limit: int = 1 << 16) -> int | None:
-    """The fewest GPUs (powers of two up to a node, then whole nodes) on which a layout fits."""
+GPU_COUNT_LIMIT = 1 << 16  # the largest job smallest_gpu_count considers
+GPU_COUNTS_TRIED = 48  # GPU counts it searches at most, from the first the state floor allows
+
+
+def min_gpus_by_state(p: Problem) -> int | None:
+    """The fewest GPUs any layout could fit on: fully sharded (ZeRO-3 over every GPU), the model's
+    state alone plus the overhead; None when even one byte of state does not fit beside the
+    overhead (the GPU's memory is at most ``CONTEXT_GB``)."""
+    room = (p.cluster.gpu.memory_gb - CONTEXT_GB) * GIB / (1 + FRAGMENTATION)
+    if room <= 0:
+        return None
+    whole = state_floor(p, 1, 1, 1, "optim_grads_params").total
+    return max(1, math.ceil(whole / room))
+
+
+def gpu_counts(p: Problem, start: int, limit: int = GPU_COUNT_LIMIT) -> list[int]:
+    """Counts above the job's, from ``start``: powers of two up to a node, then whole nodes; at
+    most ``GPU_COUNTS_TRIED`` of them (bounded time)."""
     gpn = p.cluster.gpus_per_node
-    counts = [2**k for k in range(gpn.bit_length()) if 2**k < gpn]
-    counts += list(range(gpn, limit + 1, gpn))
-    for n in counts:
-        if n <= p.cluster.num_gpus:
-            continue
-        if next(_fitting(p, n, n > gpn), None) is not None:
+    low = max(start, p.cluster.num_gpus + 1)
+    small = [2**k for k in range(gpn.bit_length()) if low <= 2**k < gpn]
+    first_node = max(gpn, -(-low // gpn) * gpn)
+    nodes = range(first_node, limit + 1, gpn)
+    return (small + list(nodes[:GPU_COUNTS_TRIED]))[:GPU_COUNTS_TRIED]
+
+
+def smallest_gpu_count(p: Problem, limit: int = GPU_COUNT_LIMIT) -> int | None:
+    """The fewest GPUs (powers of two up to a node, then whole nodes) on which a layout fits,
+    among ``gpu_counts`` from the state floor's minimum; None when none of those fits."""
+    start = min_gpus_by_state(p)
+    if start is None or start > limit:
+        return None
+    gpn = p.cluster.gpus_per_node
+    for n in gpu_counts(p, start, limit):
+        q = dataclasses.replace(p, cluster=dataclasses.replace(p.cluster, num_gpus=n))
+        # leanest first: the first that fits answers
+        lean = sorted(layouts(q, n, n > gpn), key=lambda c: _leanness(q, c))
+        if any(fits(q, with_memory(q, c)) for c in lean if may_fit(q, c)):
             return n
     return None
+
+
+def _leanness(p: Problem, c: Candidate) -> tuple:
+    """Sort key, leanest first: the state floor, then the activations' knobs."""
+    floor = state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding).total
+    return (floor, c.micro_batch_size, RECOMPUTE_CHOICES[::-1].index(c.recompute), not c.sequence_parallel)
 
 
 def no_layout_message(p: Problem) -> str:
@@ -582,17 +748,52 @@ def no_layout_message(p: Problem) -> str:
     )
 
 
+def what_does_not_fit(p: Problem) -> str:
+    """Why nothing fits on the job's GPUs, with the numbers: the leanest layout's floor of
+    parameters, gradients and optimizer state per GPU, and the planner's overhead on top; or,
+    when the state fits, the activations of the leanest layout the prediction tried."""
+    gpu_gb = p.cluster.gpu.memory_gb
+    cands = list(layouts(p, None, True))
+    lean = min(cands, key=lambda c: state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding).total)
+    f = state_floor(p, lean.tp, lean.pp, lean.dp * lean.cp, lean.sharding)
+    where = f"the leanest layout (tp={lean.tp} pp={lean.pp} dp={lean.dp}, {lean.sharding})"
+    state = (
+        f"parameters {f.params / GIB:.1f} GB + gradients {f.grads / GIB:.1f} GB + optimizer state "
+        f"{f.optimizer / GIB:.1f} GB"
+    )
+    overhead = (
+        f"the planner's per-GPU overhead ({CONTEXT_GB:g} GB CUDA context + {FRAGMENTATION:.0%} allocator)"
+    )
+    if f.params / GIB > gpu_gb:
+        return f"the parameters alone need {f.params / GIB:.1f} GB per GPU on {where}"
+    if f.total / GIB > gpu_gb:
+        return f"the model's state needs {state} = {f.total / GIB:.1f} GB per GPU on {where}"
+    if floor_gb(f) > gpu_gb:
+        return f"{where} holds {state} per GPU; {overhead} makes it {floor_gb(f):.1f} GB"
+    tried = [with_memory(p, c) for c in cands if may_fit(p, c)]
+    best = min(tried, key=lambda c: c.memory_per_rank_gb + c.overhead_gb)
+    return (
+        f"the state fits ({state} on {where}) but the activations do not: the leanest prediction "
+        f"(tp={best.tp} pp={best.pp} dp={best.dp} mbs={best.micro_batch_size}, recompute {best.recompute}) "
+        f"needs {best.memory_per_rank_gb:.1f} GB + {best.overhead_gb:.1f} GB overhead"
+    )
+
+
 def no_fit_message(p: Problem) -> str:
     gpu = p.cluster.gpu
+    start = min_gpus_by_state(p)
     n = smallest_gpu_count(p)
-    where = (
-        f"the smallest that fits is --num-gpus {n}"
-        if n is not None
-        else "no GPU count up to 65536 fits; lower --seq-length or the model size"
-    )
+    if n is not None:
+        where = f"the smallest that fits is --num-gpus {n}"
+    elif start is None:
+        where = f"no GPU count fits: {gpu.memory_gb:g} GB leaves nothing beside the {CONTEXT_GB:g} GB CUDA context"
+    else:
+        tried = gpu_counts(p, start)
+        span = f"{tried[0]} to {tried[-1]}" if tried else f"{start} and up"
+        where = f"no --num-gpus from {span} fits; lower --seq-length, --global-batch-size or the model size"
     return (
         f"the model fits on no layout of --num-gpus {p.cluster.num_gpus} with {gpu.memory_gb:g} GB per GPU "
-        f"(--global-batch-size {p.global_batch_size}); {where}"
+        f"(--global-batch-size {p.global_batch_size}): {what_does_not_fit(p)}; {where}"
     )
 
 
