@@ -70,6 +70,17 @@ NEEDS = {
         {"model.num_query_groups"},
     ),
     "--max-position-embeddings": (["--max-position-embeddings", "64"], {}),
+    # context parallelism runs on 2 ranks, without attention dropout (its kernel has none)
+    "--context-parallel-size": (
+        ["--context-parallel-size", "2", "--attention-dropout", "0"],
+        {"model.attention_dropout"},
+    ),
+    "--cp-comm-type": (["--cp-comm-type", "all_gather"], {}),
+    # on by default: its non-default value is its --no- form's
+    "--gradient-accumulation-fusion": (
+        ["--no-gradient-accumulation-fusion"],
+        {},
+    ),  # a list flag: the generic value is the default
     "--init-method-std": (["--init-method-std", "0.05"], {}),
     "--recompute-granularity": (
         _full("uniform", 2),
@@ -329,7 +340,8 @@ def sweep() -> list[tuple[str, list[str], list[str]]]:
             value = _generic(action)
             assert value is not None, f"{flag}: no generic value; add it to NEEDS or NOT_IN_CONFIGS"
             extra = [flag, *value]
-        got = _built(_argv(extra), world=2 if "--pipeline-model-parallel-size" in extra else 1)
+        two_ranks = {"--pipeline-model-parallel-size", "--context-parallel-size"} & set(extra)
+        got = _built(_argv(extra), world=2 if two_ranks else 1)
         changed = sorted(k for k in got if got[k] != base[k])
         own = {k for k in got if k.split(".", 1)[1] == action.dest}
         rows.append((flag, changed, sorted(own | set(also)), got, action))

@@ -489,11 +489,13 @@ def test_overhead_and_activations_are_named_when_they_are_what_does_not_fit():
     # a sequence of 64k tokens on 2.3 GB: the state fits, the activations of the leanest layout do not
     long = dataclasses.replace(SMALL, max_position_embeddings=1 << 16)
     gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=2.3)
-    p = planner.Problem(long, planner.Cluster(8, 8, gpu), 1 << 16, 8)
+    p = planner.Problem(long, planner.Cluster(8, 8, gpu), 1 << 16, 8, context_parallel_choices=(1,))
     with pytest.raises(
         planner.PlanError, match=r"the state fits .* but the activations do not: .*recompute full"
     ):
         planner.plan(p)
+    # context parallelism splits those tokens: allowed, the planner's pick uses it
+    assert planner.plan(dataclasses.replace(p, context_parallel_choices=None))[0].cp > 1
 
 
 def test_state_floor_is_below_every_prediction_and_pruning_changes_nothing():
