@@ -364,3 +364,75 @@ def test_older_language_model_names_read_the_same(tmp_path):
     want = expected("gpt2")
     torch.testing.assert_close(megalite_logits(ckpt.state, ckpt.config, want["tokens"]), want["logits"],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+# ---- continuing a Megatron-LM run: the optimizer state comes along ---------------------------------
+
+
+def _megalite_continues(converted: str, config, flags: list[str]) -> dict:
+    """One process: pretrain_gpt.py's setup and --load of ``converted``, then one training step on
+    megatron_core_run's tokens -> labels; the logical weights after it."""
+    import megatron_core_run as mcr
+
+    from megalite.arguments import parse_args
+    from megalite.checkpoint import load_checkpoint
+    from megalite.training import setup, train_step
+
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1),
+            "--seq-length", str(mcr.SEQ), "--train-iters", str(mcr.DECAY_ITERS), "--load", converted,
+            "--hidden-dropout", "0", "--attention-dropout", "0", *flags, *mg.model_flags(config)]  # fmt: skip
+    state = setup(parse_args(argv))
+    assert load_checkpoint(state)
+    batch = {"tokens": mcr.tokens(), "labels": mcr.labels(), "loss_mask": torch.ones(mcr.BATCH, mcr.SEQ),
+             "position_ids": torch.arange(mcr.SEQ).expand(mcr.BATCH, mcr.SEQ)}  # fmt: skip
+    train_step(state, iter([batch]))
+    model = state.model[0].module
+    return {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+
+
+def _continue_both(cases):
+    import megatron_core_run as mcr
+
+    for flavour, folder, fmt, out in cases:
+        mcr.continue_one_step(flavour, folder, fmt, out)
+
+
+@needs_mcore
+@pytest.mark.timeout(900)
+def test_converted_megatron_run_continues_as_megatron_core_does(written, tmp_path):
+    """Megatron trained ITERATION steps and saved (both formats); converted --include-optimizer,
+    megalite's next step equals megatron-core's own next step from the same checkpoint: the
+    moments, AdamW's step, the LR schedule's position and the weight decay groups all carried."""
+    import megatron_core_run as mcr
+
+    out = written[0]
+    cases = [(f, str(out / f / fmt / "iter_0000005"), fmt, str(tmp_path / f"{f}-{fmt}-mcore"))
+             for f in FLAVOURS for fmt in FORMATS]  # fmt: skip
+    run_distributed(_continue_both, 4, cases, timeout=400)
+    for flavour, _, fmt, mcore_next in cases:
+        converted = str(tmp_path / f"{flavour}-{fmt}-ml")
+        assert convert_main("--input", str(out / flavour / fmt), "--output", converted,
+                            "--output-format", "megalite", "--include-optimizer") == 0  # fmt: skip
+        want = mg.read_megatron(mcore_next)
+        assert want.iteration == mcr.ITERATION + 1
+        got = run_distributed(_megalite_continues, 1, converted, want.config, mcr.MEGALITE_SCHEDULE_FLAGS)[0]
+        before = mg.read_megatron(out / flavour / fmt).state
+        for name, t in want.state.items():
+            assert not torch.equal(t, before[name]), name  # the step moved every weight
+            rows = _determined_rows(name, want.config)
+            torch.testing.assert_close(
+                got[name][rows], t[rows], rtol=1e-5, atol=1e-7, msg=f"{flavour} {fmt} {name}"
+            )
+
+
+def _determined_rows(name: str, config) -> torch.Tensor | slice:
+    """The rows of ``name`` whose step is determined by the model, not by rounding noise: all but
+    the key bias. Softmax ignores a shift shared by all keys, so the key bias's true gradient is 0;
+    Adam divides its rounding-level gradient by that gradient's own root-mean-square, so both
+    codes move it by about the LR, in directions set by their last-bit differences."""
+    if not name.endswith("linear_qkv.bias"):
+        return slice(None)
+    q_per_group = config.num_attention_heads // config.query_groups
+    block = (q_per_group + 2) * config.head_dim  # per group: its query heads, then k, then v
+    row = torch.arange(config.query_groups * block) % block
+    return ~((row >= q_per_group * config.head_dim) & (row < (q_per_group + 1) * config.head_dim))
