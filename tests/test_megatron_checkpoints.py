@@ -377,9 +377,10 @@ def test_load_of_a_megatron_checkpoint_stops_with_the_commands_that_work(tmp_pat
     message = str(e.value)
     assert "\n" not in message and "Megatron-LM torch_dist checkpoint" in message
     convert, resume = message.split("python tools/convert_checkpoint.py ")[1].split(", then pretrain_gpt.py ")
+    assert convert.split()[-1] == "--include-optimizer"  # its optimizer state is readable: the run continues
     assert convert_main(*convert.split()) == 0
     flags = resume.split()
-    assert flags[:3] == ["--load", str(tmp_path / "mlm-megalite"), "--finetune"]
+    assert flags[:3] == ["--load", str(tmp_path / "mlm-megalite"), "--num-layers"]
     args = parse_args(["--mock-data", "--train-iters", "1", *flags])
     ckpt = mg.read_megatron(source)
     assert model_config(args, vocab_size=ckpt.config.vocab_size) == ckpt.config
@@ -387,6 +388,18 @@ def test_load_of_a_megatron_checkpoint_stops_with_the_commands_that_work(tmp_pat
     want = expected("llama")
     with torch.no_grad():
         torch.testing.assert_close(model(want["tokens"])[..., :128], want["logits"], rtol=1e-5, atol=1e-5)
+
+    # without optimizer state (saved with --no-save-optim): weights only, and --finetune
+    weights = Path(shutil.copytree(DATA / "gpt2" / "torch", tmp_path / "weights"))
+    _rewrite_rank_file(weights, lambda s: s.pop("optimizer"))
+    with pytest.raises(mg.MegatronCheckpointError) as e:
+        find_checkpoint(CheckpointConfig(load=str(weights)))
+    assert "its optimizer state is not read (no optimizer state)" in str(e.value)
+    convert, resume = (
+        str(e.value).split("python tools/convert_checkpoint.py ")[1].split(", then pretrain_gpt.py ")
+    )
+    assert convert.split()[-2:] == ["--output-format", "megalite"]
+    assert resume.split()[:3] == ["--load", str(tmp_path / "weights-megalite"), "--finetune"]
 
 
 # Megatron-Core name -> the pre-Core name the same tensor had (megatron/legacy/model/), for a test

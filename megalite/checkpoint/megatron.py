@@ -550,8 +550,11 @@ def model_flags(config: ModelConfig) -> list[str]:
 
 def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--load") -> None:
     """Stop (one line) when ``path`` is a Megatron-LM checkpoint, giving the exact commands that
-    convert it and continue from its weights: its optimizer state is not read (the distributed
-    optimizer's flat buffers have no layout-free form here), so the run starts a fresh optimizer."""
+    convert it and go on: with ``--include-optimizer`` (the run continues: iteration, Adam
+    moments, LR schedule) when its optimizer state is readable, else weights only and
+    ``--finetune``."""
+    from megalite.checkpoint.megatron_optim import unreadable_reason
+
     fmt = detect_format(path, iteration)
     if fmt is None:
         return
@@ -559,13 +562,21 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
     step = f" --ckpt-step {iteration}" if iteration is not None else ""
     try:
         ckpt_flags = " ".join(model_flags(_stored_config(path, iteration)))
+        why_not = unreadable_reason(path, iteration)
     except MegaliteError:
-        ckpt_flags = "<the model flags of that run>"
+        ckpt_flags, why_not = "<the model flags of that run>", "unreadable"
+    if why_not is None:
+        how, convert_flag, resume = "continues the run with its optimizer state", " --include-optimizer", ""
+    else:
+        how, convert_flag, resume = (
+            f"weights only: its optimizer state is not read ({why_not})",
+            "",
+            " --finetune",
+        )
     raise MegatronCheckpointError(
         f"{flag} {path} holds a Megatron-LM {fmt} checkpoint, which megalite reads through a conversion "
-        "(weights only: its optimizer state is not read): python tools/convert_checkpoint.py --input "
-        f"{path}{step} --output {out} --output-format megalite, then pretrain_gpt.py --load {out} --finetune "
-        f"{ckpt_flags}"
+        f"({how}): python tools/convert_checkpoint.py --input {path}{step} --output {out} --output-format "
+        f"megalite{convert_flag}, then pretrain_gpt.py --load {out}{resume} {ckpt_flags}"
     )
 
 
