@@ -59,6 +59,7 @@ from megalite.model.config import ModelConfig
 LEGACY_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
 DIST_METADATA = "metadata.json"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the distributed optimizer's state (torch format)
 
 
 class MegatronCheckpointError(MegaliteError, ValueError):
@@ -553,8 +554,6 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
     convert it and go on: with ``--include-optimizer`` (the run continues: iteration, Adam
     moments, LR schedule) when its optimizer state is readable, else weights only and
     ``--finetune``."""
-    from megalite.checkpoint.megatron_optim import unreadable_reason
-
     fmt = detect_format(path, iteration)
     if fmt is None:
         return
@@ -578,6 +577,33 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
         f"({how}): python tools/convert_checkpoint.py --input {path}{step} --output {out} --output-format "
         f"megalite{convert_flag}, then pretrain_gpt.py --load {out}{resume} {ckpt_flags}"
     )
+
+
+def unreadable_reason(path: str | Path, iteration: int | None = None) -> str | None:
+    """Why ``--include-optimizer`` would stop on this checkpoint (one file and the DCP metadata
+    looked at, nothing read in full), or None when its optimizer state looks readable."""
+    folder, _ = iteration_folder(path, iteration)
+    fmt = detect_format(path, iteration)
+    if fmt == "torch":
+        first = next(iter(_rank_files(folder).values()))
+        if (first.parent / DISTRIB_OPTIM_FILE).is_file():
+            return f"the distributed optimizer's {DISTRIB_OPTIM_FILE}"
+        state = load_pickle(first, "torch checkpoint file")
+        if "state" not in state.get("optimizer", {}):
+            return "no optimizer state"
+    elif fmt == "torch_dist":
+        state = load_pickle(folder / COMMON_FILE, "torch_dist common.pt")
+        shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
+        if not any(n.startswith("optimizer.state.exp_avg.") for n in shapes):
+            return "no optimizer.state.* tensors"
+    else:
+        return f"format {fmt}"
+    args = state.get("args")
+    if getattr(args, "use_distributed_optimizer", False):
+        return "the distributed optimizer's state"
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        return "a bf16 / fp16 optimizer"
+    return None
 
 
 def _stored_config(path: str | Path, iteration: int | None) -> ModelConfig:

@@ -34,7 +34,7 @@ from megalite.checkpoint import megatron as mg
 from megalite.checkpoint import storage
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
 OMIT = (
     "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
     "<converted> --no-load-optim (or --finetune)"
@@ -178,30 +178,3 @@ def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
             ckpt.folder / mg.COMMON_FILE, "torch_dist", "no optimizer.state.common_step (AdamW's step)"
         )
     return moments, int(step), common.get("opt_param_scheduler")
-
-
-def unreadable_reason(path: str | Path, iteration: int | None = None) -> str | None:
-    """Why ``--include-optimizer`` would stop on this checkpoint (one file and the DCP metadata
-    looked at, nothing read in full), or None when its optimizer state looks readable."""
-    folder, _ = mg.iteration_folder(path, iteration)
-    fmt = mg.detect_format(path, iteration)
-    if fmt == "torch":
-        first = next(iter(mg._rank_files(folder).values()))
-        if (first.parent / DISTRIB_OPTIM_FILE).is_file():
-            return f"the distributed optimizer's {DISTRIB_OPTIM_FILE}"
-        state = mg.load_pickle(first, "torch checkpoint file")
-        if "state" not in state.get("optimizer", {}):
-            return "no optimizer state"
-    elif fmt == "torch_dist":
-        state = mg.load_pickle(folder / mg.COMMON_FILE, "torch_dist common.pt")
-        shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
-        if not any(n.startswith(_DIST_PREFIX.format(kind="exp_avg")) for n in shapes):
-            return "no optimizer.state.* tensors"
-    else:
-        return f"format {fmt}"
-    args = state.get("args")
-    if getattr(args, "use_distributed_optimizer", False):
-        return "the distributed optimizer's state"
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        return "a bf16 / fp16 optimizer"
-    return None
