@@ -84,7 +84,7 @@ def megatron_args(f: dict, tp: int, pp: int, fmt: str) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=f["vp"], num_experts=None, fp8=None, fp16=False, bf16=False,
         params_dtype=torch.float32, transformer_impl="local", ckpt_format=fmt, use_dist_ckpt=fmt != "torch",
         attention_backend=AttnBackend.auto, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        iteration=ITERATION, consumed_train_samples=ITERATION * 4, multi_latent_attention=False,
+        iteration=ITERATION, consumed_train_samples=ITERATION * BATCH, global_batch_size=BATCH, multi_latent_attention=False,
     )  # fmt: skip
 
 
@@ -178,18 +178,28 @@ def logits(chunks: list, tp: int, pp: int) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)
 
 
-def save_legacy(chunks: list, args: argparse.Namespace, root: str, save_rng: bool = True) -> None:
+def save_legacy(
+    chunks: list,
+    args: argparse.Namespace,
+    root: str,
+    save_rng: bool = True,
+    optimizer=None,
+    scheduler=None,
+) -> None:
     """Megatron-LM's ``torch`` format: one ``model_optim_rng.pt`` per TP x PP rank, the tracker."""
     from megatron.core import parallel_state as ps
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
-    folder = os.path.join(root, f"iter_{ITERATION:07d}", rank_dir)
+    folder = os.path.join(root, f"iter_{args.iteration:07d}", rank_dir)
     os.makedirs(folder, exist_ok=True)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration}
     for i, chunk in enumerate(chunks):
         state["model" if len(chunks) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
-    state["opt_param_scheduler"] = {"max_lr": 1e-3, "num_steps": ITERATION * 4}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()  # generate_state_dict's, for ckpt_format torch
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
         state["rng_state"] = [
             {
@@ -202,7 +212,7 @@ def save_legacy(chunks: list, args: argparse.Namespace, root: str, save_rng: boo
     torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
-            fh.write(str(ITERATION))
+            fh.write(str(args.iteration))
 
 
 class _CountQueue:
@@ -257,19 +267,32 @@ def sharded_model_state(chunks: list) -> dict:
     return {f"model{i}": c.sharded_state_dict(metadata=meta) for i, c in enumerate(chunks)}
 
 
-def save_torch_dist(chunks: list, args: argparse.Namespace, root: str) -> None:
+def save_torch_dist(
+    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None
+) -> None:
     """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
-    folder = os.path.join(root, f"iter_{ITERATION:07d}")
+    folder = os.path.join(root, f"iter_{args.iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, **sharded_model_state(chunks)}
+    state = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": args.iteration,
+        **sharded_model_state(chunks),
+    }
+    if optimizer is not None:  # generate_state_dict's, for ckpt_format torch_dist
+        meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, folder, sharded_strategy=_save_strategy())
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
-            fh.write(str(ITERATION))
+            fh.write(str(args.iteration))
     dist.barrier()
 
 
@@ -291,20 +314,25 @@ def init(tp: int, pp: int, vp: int | None) -> None:
 
 
 def write_fixtures(flavour: str, out: str, tp: int = 2, pp: int = 2) -> torch.Tensor | None:
-    """One rank of a tp x pp job: megatron-core's model, its logits, both checkpoint formats."""
+    """One rank of a tp x pp job: megatron-core's model trained ITERATION iterations by its own
+    optimizer and schedule, its logits, both checkpoint formats with the optimizer state."""
     f = FLAVOURS[flavour]
     init(tp, pp, f["vp"])
     chunks = build_chunks(f, tp, pp)
     from megatron.core import parallel_state as ps
 
     draw_weights(chunks, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    optimizer = build_optimizer(chunks)
+    scheduler = build_scheduler(optimizer)
+    train(chunks, optimizer, scheduler, pp, ITERATION)
     ref = logits(chunks, tp, pp)
-    save_legacy(chunks, megatron_args(f, tp, pp, "torch"), os.path.join(out, "torch"), f["save_rng"])
-    save_torch_dist(chunks, megatron_args(f, tp, pp, "torch_dist"), os.path.join(out, "torch_dist"))
+    legacy_args, dist_args = megatron_args(f, tp, pp, "torch"), megatron_args(f, tp, pp, "torch_dist")
+    save_legacy(chunks, legacy_args, os.path.join(out, "torch"), f["save_rng"], optimizer, scheduler)
+    save_torch_dist(chunks, dist_args, os.path.join(out, "torch_dist"), optimizer, scheduler)
     return ref
 
 
-def load_legacy(chunks: list, folder: str, pp: int) -> None:
+def load_legacy(chunks: list, folder: str, pp: int) -> dict:
     """Megatron-LM's legacy load: this rank's ``model_optim_rng.pt`` into ``chunks``, strictly."""
     from megatron.core import parallel_state as ps
 
@@ -314,6 +342,7 @@ def load_legacy(chunks: list, folder: str, pp: int) -> None:
     state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=True)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    return state
 
 
 def logits_after_load(
@@ -333,3 +362,177 @@ def logits_after_load(
     else:
         load_legacy(chunks, folder, pp)
     return logits(chunks, tp, pp)
+
+
+# --- megatron-core's optimizer on CPU (continue-a-run fixtures) ---------------------------------
+
+# The LR schedule of the fixtures' run, in samples as Megatron counts it (global batch = BATCH):
+# warm up 4 iterations, cosine decay to MIN_LR over 20, so the LR of iteration ITERATION + 1
+# depends on the iteration a continued run starts at. The megalite flags of the same schedule:
+LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 4, 20, 0.01
+MEGALITE_SCHEDULE_FLAGS = [
+    "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
+    "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
+    "--clip-grad", "0", "--micro-batch-size", str(BATCH), "--global-batch-size", str(BATCH),
+]  # fmt: skip
+
+
+def build_optimizer(chunks: list):
+    """megatron-core's own fp32 optimizer (``get_megatron_optimizer``: a ChainedOptimizer around
+    FP32Optimizer around torch AdamW) for ``chunks``, which carry no DDP wrapper.
+
+    CUDA-only calls stubbed here, and why they do not change the math:
+
+    * ``FP32Optimizer.__init__`` makes its unit loss scale with ``torch.tensor(..., device='cuda')``:
+      made on the CPU instead, while the optimizer is built;
+    * ``ChainedOptimizer.step`` always computes the grad norm on a CUDA buffer
+      (``clip_grads.get_grad_norm_fp32``); with ``clip_grad=0`` it is only reported, so it is 0.0;
+    * ``get_megatron_optimizer`` reads ``model_chunks[0].ddp_config``: the default config is set
+      on the bare chunks (grads reach AdamW through ``param.grad``, as with DDP's main_grad copy).
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    moptimizer.get_grad_norm_fp32 = lambda *a, **k: 0.0
+    for chunk in chunks:
+        chunk.ddp_config = DistributedDataParallelConfig()
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
+        fp16=False, bf16=False, use_distributed_optimizer=False,
+    )  # fmt: skip
+    make = torch.tensor
+
+    def on_cpu(*a, **k):
+        if str(k.get("device", "")) == "cuda":
+            k["device"] = "cpu"
+        return make(*a, **k)
+
+    torch.tensor = on_cpu
+    try:
+        return get_megatron_optimizer(config, chunks)
+    finally:
+        torch.tensor = make
+
+
+def labels() -> torch.Tensor:
+    return torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(8))
+
+
+def _stage_order(n_chunks: int, pp: int) -> list[tuple[int, int]]:
+    """``(virtual chunk, stage)`` in model order: all stages of chunk 0, then of chunk 1, ..."""
+    return [(v, s) for v in range(n_chunks) for s in range(pp)]
+
+
+def train_step(chunks: list, optimizer, pp: int) -> None:
+    """One training step of megatron-core's model on :func:`tokens` -> :func:`labels`: the mean
+    token cross-entropy (megatron-core's own vocab-parallel loss), run stage after stage over
+    gloo (forward in model order, backward in reverse, activations / their grads sent between
+    ranks), the tied embedding's grads summed over the embedding group as Megatron's
+    ``finalize_model_grads`` does, then megatron-core's optimizer step."""
+    from megatron.core import parallel_state as ps
+
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    pp_rank, h = ps.get_pipeline_model_parallel_rank(), chunks[0].config.hidden_size
+    order = _stage_order(len(chunks), pp)
+    optimizer.zero_grad()
+    saved = {}
+    for i, (v, stage) in enumerate(order):
+        if stage != pp_rank:
+            continue
+        x = None
+        if i > 0:
+            x = torch.empty(SEQ, BATCH, h)
+            dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+            x.requires_grad_(True)
+            chunks[v].set_input_tensor(x)
+        y = chunks[v](
+            tokens() if i == 0 else None, pos, mask, labels=labels() if i == len(order) - 1 else None
+        )
+        saved[i] = (x, y)
+        if i < len(order) - 1:
+            dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    for i in reversed(range(len(order))):
+        if order[i][1] != pp_rank:
+            continue
+        x, y = saved[i]
+        if i == len(order) - 1:
+            y.float().mean().backward()
+        else:
+            g = torch.empty_like(y)
+            dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
+            y.backward(g)
+        if i > 0:
+            dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    _sum_tied_embedding_grads(chunks)
+    optimizer.step()
+
+
+def _sum_tied_embedding_grads(chunks: list) -> None:
+    from megatron.core import parallel_state as ps
+
+    if (
+        chunks[0].share_embeddings_and_output_weights is False
+        or ps.get_pipeline_model_parallel_world_size() == 1
+    ):
+        return
+    first, last = chunks[0], chunks[-1]
+    weight = None
+    if ps.is_pipeline_first_stage(ignore_virtual=True) and first.pre_process:
+        weight = first.shared_embedding_or_output_weight()
+    elif ps.is_pipeline_last_stage(ignore_virtual=True) and last.post_process:
+        weight = last.shared_embedding_or_output_weight()
+    if weight is not None:
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def build_scheduler(optimizer):
+    """megatron-core's ``OptimizerParamScheduler`` with the schedule above (steps in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP_ITERS * BATCH,
+        lr_decay_steps=DECAY_ITERS * BATCH, lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
+        end_wd=WEIGHT_DECAY, wd_incr_steps=DECAY_ITERS * BATCH, wd_incr_style="constant",
+    )  # fmt: skip
+
+
+def train(chunks: list, optimizer, scheduler, pp: int, steps: int) -> None:
+    """``steps`` iterations as Megatron-LM's ``train_step``: forward-backward, optimizer step,
+    then the schedule advanced by the global batch (in samples)."""
+    for _ in range(steps):
+        train_step(chunks, optimizer, pp)
+        scheduler.step(increment=BATCH)
+
+
+def continue_one_step(flavour: str, folder: str, fmt: str, out: str, tp: int = 2, pp: int = 2) -> None:
+    """One rank: megatron-core resumes the ``fmt`` checkpoint ``folder`` (``iter_N``) with its
+    optimizer and schedule as Megatron-LM's ``load_checkpoint`` does, trains one more iteration,
+    and saves it (legacy format) under ``out``."""
+    f = FLAVOURS[flavour]
+    init(tp, pp, f["vp"])
+    chunks = build_chunks(f, tp, pp)
+    optimizer = build_optimizer(chunks)
+    scheduler = build_scheduler(optimizer)
+    if fmt == "torch_dist":
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        state = sharded_model_state(chunks)
+        meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=meta)
+        loaded = dist_checkpointing.load(state, folder)
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+        optimizer.load_state_dict(loaded["optimizer"])
+        common = torch.load(os.path.join(folder, "common.pt"), weights_only=False)
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    else:
+        state = load_legacy(chunks, folder, pp)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    train(chunks, optimizer, scheduler, pp, 1)
+    args = megatron_args(f, tp, pp, "torch")
+    args.iteration = ITERATION + 1
+    save_legacy(chunks, args, out, False, optimizer, scheduler)

@@ -10,6 +10,10 @@
 
     # a Megatron-LM checkpoint (torch or torch_dist, any TP/PP/VP layout; format detected) -> megalite / HF
     python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite
+    # ... with its Adam moments, step count, LR schedule and iteration: pretrain_gpt.py --load SAVE3
+    # then continues the run (fp32 runs with Megatron's non-distributed optimizer)
+    python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite \
+        --include-optimizer
     # megalite (or HF) -> Megatron-LM torch_dist (or --ckpt-format torch) at a layout of your choice
     python tools/convert_checkpoint.py --input SAVE --output MEGATRON_SAVE2/ --output-format megatron \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -88,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="megalite / megatron input: this iteration, not the latest.",
     )
     p.add_argument(
+        "--include-optimizer",
+        action="store_true",
+        help="megatron input, megalite output: carry the Adam moments, AdamW's step, the LR schedule and "
+        "the iteration, so pretrain_gpt.py --load OUTPUT continues the run (default: weights only).",
+    )
+    p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
@@ -138,10 +148,10 @@ def read_megalite(path: str, iteration: int | None):
     return {k: v.to(dtype) for k, v in hf.logical_state_dict(model).items()}, config
 
 
-def write_megalite(state: dict, config, path: str) -> str:
+def write_megalite(state: dict, config, path: str, iteration: int = 0, progress=None) -> str:
     from megalite.checkpoint import save_model_checkpoint
 
-    return str(save_model_checkpoint(state, config, path, iteration=0))
+    return str(save_model_checkpoint(state, config, path, iteration=iteration, progress=progress))
 
 
 def detect_input_format(path: str) -> str:
@@ -155,16 +165,23 @@ def detect_input_format(path: str) -> str:
     return "megalite"
 
 
-def read_megatron(path: str, iteration: int | None):
-    """(logical state dict, ModelConfig) of a Megatron-LM checkpoint, format detected."""
-    from megalite.checkpoint import megatron
+def read_megatron(path: str, iteration: int | None, include_optimizer: bool = False):
+    """(logical state dict, ModelConfig, (iteration, TrainingProgress) or None) of a Megatron-LM
+    checkpoint, format detected; the progress with ``include_optimizer``."""
+    from megalite.checkpoint import TrainingProgress, megatron
+    from megalite.checkpoint.megatron_optim import read_megatron_optimizer
 
     ckpt = megatron.read_megatron(path, iteration)
     layout = ", ".join(f"{k} {v}" for k, v in ckpt.layout.items())
     log(
         f"Megatron-LM {ckpt.fmt} checkpoint {ckpt.folder} (iteration {ckpt.iteration}{'; ' + layout if layout else ''})"
     )
-    return ckpt.state, ckpt.config
+    if not include_optimizer:
+        return ckpt.state, ckpt.config, None
+    opt = read_megatron_optimizer(ckpt)
+    log(f"optimizer: Adam moments, AdamW step {opt.step}, {opt.consumed_train_samples} samples consumed")
+    progress = TrainingProgress(opt.moments, opt.step, opt.scheduler, opt.consumed_train_samples)
+    return ckpt.state, ckpt.config, (int(ckpt.iteration or 0), progress)
 
 
 def convert(args: argparse.Namespace) -> None:
@@ -197,17 +214,27 @@ def convert(args: argparse.Namespace) -> None:
         raise ConvertError(f"--input {args.input} holds a megalite checkpoint: use --input-format megalite")
     if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
         raise ConvertError(f"--output {args.output} exists and is not an empty directory; pick a new one")
+    if args.include_optimizer and (args.input_format, args.output_format) != ("megatron", "megalite"):
+        raise ConvertError(
+            "--include-optimizer reads a Megatron-LM checkpoint's optimizer state into a megalite one: "
+            "give a Megatron-LM --input and --output-format megalite"
+        )
+    if args.include_optimizer and args.dtype not in (None, "fp32"):
+        raise ConvertError(
+            f"--include-optimizer keeps the fp32 weights (its main params): drop --dtype {args.dtype}"
+        )
     max_shard = parse_size(args.max_shard_size)
     start = time.perf_counter()
     # read, convert, write: a live line on a terminal, one line per step in logs
     bar = Progress("convert", total=3, unit="steps", quiet_seconds=0)
 
+    resume = None
     if args.input_format == "hf":
         log(f"reading transformers checkpoint {args.input}")
         hf_state, hf_config = hf.read_hf_checkpoint(args.input)
         state, config = hf.hf_to_megalite(hf_state, hf_config)
     elif args.input_format == "megatron":
-        state, config = read_megatron(args.input, args.ckpt_step)
+        state, config, resume = read_megatron(args.input, args.ckpt_step, args.include_optimizer)
     else:
         step = "latest" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
         log(f"reading megalite checkpoint {args.input} ({step})")
@@ -241,7 +268,7 @@ def convert(args: argparse.Namespace) -> None:
     else:
         bar.update(1)
         log(f"writing megalite checkpoint to {args.output}")
-        where = write_megalite(state, config, args.output)
+        where = write_megalite(state, config, args.output, *(resume or ()))
         log(f"wrote {where}")
     bar.update(1, params=n_params)
     bar.close()

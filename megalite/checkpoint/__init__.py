@@ -17,7 +17,7 @@ See docs/checkpoints.md for the format.
 from megalite.checkpoint.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 from megalite.checkpoint.files import CheckpointError
 from megalite.checkpoint.hooks import CheckpointHooks
-from megalite.checkpoint.single import load_model, save_model_checkpoint
+from megalite.checkpoint.single import TrainingProgress, load_model, save_model_checkpoint
 from megalite.checkpoint.storage import CheckpointFormatError
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "load_model",
     "save_checkpoint",
     "save_model_checkpoint",
+    "TrainingProgress",
 ]

@@ -59,6 +59,7 @@ from megalite.model.config import ModelConfig
 LEGACY_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
 DIST_METADATA = "metadata.json"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the distributed optimizer's state (torch format)
 
 
 class MegatronCheckpointError(MegaliteError, ValueError):
@@ -428,23 +429,39 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     config = model_config_from_args(first["args"], where)
     chunks = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
     vp = len(chunks[(0, 0)])
-    state: dict[str, torch.Tensor] = {}
-    offset = 0
-    for v in range(vp):  # Megatron's layer order: virtual chunk 0 of every stage, then chunk 1, ...
-        for r in range(pp):
-            shards = [chunks[(t, r)][v] for t in range(tp)]
-            refuse_unreadable(shards[0], "torch", where)
-            layers = {int(m.group(1)) for name in shards[0] if (m := _LAYER.match(name))}
-            for name in shards[0]:
-                whole = merge_tp([s[name] for s in shards], name, config)
-                name = renumber(name, offset)
-                state.setdefault(name, whole)  # the tied head's copy repeats the embedding
-            offset += len(layers)
+    state = assemble_legacy(chunks, chunks, config, where)
     layout = {"tp": tp, "pp": pp, "vp": vp}
     it = first.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch", it, folder, first["args"], layout
     )
+
+
+def assemble_legacy(
+    chunks: dict[tuple[int, int], list[dict[str, torch.Tensor]]],
+    tensors: dict[tuple[int, int], list[dict[str, torch.Tensor]]],
+    config: ModelConfig,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """Whole tensors under global Megatron-Core names from per-rank, per-virtual-chunk dicts.
+
+    ``chunks[(tp, pp)][v]``: a rank's model tensors (stage-local names; they give the layer
+    count of each stage); ``tensors``: what to merge, under the same names (the weights
+    themselves, or an Adam moment of each), merged over TP as the weights are.
+    """
+    tp, pp = 1 + max(t for t, _ in chunks), 1 + max(r for _, r in chunks)
+    state: dict[str, torch.Tensor] = {}
+    offset = 0
+    for v in range(len(chunks[(0, 0)])):  # Megatron's layer order: chunk 0 of every stage, then 1, ...
+        for r in range(pp):
+            refuse_unreadable(chunks[(0, r)][v], "torch", where)
+            layers = {int(m.group(1)) for name in chunks[(0, r)][v] if (m := _LAYER.match(name))}
+            shards = [tensors[(t, r)][v] for t in range(tp)]
+            for name in shards[0]:
+                whole = merge_tp([s[name] for s in shards], name, config)
+                state.setdefault(renumber(name, offset), whole)  # the tied head's copy repeats the embedding
+            offset += len(layers)
+    return state
 
 
 # ------------------------------------------------------------------------------ torch_dist
@@ -461,12 +478,23 @@ def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     if "args" not in common:
         raise MegatronCheckpointError(f"{where}: no 'args' in common.pt")
     config = model_config_from_args(common["args"], where)
-    metadata = storage.read_dcp_metadata(folder)
-    shapes, dtypes = storage.stored_shapes(metadata), storage.stored_dtypes(metadata)
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
     names = [n for n in shapes if not n.startswith(_NOT_MODEL) and not _SKIP.search(n)]
     refuse_unreadable(names, "torch_dist", where)
-    tensors = {n: torch.empty(shapes[n], dtype=dtypes[n]) for n in names}
-    storage.read(tensors, folder, no_dist=True)
+    state = read_dist_tensors(folder, names)
+    it = common.get("iteration", iteration)
+    return MegatronCheckpoint(
+        finish_state(state, config, where), config, "torch_dist", it, folder, common["args"]
+    )
+
+
+def read_dist_tensors(folder: Path, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The DCP tensors ``prefix + name`` of a ``torch_dist`` folder, ``{name: tensor}``, the layer
+    stacks ``decoder.layers.*`` ``[num_layers, ...]`` unstacked into ``decoder.layers.i.*``."""
+    metadata = storage.read_dcp_metadata(folder)
+    shapes, dtypes = storage.stored_shapes(metadata), storage.stored_dtypes(metadata)
+    tensors = {n: torch.empty(shapes[prefix + n], dtype=dtypes[prefix + n]) for n in names}
+    storage.read({prefix + n: t for n, t in tensors.items()}, folder, no_dist=True)
     state = {}
     for name, t in tensors.items():
         if name.startswith("decoder.layers."):  # stacked: [num_layers, ...]
@@ -474,10 +502,7 @@ def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
             state.update({f"decoder.layers.{i}.{rest}": t[i] for i in range(t.shape[0])})
         else:
             state[name] = t
-    it = common.get("iteration", iteration)
-    return MegatronCheckpoint(
-        finish_state(state, config, where), config, "torch_dist", it, folder, common["args"]
-    )
+    return state
 
 
 def read_megatron(path: str | Path, iteration: int | None = None) -> MegatronCheckpoint:
@@ -526,8 +551,9 @@ def model_flags(config: ModelConfig) -> list[str]:
 
 def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--load") -> None:
     """Stop (one line) when ``path`` is a Megatron-LM checkpoint, giving the exact commands that
-    convert it and continue from its weights: its optimizer state is not read (the distributed
-    optimizer's flat buffers have no layout-free form here), so the run starts a fresh optimizer."""
+    convert it and go on: with ``--include-optimizer`` (the run continues: iteration, Adam
+    moments, LR schedule) when its optimizer state is readable, else weights only and
+    ``--finetune``."""
     fmt = detect_format(path, iteration)
     if fmt is None:
         return
@@ -535,14 +561,49 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
     step = f" --ckpt-step {iteration}" if iteration is not None else ""
     try:
         ckpt_flags = " ".join(model_flags(_stored_config(path, iteration)))
+        why_not = unreadable_reason(path, iteration)
     except MegaliteError:
-        ckpt_flags = "<the model flags of that run>"
+        ckpt_flags, why_not = "<the model flags of that run>", "unreadable"
+    if why_not is None:
+        how, convert_flag, resume = "continues the run with its optimizer state", " --include-optimizer", ""
+    else:
+        how, convert_flag, resume = (
+            f"weights only: its optimizer state is not read ({why_not})",
+            "",
+            " --finetune",
+        )
     raise MegatronCheckpointError(
         f"{flag} {path} holds a Megatron-LM {fmt} checkpoint, which megalite reads through a conversion "
-        "(weights only: its optimizer state is not read): python tools/convert_checkpoint.py --input "
-        f"{path}{step} --output {out} --output-format megalite, then pretrain_gpt.py --load {out} --finetune "
-        f"{ckpt_flags}"
+        f"({how}): python tools/convert_checkpoint.py --input {path}{step} --output {out} --output-format "
+        f"megalite{convert_flag}, then pretrain_gpt.py --load {out}{resume} {ckpt_flags}"
     )
+
+
+def unreadable_reason(path: str | Path, iteration: int | None = None) -> str | None:
+    """Why ``--include-optimizer`` would stop on this checkpoint (one file and the DCP metadata
+    looked at, nothing read in full), or None when its optimizer state looks readable."""
+    folder, _ = iteration_folder(path, iteration)
+    fmt = detect_format(path, iteration)
+    if fmt == "torch":
+        first = next(iter(_rank_files(folder).values()))
+        if (first.parent / DISTRIB_OPTIM_FILE).is_file():
+            return f"the distributed optimizer's {DISTRIB_OPTIM_FILE}"
+        state = load_pickle(first, "torch checkpoint file")
+        if "state" not in state.get("optimizer", {}):
+            return "no optimizer state"
+    elif fmt == "torch_dist":
+        state = load_pickle(folder / COMMON_FILE, "torch_dist common.pt")
+        shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
+        if not any(n.startswith("optimizer.state.exp_avg.") for n in shapes):
+            return "no optimizer.state.* tensors"
+    else:
+        return f"format {fmt}"
+    args = state.get("args")
+    if getattr(args, "use_distributed_optimizer", False):
+        return "the distributed optimizer's state"
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        return "a bf16 / fp16 optimizer"
+    return None
 
 
 def _stored_config(path: str | Path, iteration: int | None) -> ModelConfig:

@@ -8,13 +8,14 @@ folders as training, as a single process (TP = PP = DP = 1).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from megalite import log
-from megalite.checkpoint import files, storage
+from megalite.checkpoint import files, optimizer_state, storage
 from megalite.checkpoint.checkpointing import model_pieces, parallel_layout, zero_vocab_padding
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT, check_logical_state_dict, real_vocab_rows
 from megalite.model.config import ModelConfig
@@ -44,11 +45,25 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
     return model.eval(), config
 
 
+@dataclass
+class TrainingProgress:
+    """What a run continues from besides the weights (an fp32 model's, whose main params are the
+    weights): ``moments[kind][name]`` logical Adam moments (kind ``exp_avg`` / ``exp_avg_sq``),
+    AdamW's ``adam_step``, the LR schedule's ``scheduler`` state (None: this run's own) and the
+    samples consumed."""
+
+    moments: dict[str, dict[str, torch.Tensor]]
+    adam_step: int
+    scheduler: dict | None
+    consumed_train_samples: int
+
+
 def save_model_checkpoint(
     model_or_state_dict: nn.Module | dict[str, torch.Tensor],
     config: ModelConfig,
     save_dir: str | Path,
     iteration: int = 0,
+    progress: TrainingProgress | None = None,
 ) -> Path:
     """Write a weights-only checkpoint ``save_dir/iter_N`` (+ tracker) from one process.
 
@@ -56,7 +71,9 @@ def save_model_checkpoint(
     dict ``{name: tensor}`` with the names of one (vocab tables may have the real
     ``vocab_size`` rows or a padded count; padding rows are dropped). Continue
     from it with ``pretrain_gpt.py --load save_dir --finetune`` (or
-    ``--no-load-optim --no-load-rng``) at any layout.
+    ``--no-load-optim --no-load-rng``) at any layout. With ``progress``, the checkpoint also
+    holds the optimizer state and schedule, so ``pretrain_gpt.py --load save_dir`` continues the
+    run at ``iteration`` (the RNG states are the new run's own).
     """
     config = config.validate(1)
     if isinstance(model_or_state_dict, nn.Module):
@@ -71,6 +88,8 @@ def save_model_checkpoint(
     tensors = {name: t.detach() for name, t in real_vocab_rows(state, config.vocab_size).items()}
     check_logical_state_dict(tensors, config)
     tensors = {name: t.to("cpu").contiguous() for name, t in tensors.items()}
+    if progress is not None:
+        tensors.update(_optimizer_tensors(progress, config))
 
     root = Path(save_dir)
     staging = files.new_staging_dir(root, iteration)
@@ -80,13 +99,36 @@ def save_model_checkpoint(
         root,
         {
             "iteration": iteration,
-            "consumed_train_samples": 0,
+            "consumed_train_samples": progress.consumed_train_samples if progress else 0,
             "skipped_iters": 0,
             "model_config": config.to_dict(),
             "parallel": parallel_layout(Mesh.single()),
             "params_dtype": str(tensors[EMBEDDING].dtype),
-            "contents": {"model": True, "optimizer": False, "rng": False},
+            "contents": {"model": True, "optimizer": progress is not None, "rng": False},
+            **_progress_metadata(progress),
             "saved_at": time.time(),
             "checksums": {"algorithm": "crc32", "files": checksums},
         },
     )
+
+
+def _optimizer_tensors(progress: TrainingProgress, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """``{optimizer.KIND.NAME: moment}``, the layout training saves (:mod:`.optimizer_state`)."""
+    out = {}
+    for kind in optimizer_state.MOMENTS:
+        moments = dict(progress.moments[kind])
+        if not config.untie_embeddings_and_output_weights:
+            moments.pop(OUTPUT, None)
+        check_logical_state_dict(moments, config)
+        for name, t in real_vocab_rows(moments, config.vocab_size).items():
+            out[optimizer_state.key(kind, name)] = t.detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def _progress_metadata(progress: TrainingProgress | None) -> dict:
+    if progress is None:
+        return {}
+    return {
+        "optimizer": {"adam_step": progress.adam_step, "main_params_stored": False, "grad_scaler": None},
+        "scheduler": progress.scheduler,
+    }

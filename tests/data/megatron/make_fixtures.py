@@ -9,7 +9,13 @@ SwiGLU, untied), next to this script:
 
   <flavour>/torch/        Megatron-LM's legacy format (iter_0000005/mp_rank_TT_PPP/model_optim_rng.pt)
   <flavour>/torch_dist/   megatron-core's dist_checkpointing.save (DCP files, metadata.json, common.pt)
-  <flavour>/expected.pt   {"tokens": [2, 8], "logits": [2, 8, 128]}: megatron-core's own forward
+  <flavour>/expected.pt   {"tokens": [2, 8], "logits": [2, 8, 128]}: megatron-core's own forward;
+                          "next": {name: tensor}, the weights (megalite's logical names) after
+                          megatron-core resumed the torch checkpoint and trained one more step
+
+The run behind them: random weights, then ITERATION (5) steps of megatron-core's own fp32 Adam and
+LR schedule (warm-up, cosine) on fixed tokens, so both formats hold the Adam moments, AdamW's
+step, the schedule and the iteration (tests/megatron_core_run.py).
 
 The model, its logits and both formats come from the real megatron-core package on 4 CPU ranks
 (tests/megatron_core_run.py). The test that reads them needs no megatron-core.
@@ -18,6 +24,7 @@ The model, its logits and both formats come from the real megatron-core package 
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,16 +35,26 @@ sys.path.insert(0, str(HERE.parents[2]))  # the repository: megalite
 
 import megatron_core_run as mcr  # noqa: E402
 
+from megalite.checkpoint import megatron as mg  # noqa: E402
 from megalite.spawn import run_distributed  # noqa: E402
+
+
+def write_and_continue(flavour: str, out: str, scratch: str):
+    """One rank: the fixtures, then megatron-core's next step from the torch one (into scratch)."""
+    logits = mcr.write_fixtures(flavour, out)
+    mcr.continue_one_step(flavour, f"{out}/torch/iter_{mcr.ITERATION:07d}", "torch", scratch)
+    return logits
 
 
 def main() -> None:
     for flavour in mcr.FLAVOURS:
         out = HERE / flavour
         shutil.rmtree(out, ignore_errors=True)
-        results = run_distributed(mcr.write_fixtures, 4, flavour, str(out), timeout=300)
+        with tempfile.TemporaryDirectory() as scratch:
+            results = run_distributed(write_and_continue, 4, flavour, str(out), scratch, timeout=300)
+            nxt = mg.read_megatron(scratch).state
         logits = next(r for r in results if r is not None)
-        torch.save({"tokens": mcr.tokens(), "logits": logits}, out / "expected.pt")
+        torch.save({"tokens": mcr.tokens(), "logits": logits, "next": nxt}, out / "expected.pt")
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{flavour}: {size / 1024:.0f} KiB in {os.path.relpath(out)}")
 

@@ -1,0 +1,180 @@
+"""The Adam state of a Megatron-LM checkpoint, in megalite's logical terms, so a run continues.
+
+What each format holds (Megatron-LM's ``generate_state_dict``, fp32 model, non-distributed optimizer):
+
+* ``torch``: each ``model_optim_rng.pt`` has ``optimizer`` = the optimizer's ``state_dict()``,
+  torch AdamW's ``{"state": {index: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]}``. The
+  index is the parameter's place in the param groups: megatron-core groups the rank's parameters
+  (model chunks in order, ``named_parameters`` order within each) by their weight-decay
+  multiplier, biases and 1-D tensors taking ``wd_mult`` 0. So each group's indices are, in order,
+  the rank's parameters that satisfy its ``wd_mult``; the names come from the rank's ``model``
+  dicts (same order), and every shape is checked against the parameter's.
+* ``torch_dist``: ``optimizer.state.exp_avg.NAME`` / ``exp_avg_sq.NAME`` DCP tensors under the
+  model's own sharded keys (``NAME``), and ``common.pt``'s ``optimizer.state.common_step``.
+
+Both have ``opt_param_scheduler`` (Megatron's LR schedule; megalite's has the same fields) and the
+stored args' ``consumed_train_samples``. The moments then take the weights' road: the same name
+map, TP merge and SwiGLU ``[gate; up]`` split (:func:`megatron.assemble_legacy`,
+:func:`megatron.finish_state`). fp32 models only: their main params are the weights.
+
+What is not read stops in one line naming the format and the file or key: no optimizer state
+(``--no-save-optim``), the distributed optimizer (``distrib_optim.pt``, or its flat ``torch_dist``
+buffers), the bf16 / fp16 optimizer's fp32 copies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint import megatron as mg
+from megalite.checkpoint import storage
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
+OMIT = (
+    "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
+    "<converted> --no-load-optim (or --finetune)"
+)
+
+
+@dataclass
+class MegatronOptimizerState:
+    """``moments[kind][name]``: logical (megalite-named, whole) Adam moments, kind in
+    :data:`MOMENTS`; ``step``: AdamW's step count; ``scheduler``: Megatron's ``opt_param_scheduler``
+    dict (None when absent); ``consumed_train_samples`` from the stored args."""
+
+    moments: dict[str, dict[str, torch.Tensor]]
+    step: int
+    scheduler: dict | None
+    consumed_train_samples: int
+
+
+def refuse(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
+    return mg.MegatronCheckpointError(f"{where}: Megatron-LM {fmt} checkpoint: {what}{OMIT}")
+
+
+def read_megatron_optimizer(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
+    """The Adam state of the checkpoint ``ckpt`` was read from (its iteration folder)."""
+    if getattr(ckpt.args, "use_distributed_optimizer", False):
+        name = DISTRIB_OPTIM_FILE if ckpt.fmt == "torch" else "the optimizer.distributed.* tensors"
+        raise refuse(ckpt.folder, ckpt.fmt, f"the distributed optimizer's state ({name}) is not read")
+    if getattr(ckpt.args, "fp16", False) or getattr(ckpt.args, "bf16", False):
+        raise refuse(ckpt.folder, ckpt.fmt, "the bf16 / fp16 optimizer's fp32 main params are not read")
+    read = _read_legacy if ckpt.fmt == "torch" else _read_dist
+    moments, step, scheduler = read(ckpt)
+    where = str(ckpt.folder)
+    logical = {kind: mg.finish_state(state, ckpt.config, where) for kind, state in moments.items()}
+    samples = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
+    return MegatronOptimizerState(logical, step, scheduler, samples)
+
+
+def _no_wd(name: str, t: torch.Tensor) -> bool:
+    """megatron-core's default rule: biases and 1-D parameters take no weight decay."""
+    return t.dim() == 1 or name.endswith(".bias")
+
+
+def _group_names(groups: list[dict], names: list[tuple[str, torch.Tensor]], where: Path) -> list[str]:
+    """The parameter name of each optimizer index: group by group, the rank's parameters (model
+    order) that satisfy the group's ``wd_mult``."""
+    out = []
+    for group in groups:
+        if (
+            group.get("lr_mult", 1.0) != 1.0
+            or group.get("is_decoupled_lr")
+            or group.get("is_expert_parallel")
+        ):
+            raise refuse(where, "torch", "optimizer param groups with per-group LR / experts are not read")
+        no_wd = float(group.get("wd_mult", 1.0)) == 0.0
+        members = [n for n, t in names if _no_wd(n, t) == no_wd]
+        if len(members) != len(group["params"]):
+            raise refuse(
+                where,
+                "torch",
+                f"optimizer group of {len(group['params'])} params, {len(members)} such weights",
+            )
+        out += members
+    return out
+
+
+def _rank_moments(state: dict, chunks: list[dict[str, torch.Tensor]], where: Path) -> tuple[list, int]:
+    """One rank file: ``[{kind: {name: moment}} per virtual chunk]`` and its AdamW step."""
+    opt = state.get("optimizer")
+    if opt is None:
+        raise refuse(where, "torch", "no optimizer state in this file (saved with --no-save-optim)")
+    if "state" not in opt or "param_groups" not in opt:
+        raise refuse(where, "torch", f"optimizer state with keys {sorted(opt)} is not read")
+    named = [(f"{v}/{n}", t) for v, chunk in enumerate(chunks) for n, t in chunk.items()]
+    index_names = _group_names(opt["param_groups"], named, where)
+    per_chunk = [{kind: {} for kind in MOMENTS} for _ in chunks]
+    steps = set()
+    shapes = dict(named)
+    for index, qualified in enumerate(index_names):
+        entry = opt["state"].get(index)
+        if entry is None:
+            raise refuse(
+                where, "torch", f"no optimizer state for {qualified.split('/', 1)[1]} (never stepped)"
+            )
+        v, name = qualified.split("/", 1)
+        for kind in MOMENTS:
+            if entry[kind].shape != shapes[qualified].shape:
+                raise refuse(where, "torch", f"optimizer {kind} of {name}: shape {tuple(entry[kind].shape)}")
+            per_chunk[int(v)][kind][name] = entry[kind].float()
+        steps.add(int(entry["step"]))
+    if len(steps) != 1:
+        raise refuse(where, "torch", f"AdamW steps {sorted(steps)} differ between parameters")
+    return per_chunk, steps.pop()
+
+
+def _read_legacy(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
+    files = mg._rank_files(ckpt.folder)
+    for path in files.values():
+        if (path.parent / DISTRIB_OPTIM_FILE).is_file():
+            raise refuse(
+                path.parent / DISTRIB_OPTIM_FILE, "torch", "the distributed optimizer's state is not read"
+            )
+    chunks, moments, steps, scheduler = {}, {}, set(), None
+    for rank, path in files.items():
+        state = mg.load_pickle(path, "torch checkpoint file")
+        chunks[rank] = mg._model_chunks(state, path)
+        moments[rank], step = _rank_moments(state, chunks[rank], path)
+        steps.add(step)
+        scheduler = scheduler or state.get("opt_param_scheduler")
+    if len(steps) != 1:
+        raise refuse(ckpt.folder, "torch", f"AdamW steps {sorted(steps)} differ between ranks")
+    where = str(ckpt.folder)
+    merged = {
+        kind: mg.assemble_legacy(
+            chunks, {r: [c[kind] for c in m] for r, m in moments.items()}, ckpt.config, where
+        )
+        for kind in MOMENTS
+    }
+    return merged, steps.pop(), scheduler
+
+
+_DIST_PREFIX = "optimizer.state.{kind}."
+
+
+def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
+    model = [n for n in shapes if not n.startswith(mg._NOT_MODEL) and not mg._SKIP.search(n)]
+    optim = [n for n in shapes if n.startswith("optimizer.")]
+    moments = {}
+    for kind in MOMENTS:
+        prefix = _DIST_PREFIX.format(kind=kind)
+        missing = [n for n in model if prefix + n not in shapes]
+        if missing:
+            shown = next((n for n in optim if not re.match(r"optimizer\.state\.exp_avg", n)), None)
+            what = f"optimizer key {shown}" if shown else f"no {prefix}{missing[0]}"
+            raise refuse(ckpt.folder, "torch_dist", f"optimizer state not read ({what})")
+        moments[kind] = {n: t.float() for n, t in mg.read_dist_tensors(ckpt.folder, model, prefix).items()}
+    common = mg.load_pickle(ckpt.folder / mg.COMMON_FILE, "torch_dist common.pt")
+    step = common.get("optimizer", {}).get("state", {}).get("common_step")
+    if step is None:
+        raise refuse(
+            ckpt.folder / mg.COMMON_FILE, "torch_dist", "no optimizer.state.common_step (AdamW's step)"
+        )
+    return moments, int(step), common.get("opt_param_scheduler")
