@@ -40,7 +40,8 @@ ZERO = {
     "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"],
 }
 NO_FUSION = ["--no-gradient-accumulation-fusion"]
-FUSION_CASES = [("gpt2", "zero1"), ("llama", "zero3")]
+FUSION_CASES = [("gpt2", "zero1"), ("gpt2", "zero3"), ("llama", "zero1"), ("llama", "zero3")]
+DETERMINISTIC_CASE = ("gpt2", "zero1")
 DETERMINISTIC = ["--deterministic-mode"]
 
 
@@ -82,11 +83,12 @@ def _rank_work() -> dict:
     out = {}
     for flavour, zero in FUSION_CASES:
         # GPT-2 / ZeRO-1 runs in deterministic mode: a third run gives the bitwise check.
-        argv = fusion_argv(flavour, zero) + (DETERMINISTIC if flavour == "gpt2" else [])
+        deterministic = (flavour, zero) == DETERMINISTIC_CASE
+        argv = fusion_argv(flavour, zero) + (DETERMINISTIC if deterministic else [])
         fused, unfused = train_run(argv), train_run(argv + NO_FUSION)
         out[f"fusion-{flavour}-{zero}"] = (fused[0], unfused[0], _max_rel_diff(fused[1], unfused[1]))
         out[f"fused-params-{flavour}-{zero}"] = (FUSED[tuple(argv)], FUSED[tuple(argv + NO_FUSION)])
-        if flavour == "gpt2":
+        if deterministic:
             again = train_run(argv)
             out["deterministic"] = (
                 fused[0],
