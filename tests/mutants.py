@@ -35,6 +35,9 @@ RNG = "tests/test_tp_random.py"
 MESH = "tests/test_mesh.py"
 CKF = "tests/test_checkpoint_format.py"
 CKR = "tests/test_checkpoint_resume.py"
+CP = "tests/test_context_parallel.py"
+CPA = "tests/test_context_parallel_attention.py"
+GPU = "tests/test_gpu_path.py"
 
 MUTANTS = [
     # ---- optim/grad_scaler.py ---------------------------------------------------------------
@@ -285,8 +288,8 @@ MUTANTS = [
     Mutant(
         "ddp-grad-overwrites",
         "megalite/parallel/sharding/no_shard.py",
-        "grad_of(param).add_(param.grad)",
-        "grad_of(param).copy_(param.grad)",
+        "target.add_(param.grad)",
+        "target.copy_(param.grad)",
         (DP + "::test_single_process_ddp_accumulates_like_plain_backward",),
         "microbatch grads overwrite instead of accumulating",
     ),
@@ -1332,5 +1335,89 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         "        num_query_groups=None,\n",
         (HF_LOGITS,),
         "a GQA Llama imported as multi-head attention",
+    ),
+    # ---- the features of issues 24-28: each new feature brings its mutants (docs/testing.md) --------
+    Mutant(
+        "cp-chunks-contiguous",
+        "megalite/parallel/context_parallel.py",
+        "    return cp_rank, 2 * cp_size - 1 - cp_rank\n",
+        "    return 2 * cp_rank, 2 * cp_rank + 1\n",
+        (
+            CPA + "::test_load_balanced_chunks_cover_the_sequence_once",
+            CPA + "::test_forward_and_grads_match_one_process",
+        ),
+        "contiguous CP shards: the last rank does all the causal work, and the block plan reads the wrong rows",
+    ),
+    Mutant(
+        "cp-earlier-shard-sees-its-future-half",
+        "megalite/parallel/context_parallel.py",
+        "    if j < r:\n        return slice(0, 2), slice(0, 1), False\n",
+        "    if j < r:\n        return slice(0, 2), slice(0, 2), False\n",
+        (CPA + "::test_forward_and_grads_match_one_process",),
+        "queries attend to an earlier rank's late chunk, which is in their future: the causal mask leaks",
+    ),
+    Mutant(
+        "cp-merge-skips-rescale",
+        "megalite/parallel/context_parallel.py",
+        "    out.mul_(torch.exp(lse - merged).unsqueeze(-1))\n",
+        "",
+        (CPA + "::test_forward_and_grads_match_one_process",),
+        "the online softmax forgets to rescale the running output when a block raises the max",
+    ),
+    Mutant(
+        "cp-loss-not-scaled-by-cp",
+        "megalite/training.py",
+        "    factors = (len(microbatches) if per_token else 1) * size / counts.clamp(min=1.0)\n",
+        "    factors = (len(microbatches) if per_token else 1) / counts.clamp(min=1.0)\n",
+        (CP + "::test_matches_one_process",),
+        "each CP rank's loss is a mean over its own tokens only: the dp x cp average shrinks it by cp",
+    ),
+    Mutant(
+        "cp-grads-reduced-over-dp-only",
+        "megalite/training.py",
+        "    model = [DistributedDataParallel(c, mesh.dp_with_cp(), run.data_parallel) for c in chunks]\n",
+        "    model = [DistributedDataParallel(c, mesh, run.data_parallel) for c in chunks]\n",
+        (CP + "::test_matches_one_process",),
+        "gradients averaged over dp but not over the CP ranks, which hold different tokens",
+    ),
+    Mutant(
+        "fusion-gemm-overwrites-main-grad",
+        "megalite/parallel/layers.py",
+        "        target.addmm_(a, b)\n",
+        "        target.copy_(a @ b)\n",
+        (GPU + "::test_gradient_accumulation_fusion_matches_unfused",),
+        "the fused weight-gradient GEMM overwrites main_grad: microbatches stop accumulating",
+    ),
+    Mutant(
+        "fusion-placeholder-added-too",
+        "megalite/parallel/sharding/no_shard.py",
+        "    if not take_grad_added(param) and param.grad is not None:\n",
+        "    if param.grad is not None:\n",
+        (GPU + "::test_gradient_accumulation_fusion_matches_unfused",),
+        "DDP's hook also adds the fused layer's placeholder grad (garbage) into main_grad",
+    ),
+    Mutant(
+        "deterministic-mode-leaves-torch-switch-off",
+        "megalite/parallel/determinism.py",
+        "    torch.use_deterministic_algorithms(True)\n",
+        "    torch.use_deterministic_algorithms(False)\n",
+        (GPU + "::test_enable_deterministic_mode_keeps_good_settings_and_refuses_bad_ones",),
+        "--deterministic-mode sets the environment but not torch's own switch",
+    ),
+    Mutant(
+        "megatron-swiglu-halves-swapped",
+        "megalite/checkpoint/megatron.py",
+        "            gate, up = t.chunk(2, dim=0)\n",
+        "            up, gate = t.chunk(2, dim=0)\n",
+        ("tests/test_megatron_checkpoints.py::test_stored_megatron_checkpoints_give_megatron_core_logits",),
+        "Megatron's fused fc1 read as [up; gate]: the imported Llama computes another function",
+    ),
+    Mutant(
+        "rollback-into-published-save-allowed",
+        "megalite/checkpoint/checkpointing.py",
+        "        if config.ckpt_step is not None and config.ckpt_step < latest:\n",
+        "        if config.ckpt_step is not None and config.ckpt_step > latest:\n",
+        ("tests/test_faults_guards.py",),
+        "a --ckpt-step rollback into the same --save would overwrite published iterations",
     ),
 ]
