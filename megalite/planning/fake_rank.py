@@ -10,8 +10,8 @@ memory model's prediction for the same rank.
 * **Fake tensors** (the default without a GPU): the step runs under ``FakeTensorMode``, so no
   memory is used and a 175B rank runs in seconds. Host reads of values (``.item()``: the grad
   norm, the non-finite guard, the fp16 overflow check) have no value to read; :class:`HostReads`
-  answers each with a fixed finite one (1 / 1.0, False for a flag), so the step takes its usual
-  path (no skip, no stop). Only shapes, dtypes and lifetimes are real.
+  answers each with zero (0, 0.0, False: finite, no overflow), so the step takes its usual path
+  (no skip, no stop). Only shapes, dtypes and lifetimes are real.
 * **Real tensors** (``--fake-real-tensors``, the default on a GPU): real memory and compute on the
   device, communication left out (the received tensors hold whatever the buffers held).
 """
@@ -40,7 +40,7 @@ def init_fake_process_group(world_size: int, rank: int) -> None:
 
 class HostReads(TorchDispatchMode):
     """Answers host reads of fake tensors (``aten._local_scalar_dense``: ``.item()``, ``float()``,
-    ``bool()``) with a fixed finite value; every other op goes on to ``FakeTensorMode``."""
+    ``bool()``) with zero: finite, no overflow; every other op goes on to ``FakeTensorMode``."""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +50,7 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.reads += 1
             dtype = args[0].dtype
-            return False if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+            return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
         return func(*args, **(kwargs or {}))
 
 
@@ -106,6 +106,8 @@ def run_fake_rank(args) -> dict:
     check_fake_flags(args)
     fake = uses_fake_tensors(args)
     args.distributed_backend = "nccl" if torch.cuda.is_available() and not fake else "gloo"
+    if not fake:  # received activations and grads are uninitialised buffers: their values mean nothing
+        args.check_for_nan_in_loss_and_grad = False
     init_fake_process_group(args.fake_world_size, args.fake_rank)
     reads = HostReads()
     try:
@@ -141,3 +143,35 @@ def fake_rank_main(args) -> dict:
     print(format_memory_table([record]))
     print(json.dumps(record))
     return record
+
+
+# ------------------------------------------------------------------- the planner's check of its pick
+VERIFY_TOLERANCE = 0.05  # the prediction holds where every category is within 5% of the fake rank's
+
+
+def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
+    """``tools/plan.py --verify``: run the fake rank of the first and the last pipeline stage (rank 0
+    and the last rank: the heaviest by the memory model) for ``pretrain_argv``; one line each, saying
+    whether the prediction held."""
+    from megalite.arguments import parse_args
+    from megalite.memory import CATEGORIES, relative_error
+
+    lines = []
+    for rank in sorted({0, world_size - 1}):
+        argv = pretrain_argv + ["--fake-world-size", str(world_size), "--fake-rank", str(rank)]
+        record = run_fake_rank(parse_args(argv))
+        errors = {c: relative_error(record["measured"][c], record["predicted"][c]) for c in CATEGORIES}
+        worst = max(errors, key=errors.get)
+        held = errors[worst] <= VERIFY_TOLERANCE
+        gib = 2**30
+        total = sum(record["measured"].values()) / gib, sum(record["predicted"].values()) / gib
+        lines.append(
+            f"  rank {rank} (pipeline stage {record['pp_rank']}): measured {total[0]:.2f} GiB vs predicted "
+            f"{total[1]:.2f} GiB; worst category {worst} {100 * errors[worst]:.2f}%: "
+            + (
+                "the prediction held"
+                if held
+                else f"the prediction did NOT hold (over {100 * VERIFY_TOLERANCE:.0f}%)"
+            )
+        )
+    return lines
