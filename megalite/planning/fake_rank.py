@@ -157,6 +157,11 @@ def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
     from megalite.memory import CATEGORIES, relative_error
 
     lines = []
+    if not torch.cuda.is_available():
+        lines.append(
+            "  (fake tensors on the CPU: this checks the memory model for CPU kernels, whose attention and "
+            "norms save more than CUDA's; the GB above are CUDA's)"
+        )
     for rank in sorted({0, world_size - 1}):
         argv = pretrain_argv + ["--fake-world-size", str(world_size), "--fake-rank", str(rank)]
         record = run_fake_rank(parse_args(argv))
