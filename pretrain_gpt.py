@@ -22,7 +22,9 @@ from megalite.training import pretrain
 
 def _pretrain(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--fake-world-size" in argv:  # check a layout: play one rank of the job (docs/parallelism.md)
+    if any(
+        a.split("=")[0] == "--fake-world-size" for a in argv
+    ):  # check a layout: play one rank (docs/parallelism.md)
         args = parse_args(argv)
         check_rules(args, value_rules())
         fake_rank_main(args)
