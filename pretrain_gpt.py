@@ -4,19 +4,33 @@
     torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --mock-data --vocab-size 512 ...
 
-or as a plain single process (``python pretrain_gpt.py ...``). See docs/flags.md.
+or as a plain single process (``python pretrain_gpt.py ...``). See docs/flags.md. With
+``--fake-world-size N --fake-rank R`` one process plays rank R of an N-rank job for one step and
+prints its memory beside the memory model's (docs/parallelism.md, "Check a layout before you launch").
 """
 
 import sys
 
+from megalite.arguments import parse_args
+from megalite.arguments.parser import value_rules
+from megalite.arguments.spec import check_rules
 from megalite.cli import run_main
+from megalite.planning.fake_rank import fake_rank_main
 from megalite.planning.planner import memory_fit_warning
 from megalite.training import pretrain
 
 
 def _pretrain(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(
+        a.split("=")[0] == "--fake-world-size" for a in argv
+    ):  # check a layout: play one rank (docs/parallelism.md)
+        args = parse_args(argv)
+        check_rules(args, value_rules())
+        fake_rank_main(args)
+        return 0
     # The planner's start-up check: does this layout fit the device's memory? (one warning line)
-    pretrain(sys.argv[1:] if argv is None else argv, preflight=memory_fit_warning)
+    pretrain(argv, preflight=memory_fit_warning)
     return 0
 
 

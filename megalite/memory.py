@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
 from megalite.model import gpt as _gpt
@@ -727,7 +728,8 @@ class SavedTensorMeter:
     @torch._dynamo.disable
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        # A fake tensor (a fake rank, megalite.planning.fake_rank) has no address: its storage object.
+        key = storage._cdata if isinstance(tensor, FakeTensor) else storage.data_ptr()
         if storage._cdata in self._exclude or storage.nbytes() == 0:
             return tensor
         with self._lock:

@@ -131,8 +131,9 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
     return mine, int(total.item())
 
 
-def setup(args: argparse.Namespace) -> TrainState:
-    """Flags -> configs (once) -> mesh, model chunks, optimizer, LR schedule and datasets."""
+def setup(args: argparse.Namespace, with_data: bool = True) -> TrainState:
+    """Flags -> configs (once) -> mesh, model chunks, optimizer, LR schedule and datasets
+    (``with_data`` False: none, for a fake rank's mock tokens)."""
     mesh = initialize_distributed(args)  # validates the flags against the world size
     run = build_configs(args)
     start_memory_history(run.profiling, mesh.rank)  # before the model: the history sees every allocation
@@ -158,7 +159,7 @@ def setup(args: argparse.Namespace) -> TrainState:
     # batch-size ramp-up advances it by the samples actually consumed.
     scheduler = OptimizerParamScheduler(optimizer, run.scheduler)
     state = TrainState(args, run, mesh, config, model, optimizer, scheduler, rng, tokenizer)
-    state.datasets = build_datasets(run, state)
+    state.datasets = build_datasets(run, state) if with_data else (None, None, None)
     return state
 
 

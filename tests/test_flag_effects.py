@@ -270,6 +270,10 @@ NOT_IN_CONFIGS = {
     "--check-for-nan-in-loss-and-grad": "the default (on); its opposite is --no-check-for-nan-in-loss-and-grad",
     "--mock-data": "in BASE; the alternative, --data-path, turns it off",
     "--logging-level": "configures megalite.log at start-up",
+    "--fake-world-size": "read by pretrain_gpt.py: plays one rank (megalite.planning.fake_rank, tests/test_fake_rank.py)",
+    "--fake-rank": "as above",
+    "--fake-tensors": "as above",
+    "--fake-real-tensors": "as above",
 }
 
 

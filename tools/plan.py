@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
 from megalite.arguments import model_config  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
-from megalite.planning import calibration, planner  # noqa: E402
+from megalite.planning import calibration, fake_rank, planner  # noqa: E402
 
 DEFAULT_VOCAB = 50257  # GPT-2 BPE, when --vocab-size is not given
 
@@ -51,6 +51,12 @@ def build_parser():
     g = p.add_argument_group("planner: output")
     g.add_argument("--json", action="store_true", help='Print {"candidates": [...]} best first.')
     g.add_argument("--top", type=int, default=10, help="Rows of the table.")
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="Run the chosen layout's first and last pipeline stage as fake ranks (FakeTensorMode, one "
+        "step each, megalite/planning/fake_rank.py) and say whether the memory prediction held.",
+    )
     return p
 
 
@@ -141,7 +147,34 @@ def plan(argv=None) -> int:
     print()
     print("launch with:")
     print(f"  pretrain_gpt.py ... --global-batch-size {p.global_batch_size} --bf16 {cands[0].flags}")
+    if args.verify:
+        print(f"\nverify (fake ranks of {cl.num_gpus}, one step each):")
+        for line in fake_rank.verify_layout(verify_argv(argv, p, cands[0]), cl.num_gpus):
+            print(line)
     return 0
+
+
+def verify_argv(argv: list[str] | None, p: planner.Problem, pick) -> list[str]:
+    """pretrain_gpt.py's flags for the pick: the model flags given here, less the planner's own, plus
+    the pick's layout and what one mock step needs."""
+    own = {
+        a.option_strings[0]: a.nargs != 0
+        for g in build_parser()._action_groups
+        if (g.title or "").startswith("planner")
+        for a in g._group_actions
+    }
+    given, out = list(sys.argv[1:] if argv is None else argv), []
+    while given:
+        flag = given.pop(0)
+        if flag in own:
+            del given[: own[flag]]
+        else:
+            out.append(flag)
+    out += ["--global-batch-size", str(p.global_batch_size), "--bf16", *pick.flags.split()]
+    out += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "1", "--lr", "1e-4"]
+    if "--vocab-size" not in out:
+        out += ["--vocab-size", str(DEFAULT_VOCAB)]
+    return out
 
 
 def main(argv=None) -> int:

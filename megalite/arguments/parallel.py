@@ -54,6 +54,28 @@ LAYOUT_FLAGS = (
         "--distributed-backend", ["nccl", "gloo"], None, "Default: nccl when CUDA is available, else gloo."
     ),
 )
+# Check a layout before launching it (docs/parallelism.md): one process plays one rank of the job.
+FAKE_RANK_FLAGS = (
+    value(
+        "--fake-world-size",
+        int,
+        None,
+        "Play one rank of a job this large in this one process, on torch's fake process group "
+        "(collectives and p2p return at once): build exactly its model chunks, optimizer and buckets, "
+        "run one whole step on mock tokens and print its memory beside the memory model's prediction. "
+        "Without a GPU (or with --fake-tensors) under FakeTensorMode: no memory is used.",
+    ),
+    value("--fake-rank", int, 0, "The rank --fake-world-size plays (0 .. world size - 1)."),
+    switch(
+        "--fake-tensors",
+        "With --fake-world-size: run under FakeTensorMode even on a GPU (the default on CPU).",
+    ),
+    switch(
+        "--fake-real-tensors",
+        "With --fake-world-size: real tensors on the device (real peak memory and compute time), "
+        "even on CPU: only for sizes that fit.",
+    ),
+)
 
 DATA_PARALLEL_FLAGS = (
     switch(
@@ -118,6 +140,7 @@ DATA_PARALLEL_FLAGS = (
 GROUPS = (
     ("parallel layout", LAYOUT_FLAGS),
     ("data parallelism: ZeRO sharding and gradient reduction", DATA_PARALLEL_FLAGS),
+    ("check a layout: one fake rank of a large job", FAKE_RANK_FLAGS),
 )
 RULES = {
     "--tensor-model-parallel-size": POSITIVE,
@@ -127,6 +150,8 @@ RULES = {
     "--decoder-last-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
     "--ddp-bucket-size": POSITIVE,
     "--context-parallel-size": POSITIVE,
+    "--fake-world-size": POSITIVE,
+    "--fake-rank": at_least(0, "a rank of --fake-world-size"),
 }
 
 

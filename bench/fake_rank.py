@@ -1,0 +1,102 @@
+"""One fake rank of each published large layout against the memory model; prints JSON.
+
+    python bench/fake_rank.py [--cases gpt3-first gpt3-last ...]
+
+Each case runs ``pretrain_gpt.py --fake-world-size N --fake-rank R`` in-process under
+FakeTensorMode (megalite/planning/fake_rank.py: no memory used) and reports, per memory category,
+the predicted and measured bytes, their relative difference, and the seconds the rank took (build
+plus one whole step). The issue's bar: every category within 5%, each case under two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.memory import CATEGORIES, relative_error  # noqa: E402
+from megalite.planning.fake_rank import run_fake_rank  # noqa: E402
+
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "1", "--lr", "1e-4", "--bf16"]
+GPT3 = [
+    "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+    "--vocab-size", "51200", "--micro-batch-size", "1", "--global-batch-size", "1536",
+    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+    "--sequence-parallel", "--recompute-activations",
+]  # fmt: skip
+LLAMA70 = [
+    "--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
+    "--group-query-attention", "--num-query-groups", "8", "--seq-length", "8192", "--vocab-size", "128256",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--micro-batch-size", "1",
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--recompute-activations",
+]  # fmt: skip
+_PP4 = ["--pipeline-model-parallel-size", "4", "--global-batch-size", "256", "--use-distributed-optimizer"]
+_ZERO3 = ["--global-batch-size", "128", "--data-parallel-sharding-strategy", "optim_grads_params"]
+_VP2 = ["--num-layers-per-virtual-pipeline-stage", "5"]
+_OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
+# name: (flags, world size, rank). The last rank of a layout is on the last pipeline stage.
+CASES = {
+    "gpt3-175b-first": (GPT3, 1024, 0),
+    "gpt3-175b-last": (GPT3, 1024, 1023),
+    "llama3-70b-pp4-zero1-first": (LLAMA70 + _PP4, 1024, 0),
+    "llama3-70b-pp4-zero1-last": (LLAMA70 + _PP4, 1024, 1023),
+    "llama3-70b-dp128-zero3": (LLAMA70 + _ZERO3, 1024, 0),
+    "llama3-70b-pp4-vp2-first": (LLAMA70 + _PP4 + _VP2, 1024, 0),
+    "llama3-70b-pp4-vp2-last": (LLAMA70 + _PP4 + _VP2, 1024, 1023),
+    "llama3-70b-pp4-offload-first": (LLAMA70 + _PP4 + _OFFLOAD, 1024, 0),
+}
+
+
+def run_case(name: str) -> dict:
+    flags, world, rank = CASES[name]
+    argv = COMMON + flags + ["--fake-world-size", str(world), "--fake-rank", str(rank)]
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        record = run_fake_rank(parse_args(argv))
+    seconds = time.perf_counter() - start
+    rows = {
+        c: {
+            "predicted": record["predicted"][c],
+            "measured": record["measured"][c],
+            "diff_pct": 100 * relative_error(record["measured"][c], record["predicted"][c]),
+        }
+        for c in CATEGORIES
+    }
+    for key, predicted in record["predicted_extra"].items():  # ZeRO-3's gathered params: transient
+        measured = record["measured_extra"].get(key)
+        if measured is not None and (measured or predicted):
+            rows[key] = {
+                "predicted": predicted,
+                "measured": measured,
+                "diff_pct": 100 * relative_error(measured, predicted),
+            }
+    host = record["host"]
+    if host["predicted"] or host["measured"]:
+        rows["host"] = {**host, "diff_pct": 100 * relative_error(host["measured"], host["predicted"])}
+    return {
+        "case": name,
+        "rank": rank,
+        "pp_rank": record["pp_rank"],
+        "seconds": round(seconds, 1),
+        "categories": rows,
+        "within_5pct": all(r["diff_pct"] <= 5.0 for r in rows.values()),
+        "fake": record["fake"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    for name in parser.parse_args().cases:
+        print(json.dumps(run_case(name)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

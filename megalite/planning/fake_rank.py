@@ -1,0 +1,182 @@
+"""One rank of a large job, in this one process: ``pretrain_gpt.py --fake-world-size N --fake-rank R``.
+
+The rank joins torch's ``fake`` process group (every collective and p2p returns at once, no
+traffic), builds exactly what rank R of an N-rank job builds (its model chunks, optimizer, DDP
+buckets and pipeline schedule, from the same ``setup``), and runs one whole training step on mock
+tokens: every microbatch of the schedule, the grad sync and the optimizer step. The first
+iteration's memory report (:func:`megalite.memory.rank_record`) sets what it holds beside the
+memory model's prediction for the same rank.
+
+* **Fake tensors** (the default without a GPU): the step runs under ``FakeTensorMode``, so no
+  memory is used and a 175B rank runs in seconds. Host reads of values (``.item()``: the grad
+  norm, the non-finite guard, the fp16 overflow check) have no value to read; :class:`HostReads`
+  answers each with zero (0, 0.0, False: finite, no overflow), so the step takes its usual path
+  (no skip, no stop). Only shapes, dtypes and lifetimes are real.
+* **Real tensors** (``--fake-real-tensors``, the default on a GPU): real memory and compute on the
+  device, communication left out (the received tensors hold whatever the buffers held).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megalite.errors import ArgumentError
+from megalite.memory import MemoryProbe, format_memory_table, rank_record
+from megalite.training import context_parallel_batch, needs_data, setup, train_step
+
+
+def init_fake_process_group(world_size: int, rank: int) -> None:
+    """Join torch's ``fake`` backend as ``rank`` of ``world_size`` (importing fake_pg registers it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+class HostReads(TorchDispatchMode):
+    """Answers host reads of fake tensors (``aten._local_scalar_dense``: ``.item()``, ``float()``,
+    ``bool()``) with zero: finite, no overflow; every other op goes on to ``FakeTensorMode``."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+        return func(*args, **(kwargs or {}))
+
+
+def mock_microbatches(state):
+    """Endless microbatches of mock tokens for this rank ([b, s / cp]), or None where no data is read."""
+    mesh, train = state.mesh, state.configs.training
+    if not needs_data(mesh):
+        return None
+    b, s = train.micro_batch_size, train.seq_length
+
+    def batches():
+        while True:
+            tokens = torch.zeros(b, s, dtype=torch.long)
+            batch = {
+                "tokens": tokens,
+                "labels": tokens.clone(),
+                "loss_mask": torch.ones(b, s),
+                "position_ids": torch.arange(s).expand(b, s).contiguous(),
+            }
+            yield context_parallel_batch(batch, mesh.cp_size, mesh.cp_rank) if mesh.cp_size > 1 else batch
+
+    return batches()
+
+
+def check_fake_flags(args) -> None:
+    if not 0 <= args.fake_rank < args.fake_world_size:
+        raise ArgumentError(
+            f"--fake-rank {args.fake_rank} is not a rank of --fake-world-size {args.fake_world_size}: "
+            f"pass 0 .. {args.fake_world_size - 1}"
+        )
+    if args.fake_tensors and args.fake_real_tensors:
+        raise ArgumentError("--fake-tensors and --fake-real-tensors exclude each other: pass one")
+
+
+def uses_fake_tensors(args) -> bool:
+    return args.fake_tensors or not (args.fake_real_tensors or torch.cuda.is_available())
+
+
+def _one_step(state) -> tuple[dict, MemoryProbe, float]:
+    probe = MemoryProbe(state)
+    cuda = state.mesh.device.type == "cuda"
+    start = time.perf_counter()
+    with probe.track():
+        step = train_step(state, mock_microbatches(state), loss_on_host=False)
+    if cuda:
+        torch.cuda.synchronize(state.mesh.device)
+    return step, probe, time.perf_counter() - start
+
+
+def run_fake_rank(args) -> dict:
+    """Play rank ``args.fake_rank`` of ``args.fake_world_size`` for one step; its memory record
+    (``rank_record``'s JSON shape) with a ``"fake"`` entry: how it ran and whether a loss was made."""
+    check_fake_flags(args)
+    fake = uses_fake_tensors(args)
+    args.distributed_backend = "nccl" if torch.cuda.is_available() and not fake else "gloo"
+    if not fake:  # received activations and grads are uninitialised buffers: their values mean nothing
+        args.check_for_nan_in_loss_and_grad = False
+    init_fake_process_group(args.fake_world_size, args.fake_rank)
+    reads = HostReads()
+    try:
+        if fake:
+            with FakeTensorMode(allow_non_fake_inputs=True), reads:
+                state = setup(args, with_data=False)
+                step, probe, seconds = _one_step(state)
+        else:
+            state = setup(args, with_data=False)
+            step, probe, seconds = _one_step(state)
+        record = rank_record(state, probe.meter)
+    finally:
+        dist.destroy_process_group()
+    record["fake"] = {
+        "world_size": args.fake_world_size,
+        "tensors": "fake" if fake else f"real ({state.mesh.device.type})",
+        "step_seconds": seconds,  # fake tensors: the time to plan, not to train
+        "loss_computed": isinstance(step["loss"], torch.Tensor),
+        "skipped": step["skipped"],
+        "host_reads_answered": reads.reads,
+    }
+    return record
+
+
+def fake_rank_main(args) -> dict:
+    """``pretrain_gpt.py --fake-world-size N``: run the rank, print the memory table and the JSON line."""
+    record = run_fake_rank(args)
+    f = record["fake"]
+    print(
+        f" fake rank {record['rank']} of {f['world_size']} (tp {record['tp_rank']}, pp {record['pp_rank']}, "
+        f"dp {record['dp_rank']}), {f['tensors']} tensors, one step in {f['step_seconds']:.1f} s"
+    )
+    print(format_memory_table([record]))
+    print(json.dumps(record))
+    return record
+
+
+# ------------------------------------------------------------------- the planner's check of its pick
+VERIFY_TOLERANCE = 0.05  # the prediction holds where every category is within 5% of the fake rank's
+
+
+def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
+    """``tools/plan.py --verify``: run the fake rank of the first and the last pipeline stage (rank 0
+    and the last rank: the heaviest by the memory model) for ``pretrain_argv``; one line each, saying
+    whether the prediction held."""
+    from megalite.arguments import parse_args
+    from megalite.memory import CATEGORIES, relative_error
+
+    lines = []
+    if not torch.cuda.is_available():
+        lines.append(
+            "  (fake tensors on the CPU: this checks the memory model for CPU kernels, whose attention and "
+            "norms save more than CUDA's; the GB above are CUDA's)"
+        )
+    for rank in sorted({0, world_size - 1}):
+        argv = pretrain_argv + ["--fake-world-size", str(world_size), "--fake-rank", str(rank)]
+        record = run_fake_rank(parse_args(argv))
+        errors = {c: relative_error(record["measured"][c], record["predicted"][c]) for c in CATEGORIES}
+        worst = max(errors, key=errors.get)
+        held = errors[worst] <= VERIFY_TOLERANCE
+        gib = 2**30
+        total = sum(record["measured"].values()) / gib, sum(record["predicted"].values()) / gib
+        lines.append(
+            f"  rank {rank} (pipeline stage {record['pp_rank']}): measured {total[0]:.2f} GiB vs predicted "
+            f"{total[1]:.2f} GiB; worst category {worst} {100 * errors[worst]:.2f}%: "
+            + (
+                "the prediction held"
+                if held
+                else f"the prediction did NOT hold (over {100 * VERIFY_TOLERANCE:.0f}%)"
+            )
+        )
+    return lines

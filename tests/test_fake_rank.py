@@ -1,0 +1,98 @@
+"""The fake rank (megalite/planning/fake_rank.py): one rank of a large job in this one process.
+
+All cases run in this process, on torch's fake process group, at tiny sizes (each step < 1 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import pretrain_gpt
+from megalite.arguments import parse_args
+from megalite.errors import ArgumentError
+from megalite.memory import CATEGORIES, relative_error
+from megalite.planning import fake_rank
+from megalite.planning.fake_rank import run_fake_rank
+
+_MODEL = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--hidden-size", "32",
+    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1",
+    "--lr", "1e-3", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+]  # fmt: skip
+_TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+
+
+def _run(flags: list[str], world: int, rank: int, monkeypatch, tensors: str = "--fake-tensors") -> dict:
+    """One fake step; also records every process group's backend before the fake group is torn down."""
+    backends: list[str] = []
+    destroy = dist.destroy_process_group
+
+    def spy(*a, **kw):
+        backends.extend(dist.get_backend(g) for g in list(dist.distributed_c10d._world.pg_map))
+        destroy(*a, **kw)
+
+    monkeypatch.setattr(fake_rank.dist, "destroy_process_group", spy)
+    args = parse_args(_MODEL + flags + ["--fake-world-size", str(world), "--fake-rank", str(rank), tensors])
+    record = run_fake_rank(args)
+    record["backends"] = sorted(set(backends))
+    return record
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_fake_tensors_measure_what_real_tensors_measure(rank, monkeypatch):
+    """tp 2 x pp 2 x dp 2, 4 layers: the FakeTensorMode rank measures, per category, what the same
+    rank measures on real tensors (the memory report of a real step, communication left out), within
+    5%; and both agree with the memory model."""
+    flags = _TP2_PP2 + ["--global-batch-size", "8"]
+    fake = _run(flags, 8, rank, monkeypatch)
+    real = _run(flags, 8, rank, monkeypatch, tensors="--fake-real-tensors")
+    assert fake["fake"]["tensors"] == "fake" and real["fake"]["tensors"].startswith("real")
+    assert (fake["pp_rank"], real["pp_rank"]) == ((0, 0) if rank == 0 else (1, 1))
+    for c in CATEGORIES:
+        assert real["measured"][c] > 0
+        assert relative_error(fake["measured"][c], real["measured"][c]) <= 0.05, c
+        assert relative_error(fake["measured"][c], fake["predicted"][c]) <= 0.05, c
+
+
+# One case per feature group; the last rank of each world holds the last stage (the loss).
+FEATURES = [
+    ("sp + selective recompute", _TP2_PP2 + ["--sequence-parallel", "--recompute-activations"], 8),
+    (
+        "full recompute bf16",
+        _TP2_PP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "1", "--bf16"],
+        8,
+    ),
+    ("interleaved vp 2", _TP2_PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 8),
+    ("zero-1", _TP2_PP2 + ["--use-distributed-optimizer"], 8),
+    ("zero-3", _TP2_PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"], 8),
+    ("cp 2", _TP2_PP2 + ["--context-parallel-size", "2"], 16),
+    ("fp16", _TP2_PP2 + ["--fp16"], 8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,flags,world", FEATURES, ids=[f[0] for f in FEATURES])
+def test_each_feature_computes_its_loss_on_the_fake_group_only(name, flags, world, monkeypatch):
+    """The last rank's step makes a loss (not skipped), every group is the fake backend (no real
+    collective can be issued), and the memory matches the model within 5% in every category."""
+    record = _run(flags + ["--global-batch-size", "8"], world, world - 1, monkeypatch)
+    assert record["fake"]["loss_computed"] and not record["fake"]["skipped"], name
+    assert record["backends"] == ["fake"]
+    assert record["measured"]["activations"] > 0
+    for c in CATEGORIES:
+        assert relative_error(record["measured"][c], record["predicted"][c]) <= 0.05, (name, c)
+
+
+def test_a_rank_outside_the_world_stops_in_one_line():
+    argv = _MODEL + _TP2_PP2 + ["--fake-world-size", "8", "--fake-rank", "8"]
+    with pytest.raises(ArgumentError, match="--fake-rank 8 is not a rank of --fake-world-size 8"):
+        run_fake_rank(parse_args(argv))
+
+
+def test_pretrain_gpt_prints_the_table_and_the_json_line(capsys):
+    argv = _MODEL + _TP2_PP2 + ["--global-batch-size", "8", "--fake-world-size", "8", "--fake-rank", "7"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fake rank 7 of 8 (tp 1, pp 1, dp 1), fake tensors" in out
+    assert "memory per rank, iteration 1" in out and '"kind": "memory"' in out
