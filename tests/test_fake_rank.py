@@ -69,6 +69,24 @@ FEATURES = [
     ("zero-3", _TP2_PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"], 8),
     ("cp 2", _TP2_PP2 + ["--context-parallel-size", "2"], 16),
     ("fp16", _TP2_PP2 + ["--fp16"], 8),
+    ("zero-2", _TP2_PP2 + ["--data-parallel-sharding-strategy", "optim_grads"], 8),
+    (
+        "zero-3 prefetch",
+        _TP2_PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"]
+        + ["--overlap-grad-reduce", "--overlap-param-gather"],
+        8,
+    ),
+    (
+        "zero-1 prefetch",
+        _TP2_PP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+        8,
+    ),
+    (
+        "uneven first/last stages",
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "3", "--num-layers", "5"]
+        + ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"],
+        12,
+    ),
 ]  # fmt: skip
 
 
