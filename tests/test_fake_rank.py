@@ -13,7 +13,7 @@ from megalite.arguments import parse_args
 from megalite.errors import ArgumentError
 from megalite.memory import CATEGORIES, relative_error
 from megalite.planning import fake_rank
-from megalite.planning.fake_rank import run_fake_rank
+from megalite.planning.fake_rank import run_fake_rank, verify_layout
 
 _MODEL = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--hidden-size", "32",
@@ -114,3 +114,13 @@ def test_pretrain_gpt_prints_the_table_and_the_json_line(capsys):
     out = capsys.readouterr().out
     assert "fake rank 7 of 8 (tp 1, pp 1, dp 1), fake tensors" in out
     assert "memory per rank, iteration 1" in out and '"kind": "memory"' in out
+
+
+@pytest.mark.parametrize("pipeline,ranks", [(1, [0]), (2, [0, 7])])
+def test_verify_runs_the_first_and_last_stage_once_each(pipeline, ranks):
+    """``tools/plan.py --verify``: one line per stage run; with pp 1, rank 0 alone (not stage 0 twice)."""
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", str(pipeline)]
+    argv = _MODEL + layout + ["--num-layers", "4", "--global-batch-size", "8", "--fake-tensors"]
+    lines = [line for line in verify_layout(argv, 8) if line.startswith("  rank ")]
+    assert [int(line.split()[1]) for line in lines] == ranks
+    assert all("the prediction held" in line for line in lines)

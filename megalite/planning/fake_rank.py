@@ -151,8 +151,8 @@ VERIFY_TOLERANCE = 0.05  # the prediction holds where every category is within 5
 
 def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
     """``tools/plan.py --verify``: run the fake rank of the first and the last pipeline stage (rank 0
-    and the last rank: the heaviest by the memory model) for ``pretrain_argv``; one line each, saying
-    whether the prediction held."""
+    and the last rank: the heaviest by the memory model; rank 0 alone with one stage) for
+    ``pretrain_argv``; one line each, saying whether the prediction held."""
     from megalite.arguments import parse_args
     from megalite.memory import CATEGORIES, relative_error
 
@@ -162,7 +162,9 @@ def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
             "  (fake tensors on the CPU: this checks the memory model for CPU kernels, whose attention and "
             "norms save more than CUDA's; the GB above are CUDA's)"
         )
-    for rank in sorted({0, world_size - 1}):
+    # With one pipeline stage every rank holds the same stage: rank 0 alone says it.
+    pipeline = parse_args(pretrain_argv).pipeline_model_parallel_size
+    for rank in [0] if pipeline == 1 else [0, world_size - 1]:
         argv = pretrain_argv + ["--fake-world-size", str(world_size), "--fake-rank", str(rank)]
         record = run_fake_rank(parse_args(argv))
         errors = {c: relative_error(record["measured"][c], record["predicted"][c]) for c in CATEGORIES}
