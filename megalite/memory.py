@@ -896,6 +896,14 @@ def format_memory_table(records: list[dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     title = " memory per rank, iteration 1 (predicted / measured; max over each stage's ranks):"
+    temporaries = [r for r in records if "temporaries" in r.get("measured_extra", {})]
+    if temporaries:  # a fake rank (megalite.planning.fake_rank) measures every live storage
+        meas = max(r["measured_extra"]["temporaries"] for r in temporaries) / mib
+        peak = max(r["measured_extra"]["live_peak"] for r in temporaries) / mib
+        lines.append(
+            f"temporaries MiB: measured {meas:.3f} (measured only: the memory model predicts none); "
+            f"peak of all live storage {peak:.3f}"
+        )
     host = [r["host"] for r in records if r.get("host", {}).get("predicted")]
     if host:  # --optimizer-cpu-offload
         pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))

@@ -55,6 +55,30 @@ def test_fake_tensors_measure_what_real_tensors_measure(rank, monkeypatch):
         assert relative_error(fake["measured"][c], fake["predicted"][c]) <= 0.05, c
 
 
+@pytest.mark.parametrize(
+    "flags,rank,transient",
+    [
+        # The last stage's logits, [b, s, vocab / tp] fp32 (at least the unpadded vocab's share).
+        ([], 7, lambda r: 2 * 16 * (300 // 2) * 4),
+        # ZeRO-3's gathered params, freed after each use.
+        (
+            ["--data-parallel-sharding-strategy", "optim_grads_params"],
+            0,
+            lambda r: r["measured_extra"]["params_gathered"],
+        ),
+    ],
+    ids=["last stage logits", "zero-3 gathered params"],
+)
+def test_the_live_peak_holds_the_categories_and_the_temporaries(flags, rank, transient, monkeypatch):
+    """The peak of all live storage is at least the categories' sum, and the temporaries (what is
+    neither state nor a saved activation at some moment) hold at least a known transient."""
+    record = _run(_TP2_PP2 + flags + ["--global-batch-size", "8"], 8, rank, monkeypatch)
+    extra = record["measured_extra"]
+    assert extra["live_peak"] >= sum(record["measured"].values())
+    assert transient(record) > 0 and extra["temporaries"] >= transient(record)
+    assert extra["temporaries"] <= extra["live_peak"] - record["measured"]["params"]
+
+
 # One case per feature group; the last rank of each world holds the last stage (the loss).
 FEATURES = [
     ("sp + selective recompute", _TP2_PP2 + ["--sequence-parallel", "--recompute-activations"], 8),
@@ -114,6 +138,7 @@ def test_pretrain_gpt_prints_the_table_and_the_json_line(capsys):
     out = capsys.readouterr().out
     assert "fake rank 7 of 8 (tp 1, pp 1, dp 1), fake tensors" in out
     assert "memory per rank, iteration 1" in out and '"kind": "memory"' in out
+    assert "temporaries MiB: measured" in out
 
 
 @pytest.mark.parametrize("pipeline,ranks", [(1, [0]), (2, [0, 7])])

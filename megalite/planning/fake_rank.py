@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.errors import ArgumentError
@@ -52,6 +54,76 @@ class HostReads(TorchDispatchMode):
             dtype = args[0].dtype
             return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
         return func(*args, **(kwargs or {}))
+
+
+class LiveStorageMeter(TorchDispatchMode):
+    """Bytes of every tensor storage alive during the step, for the live peak and the temporaries.
+
+    Each op's input and output storages are counted once by storage object; a storage leaves the
+    count when it is freed (a weakref finalizer; a storage keeps one Python object while alive). A
+    storage seen changing size (ZeRO-3's gathered buckets: ``resize_`` to 0 and back, which no op
+    reports) is re-read after every op. Only storages made or used while active are seen: enter it
+    before the model is built.
+
+    The first step makes the optimizer's state at its end (AdamW's moments are lazy); a later step
+    holds it throughout. So what the step made and still holds at its end counts as live from the
+    step's start (:meth:`finish`): the peak is a steady step's."""
+
+    def __init__(self):
+        super().__init__()
+        self._bytes: dict[int, int] = {}
+        self._storages: dict[int, weakref.ref] = {}
+        self._resizable: set[int] = set()
+        self._made_at: dict[int, int] = {}  # storages made during the step: the op that made them
+        self._timeline: list[tuple[int, int]] | None = None  # per op of the step: (live, saved) bytes
+        self._saved = lambda: 0
+        self.live = 0
+
+    def start_step(self, saved_bytes) -> None:
+        """Record from here; ``saved_bytes()``: the activations autograd holds now."""
+        self._timeline, self._saved = [], saved_bytes
+
+    def finish(self) -> tuple[int, int]:
+        """(peak of all live storage, peak of what is neither state nor a saved activation) in bytes,
+        with what the step made and kept (the optimizer's state) live from the step's start."""
+        timeline, kept_after = self._timeline or [(self.live, 0)], [0] * (len(self._timeline or []) + 1)
+        for key, made in self._made_at.items():
+            kept_after[made - 1] += self._bytes.get(key, 0) if made > 0 else 0
+        for i in range(len(kept_after) - 2, -1, -1):
+            kept_after[i] += kept_after[i + 1]
+        steady = [(live + kept_after[i], saved) for i, (live, saved) in enumerate(timeline)]
+        return max(live for live, _ in steady), max(live - saved for live, saved in steady)
+
+    def _forget(self, key: int) -> None:
+        self.live -= self._bytes.pop(key, 0)
+        for table in (self._storages, self._made_at):
+            table.pop(key, None)
+        self._resizable.discard(key)
+
+    def _see(self, storage) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key not in self._bytes:
+            self._bytes[key] = 0
+            self._storages[key] = weakref.ref(storage, lambda _, k=key: self._forget(k))
+            if self._timeline is not None:
+                self._made_at[key] = len(self._timeline)
+        elif self._bytes[key] != nbytes:
+            self._resizable.add(key)
+        self.live += nbytes - self._bytes[key]
+        self._bytes[key] = nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in list(self._resizable):
+            storage = self._storages[key]()
+            if storage is not None:
+                self._see(storage)
+        for t in pytree.tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._see(t.untyped_storage())
+        if self._timeline is not None:
+            self._timeline.append((self.live, self._saved()))
+        return out
 
 
 def mock_microbatches(state):
@@ -89,9 +161,10 @@ def uses_fake_tensors(args) -> bool:
     return args.fake_tensors or not (args.fake_real_tensors or torch.cuda.is_available())
 
 
-def _one_step(state) -> tuple[dict, MemoryProbe, float]:
+def _one_step(state, live: LiveStorageMeter) -> tuple[dict, MemoryProbe, float]:
     probe = MemoryProbe(state)
     cuda = state.mesh.device.type == "cuda"
+    live.start_step(lambda: probe.meter.live if probe.meter else 0)
     start = time.perf_counter()
     with probe.track():
         step = train_step(state, mock_microbatches(state), loss_on_host=False)
@@ -109,18 +182,25 @@ def run_fake_rank(args) -> dict:
     if not fake:  # received activations and grads are uninitialised buffers: their values mean nothing
         args.check_for_nan_in_loss_and_grad = False
     init_fake_process_group(args.fake_world_size, args.fake_rank)
-    reads = HostReads()
+    reads, live = HostReads(), LiveStorageMeter()
     try:
         if fake:
-            with FakeTensorMode(allow_non_fake_inputs=True), reads:
+            with FakeTensorMode(allow_non_fake_inputs=True), reads, live:
                 state = setup(args, with_data=False)
-                step, probe, seconds = _one_step(state)
+                step, probe, seconds = _one_step(state, live)
         else:
-            state = setup(args, with_data=False)
-            step, probe, seconds = _one_step(state)
+            with live:
+                state = setup(args, with_data=False)
+                step, probe, seconds = _one_step(state, live)
         record = rank_record(state, probe.meter)
     finally:
         dist.destroy_process_group()
+    # What lives only for a moment (workspaces, gathered buffers, the largest intermediates): the
+    # peak of all live storage less the categories. Measured only: the memory model predicts none.
+    peak, unsaved = live.finish()
+    state_bytes = sum(record["measured"][c] for c in ("params", "grads", "optimizer"))
+    record["measured_extra"]["live_peak"] = peak
+    record["measured_extra"]["temporaries"] = max(0, unsaved - state_bytes)
     record["fake"] = {
         "world_size": args.fake_world_size,
         "tensors": "fake" if fake else f"real ({state.mesh.device.type})",
