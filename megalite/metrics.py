@@ -110,8 +110,7 @@ def path_problem(flag: str, path: str, kind: str) -> str | None:
                 return f"{flag} {path}: exists and is not a directory; pick a directory"
             os.makedirs(path, exist_ok=True)
             probe = os.path.join(path, f".write_test.{os.getpid()}")
-            with open(probe, "w"):
-                pass
+            open(probe, "w").close()  # an empty probe file: can this process create files here?
             os.unlink(probe)
             return None
         if os.path.isdir(path):

@@ -222,7 +222,7 @@ class _CountQueue:
         return 0
 
     def task_done(self):
-        pass
+        """Nothing waits on the queue in one process: marking a task done has no effect."""
 
 
 def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:

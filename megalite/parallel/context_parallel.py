@@ -57,7 +57,10 @@ def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 
 def _chunk_length(s: int, cp_size: int) -> int:
     if s % (2 * cp_size):
-        raise ValueError(f"sequence length {s} is not divisible by 2 x context-parallel size {2 * cp_size}")
+        raise ArgumentError(
+            f"--seq-length {s} is not divisible by 2 x --context-parallel-size ({2 * cp_size}): each sequence "
+            f"is cut into 2 x CP load-balanced chunks; use a multiple of {2 * cp_size}"
+        )
     return s // (2 * cp_size)
 
 
