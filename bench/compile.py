@@ -64,6 +64,7 @@ SHAPE = "4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fwd+bwd"
 def build(flavour: str, vocab: int, s: int = 256, dtype: str = "fp32"):
     from megalite.model import ModelConfig
     from megalite.model.gpt import GPTModel
+    from megalite.parallel.context import ParallelContext
     from megalite.parallel.mesh import Mesh
     from megalite.parallel.random import set_random_seed
 
@@ -72,7 +73,9 @@ def build(flavour: str, vocab: int, s: int = 256, dtype: str = "fp32"):
         hidden_dropout=0.0, attention_dropout=0.0, **FLAVOURS[flavour],
     )  # fmt: skip
     mesh = Mesh.single()
-    return GPTModel(config, mesh, rng=set_random_seed(1234, mesh, "cpu"), dtype=DTYPES[dtype])
+    return GPTModel(
+        config, ParallelContext(mesh, rng=set_random_seed(1234, mesh, "cpu"), dtype=DTYPES[dtype])
+    )
 
 
 def step(model, tokens) -> None:

@@ -15,12 +15,11 @@ import torch
 from megalite.memory import SavedTensorMeter
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel, SelfAttention
-from megalite.parallel.mesh import Mesh
 
 
 def measure(config, enable_gqa: bool, b: int, s: int, iters: int) -> dict:
     torch.manual_seed(0)
-    model = GPTModel(config, Mesh.single(), dtype=torch.float32)
+    model = GPTModel(config)
     for m in model.modules():
         if isinstance(m, SelfAttention):
             m.enable_gqa = enable_gqa

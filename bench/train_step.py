@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.model.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.mesh import Mesh  # noqa: E402
 from megalite.spawn import run_distributed  # noqa: E402
 
@@ -55,7 +56,7 @@ def plain_loop(a, device: torch.device) -> float:
         vocab_size=a.vocab_size,
         max_position_embeddings=a.seq_length,
     )
-    model = GPTModel(config, Mesh.single(device), dtype=dtype)
+    model = GPTModel(config, ParallelContext(Mesh.single(device), dtype=dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     b = a.micro_batch_size * a.microbatches
     tokens = torch.randint(0, a.vocab_size, (b, a.seq_length + 1), device=device)

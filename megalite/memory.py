@@ -450,8 +450,21 @@ def _norm_terms(config: ModelConfig, rows: int, B: int, cuda: bool) -> int:
     if config.normalization == "LayerNorm":
         # native_layer_norm: input + mean and rstd per token (fp32 on CUDA, the input dtype on CPU).
         return rows * (B * h + 2 * (4 if cuda else B))
-    device_type = "cuda" if cuda else "cpu"
-    return rows * _gpt.RMSNorm.saved_bytes_per_token(h, B, device_type, config.apply_layernorm_1p)
+    return rows * rms_norm_saved_bytes_per_token(h, B, "cuda" if cuda else "cpu", config.apply_layernorm_1p)
+
+
+def rms_norm_saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_type: str, one_p: bool) -> int:
+    """Bytes one :class:`~megalite.model.gpt.RMSNorm` keeps for backward per token (its input
+    included, its output not); ``elem_bytes``: 4 for fp32 params, 2 for bf16 / fp16.
+
+    Fused kernel (``gpt.fused_rms_norm_kernel``): the tensor it normalized (x, or its fp32 copy when
+    gamma is fp32 and x is not) and an fp32 1/rms. Composite: fp32 x, 1/rms and fp32 x/rms (the
+    weight's grad needs it), for any input dtype.
+    """
+    h = hidden_size
+    if not _gpt.fused_rms_norm_kernel(device_type):
+        return 8 * h + 4
+    return (4 if one_p else elem_bytes) * h + 4
 
 
 def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:

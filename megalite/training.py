@@ -51,6 +51,7 @@ from megalite.model import ModelConfig, build_model_chunks
 from megalite.model.attention_backend import describe_attention
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import shard_sequence
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.determinism import enable_deterministic_mode
@@ -141,9 +142,8 @@ def setup(args: argparse.Namespace, with_data: bool = True) -> TrainState:
     rng = set_random_seed(train.seed, mesh, mesh.device)
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
     config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
-    chunks = build_model_chunks(
-        config, mesh, run.parallel, recompute=run.recompute, rng=rng, dtype=train.params_dtype
-    )
+    ctx = ParallelContext(mesh, run.parallel, run.recompute, rng, train.params_dtype)
+    chunks = build_model_chunks(config, ctx)
     if train.torch_compile:
         compile_layers(chunks, train.torch_compile_mode)
     elif train.cross_entropy_loss_fusion:

@@ -71,7 +71,7 @@ def reference(config, m: int, dp_rank: int, b: int, s: int):
     """One process on the same microbatches: (losses [m], {name: grad}) of the mean loss."""
     from megalite.model.gpt import GPTModel
 
-    model = GPTModel(config, Mesh.single())
+    model = GPTModel(config)
     losses = []
     for mb in microbatches(m, dp_rank, config.vocab_size, b, s):
         loss = model(input_ids=mb["tokens"], labels=mb["labels"]).mean()

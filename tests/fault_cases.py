@@ -120,7 +120,6 @@ class Fixtures:
         from megalite.data.indexed_dataset import IndexedDatasetBuilder
         from megalite.model.config import ModelConfig
         from megalite.model.gpt import GPTModel
-        from megalite.parallel.mesh import Mesh
 
         self.root = Path(root)
         self.n = 0
@@ -140,7 +139,7 @@ class Fixtures:
             "rope_half": ModelConfig.gpt2(**base, position_embedding_type="rope", rotary_percent=0.5),
             "layernorm_1p": ModelConfig.gpt2(**base, apply_layernorm_1p=True),
         }.items():
-            model = GPTModel(cfg.validate(1), Mesh.single())
+            model = GPTModel(cfg.validate(1))
             self.models[name] = self.root / f"model-{name}"
             save_model_checkpoint(dict(model.named_parameters()), cfg, self.models[name])
         # A tiny .bin/.idx (uint16, ids < 64).

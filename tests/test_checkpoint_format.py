@@ -18,7 +18,6 @@ from megalite.checkpoint import (
 )
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
 from megalite.spawn import run_distributed
 
 FULL = torch.arange(11 * 3, dtype=torch.float32).view(11, 3)
@@ -72,7 +71,7 @@ class _Evil:
 
 def test_metadata_unpickling_refuses_code(tmp_path):
     cfg = ModelConfig.gpt2(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=40)
-    path = save_model_checkpoint(GPTModel(cfg, Mesh.single()), cfg, tmp_path / "ck")
+    path = save_model_checkpoint(GPTModel(cfg), cfg, tmp_path / "ck")
     _Evil.marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     # The recorded checksums catch the swapped file before anything is unpickled...
@@ -88,7 +87,7 @@ def test_metadata_unpickling_refuses_code(tmp_path):
 
 
 def _perturbed(config):
-    model = GPTModel(config, Mesh.single())
+    model = GPTModel(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -133,7 +132,7 @@ def test_weights_only_roundtrip(tmp_path, flavour):
 
 def test_clear_errors(tmp_path):
     cfg = ModelConfig.gpt2(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=40)
-    model = GPTModel(cfg, Mesh.single())
+    model = GPTModel(cfg)
     with pytest.raises(CheckpointError, match="no such directory"):
         load_model(tmp_path / "nowhere")
     save_model_checkpoint(model, cfg, tmp_path / "ck", iteration=5)

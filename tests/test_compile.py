@@ -127,10 +127,9 @@ def test_compiled_resume_is_exact(runs):
 
 def test_compile_keeps_parameter_names():
     from megalite.model import ModelConfig, build_model_chunks
-    from megalite.parallel.mesh import Mesh
 
     config = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32)
-    chunks = build_model_chunks(config, Mesh.single())
+    chunks = build_model_chunks(config)
     before = list(chunks[0].state_dict())
     compile_layers(chunks)
     assert list(chunks[0].state_dict()) == before

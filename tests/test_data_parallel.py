@@ -18,6 +18,7 @@ from torch import nn
 
 from megalite.configs import DataParallelConfig, OptimizerConfig
 from megalite.optim import build_optimizer
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.spawn import run_distributed
@@ -340,7 +341,7 @@ def gpt_reference():
     """One process, whole batch: per-step grad norms and the params after GPT_STEPS steps."""
     from megalite.model import GPTModel, ModelConfig
 
-    model = GPTModel(ModelConfig.gpt2(**GPT_CFG), Mesh.single())
+    model = GPTModel(ModelConfig.gpt2(**GPT_CFG))
     params = list(model.parameters())
     opt = reference_adamw(params, GPT_HP)
     norms = []
@@ -374,7 +375,7 @@ def _gpt_worker(layouts, ref_norms, ref_params):
         cfg = ModelConfig.gpt2(**GPT_CFG)
         chunks = [
             DistributedDataParallel(c, mesh, dp_config(distributed, bucket_size=3000))
-            for c in build_model_chunks(cfg, mesh)
+            for c in build_model_chunks(cfg, ParallelContext(mesh))
         ]
         assert sum(len(c.buckets) for c in chunks) >= 2
         opt = build_optimizer(chunks, mesh, OptimizerConfig(use_distributed_optimizer=distributed, **GPT_HP))

@@ -29,7 +29,6 @@ from fault_cases import TINY, entry, tree_hash
 from megalite.checkpoint import files, load_model, save_model_checkpoint
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,7 +99,7 @@ def test_non_finite_loss_or_grad_stops_before_the_step(tmp_path, capfd):
     cfg = ModelConfig.gpt2(
         num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=65, max_position_embeddings=16
     )
-    state = dict(GPTModel(cfg.validate(1), Mesh.single()).named_parameters())
+    state = dict(GPTModel(cfg.validate(1)).named_parameters())
     state["embedding.word_embeddings.weight"].data[3, 0] = float("nan")
     save_model_checkpoint(state, cfg, tmp_path / "nan-weights")
     before = tree_hash(tmp_path / "nan-weights")
@@ -354,7 +353,7 @@ def test_entry_points_print_one_line_for_bad_inputs(tmp_path, capfd):
 
     # generate.py: a sampling flag out of range (the checkpoint is fine).
     cfg = ModelConfig.gpt2(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=65)
-    save_model_checkpoint(GPTModel(cfg.validate(1), Mesh.single()), cfg, tmp_path / "w")
+    save_model_checkpoint(GPTModel(cfg.validate(1)), cfg, tmp_path / "w")
     gen = [
         "tools/generate.py",
         "--load",

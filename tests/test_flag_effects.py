@@ -19,7 +19,6 @@ from megalite.generation import generate
 from megalite.memory import MemoryLayout, predict_rank
 from megalite.model.gpt import GPTModel
 from megalite.optim.lr_scheduler import OptimizerParamScheduler
-from megalite.parallel.mesh import Mesh
 
 V = 300
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V), "--train-iters", "20"]
@@ -440,7 +439,7 @@ TOKENS = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0)
 
 def _model(flags: list[str]) -> GPTModel:
     args = validate_args(parse_args(_argv(NO_DROPOUT + flags)), 1)
-    return GPTModel(model_config(args, vocab_size=V), Mesh.single())
+    return GPTModel(model_config(args, vocab_size=V))
 
 
 def _logits(model: GPTModel, train: bool) -> torch.Tensor:

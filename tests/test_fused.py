@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.memory import SavedTensorMeter
+from megalite.memory import SavedTensorMeter, rms_norm_saved_bytes_per_token
 from megalite.model import gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel, RMSNorm
-from megalite.parallel.mesh import Mesh
+from megalite.parallel.context import ParallelContext
 
 BF16_ULP = 2.0**-7  # spacing of bf16 values in [1, 2): 8 significant bits
 BF16_U = 2.0**-8  # unit roundoff of one round-to-nearest into bf16
@@ -117,7 +117,7 @@ def test_rms_norm_saved_bytes_match_the_memory_model(dtype, one_p):
     with meter.track():
         y = norm(x)
     rows, h = x.numel() // 64, 64
-    expect = rows * RMSNorm.saved_bytes_per_token(h, x.element_size(), "cpu", one_p)
+    expect = rows * rms_norm_saved_bytes_per_token(h, x.element_size(), "cpu", one_p)
     # 1p: gamma = 1 + w ([h] fp32) is a parameter-sized term the per-token model leaves out
     assert meter.peak == expect + (4 * h if one_p else 0)
     del y
@@ -128,7 +128,7 @@ def _llama(dtype, one_p):
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=96,
         max_position_embeddings=16, seed=3, apply_layernorm_1p=one_p,
     )  # fmt: skip
-    model = GPTModel(cfg, Mesh.single(), dtype=dtype)
+    model = GPTModel(cfg, ParallelContext(dtype=dtype))
     if one_p:  # init leaves gamma - 1 = 0: give the norms something to scale with
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -186,7 +186,7 @@ def test_layer_norms_use_torch_layer_norm():
 
     for one_p in (False, True):
         cfg = ModelConfig.gpt2(num_layers=1, hidden_size=32, num_attention_heads=4, apply_layernorm_1p=one_p)
-        norm = gpt.build_norm(cfg, torch.float32, None)
+        norm = gpt.build_norm(cfg, ParallelContext())
         with Ops() as rec:
             norm(torch.randn(2, 32))
         assert any("native_layer_norm" in op for op in rec.ops), rec.ops

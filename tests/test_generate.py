@@ -11,7 +11,6 @@ import torch
 from megalite.generation import generate, sample_next_token
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 V = 50  # padded to 128 rows by the model: 78 ids the tokenizer does not have
@@ -21,7 +20,7 @@ def tiny_model(flavour: str) -> GPTModel:
     make = ModelConfig.llama if flavour == "llama" else ModelConfig.gpt2
     cfg = make(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V, max_position_embeddings=16,
                init_method_std=0.3, seed=3)  # fmt: skip
-    model = GPTModel(cfg, Mesh.single()).eval()
+    model = GPTModel(cfg).eval()
     # Make the padding columns win every argmax / hold almost all probability mass: generation
     # must still never produce them.
     assert cfg.padded_vocab_size(1) == 128

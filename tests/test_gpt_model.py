@@ -13,6 +13,7 @@ from conftest import gather_full, gather_tp
 from megalite.configs import RecomputeConfig
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.model.gpt import GPTModel
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import is_shared_embedding
 from megalite.parallel.random import TensorParallelRNG
@@ -68,8 +69,8 @@ def _tp_parity(tp):
     ids, labels, weights = batch()
     diffs = {}
     for fname, cfg in flavours().items():
-        ref = GPTModel(cfg, Mesh.single())
-        par = GPTModel(cfg, mesh)
+        ref = GPTModel(cfg)
+        par = GPTModel(cfg, ParallelContext(mesh))
         ref_params, par_params = dict(ref.named_parameters()), dict(par.named_parameters())
         assert list(ref_params) == list(par_params), fname
         vpad = cfg.padded_vocab_size(tp)
@@ -128,7 +129,7 @@ def test_tensor_parallel_matches_single_process(tp):
 def _chunks(cfg, mesh, bounds):
     last = len(bounds) - 1
     return [
-        GPTModel(cfg, mesh, pre_process=i == 0, post_process=i == last, layer_range=rng)
+        GPTModel(cfg, ParallelContext(mesh), pre_process=i == 0, post_process=i == last, layer_range=rng)
         for i, rng in enumerate(bounds)
     ]
 
@@ -137,7 +138,7 @@ def _chunks(cfg, mesh, bounds):
 def test_stage_chunks_chained_match_full_model(flavour):
     cfg = dataclasses.replace(flavours()[flavour], num_layers=4)
     mesh = Mesh.single()
-    full = GPTModel(cfg, mesh)
+    full = GPTModel(cfg, ParallelContext(mesh))
     chunks = _chunks(cfg, mesh, [(0, 1), (1, 3), (3, 4)])
     full_params = dict(full.named_parameters())
     tied = flavour == "gpt2"
@@ -199,30 +200,30 @@ def test_bad_shapes_stop_with_clear_errors():
     with pytest.raises(
         ModelConfigError, match=r"--num-attention-heads \(6\).*--tensor-model-parallel-size \(4\)"
     ):
-        GPTModel(ModelConfig.gpt2(hidden_size=48, num_attention_heads=6), tp4)
+        GPTModel(ModelConfig.gpt2(hidden_size=48, num_attention_heads=6), ParallelContext(tp4))
     with pytest.raises(
         ModelConfigError, match=r"--hidden-size \(30\) is not divisible by --num-attention-heads"
     ):
-        GPTModel(ModelConfig.gpt2(hidden_size=30, num_attention_heads=4), Mesh.single())
+        GPTModel(ModelConfig.gpt2(hidden_size=30, num_attention_heads=4))
     with pytest.raises(ModelConfigError, match=r"--num-query-groups \(2\) is not divisible by --tensor"):
-        GPTModel(ModelConfig.llama(hidden_size=64, num_attention_heads=8, num_query_groups=2), tp4)
+        GPTModel(
+            ModelConfig.llama(hidden_size=64, num_attention_heads=8, num_query_groups=2), ParallelContext(tp4)
+        )
     with pytest.raises(ModelConfigError, match=r"--ffn-hidden-size"):
-        GPTModel(ModelConfig.gpt2(ffn_hidden_size=33), tp2)
+        GPTModel(ModelConfig.gpt2(ffn_hidden_size=33), ParallelContext(tp2))
     for bad in [(2, 5), (-1, 2), (3, 1)]:
         with pytest.raises(ModelConfigError, match=r"layer_range.*--num-layers 4"):
-            GPTModel(ModelConfig.gpt2(num_layers=4), Mesh.single(), layer_range=bad)
-    model = GPTModel(ModelConfig.gpt2(**SMALL), Mesh.single())
+            GPTModel(ModelConfig.gpt2(num_layers=4), layer_range=bad)
+    model = GPTModel(ModelConfig.gpt2(**SMALL))
     with pytest.raises(ValueError, match="--max-position-embeddings"):
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match="input_tensor"):
-        GPTModel(ModelConfig.gpt2(**SMALL), Mesh.single(), pre_process=False)(
-            torch.zeros(1, 4, dtype=torch.long)
-        )
+        GPTModel(ModelConfig.gpt2(**SMALL), pre_process=False)(torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_init_is_deterministic_and_scaled():
     cfg = flavours()["llama"]
-    a, b = GPTModel(cfg, Mesh.single()), GPTModel(cfg, Mesh.single())
+    a, b = GPTModel(cfg), GPTModel(cfg)
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     for n in pa:
         assert torch.equal(pa[n], pb[n]), n
@@ -263,7 +264,7 @@ def test_recompute_reproduces_dropout_exactly(mode):
     def run(recompute):
         torch.set_rng_state(start[0])
         rng.set_state(start[1])
-        model = GPTModel(cfg, mesh, rng=rng, **recompute).train()
+        model = GPTModel(cfg, ParallelContext(mesh, rng=rng, **recompute)).train()
         loss = model(ids, labels=labels)
         (loss * weights).sum().backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model, rng.get_state()
@@ -376,7 +377,7 @@ def _hf_gpt2(cfg, sd):
 def test_logits_match_hf_transformers(flavour):
     pytest.importorskip("transformers")
     cfg = flavours()[flavour]
-    model = GPTModel(cfg, Mesh.single()).eval()
+    model = GPTModel(cfg).eval()
     with torch.no_grad():  # nonzero norm params and biases, so their mapping is checked too
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):

@@ -205,7 +205,6 @@ def test_attention_backend_picks_the_sdpa_kernel(monkeypatch, backend, kernel):
     from megalite.model.attention_backend import describe_attention
     from megalite.model.config import ModelConfig
     from megalite.model.gpt import GPTModel
-    from megalite.parallel.mesh import Mesh
 
     seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
 
@@ -221,9 +220,9 @@ def test_attention_backend_picks_the_sdpa_kernel(monkeypatch, backend, kernel):
         torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0)),
         torch.zeros(1, 8).long(),
     )
-    loss = GPTModel(config, Mesh.single())(input_ids=ids, labels=labels)
+    loss = GPTModel(config)(input_ids=ids, labels=labels)
     assert seen == [kernel]
-    math = GPTModel(ModelConfig(**{**config.to_dict(), "attention_backend": "unfused"}), Mesh.single())
+    math = GPTModel(ModelConfig(**{**config.to_dict(), "attention_backend": "unfused"}))
     torch.testing.assert_close(loss, math(input_ids=ids, labels=labels), rtol=1e-5, atol=1e-6)
     assert (
         describe_attention(config, torch.device("cpu"), torch.float32, 1)
@@ -280,12 +279,11 @@ def test_memory_model_counts_the_fused_weights(flavour):
     from megalite.memory import MemoryLayout, fused_wgrad_numel
     from megalite.model.config import ModelConfig
     from megalite.model.gpt import GPTModel
-    from megalite.parallel.mesh import Mesh
     from megalite.parallel.param_attributes import is_wgrad_fusable
 
     make = ModelConfig.llama if flavour == "llama" else ModelConfig.gpt2
     config = make(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
-    model = GPTModel(config, Mesh.single())
+    model = GPTModel(config)
     built = sum(p.numel() for p in model.parameters() if is_wgrad_fusable(p))
     layout = MemoryLayout(tp=1, pp=1, dp=1, micro_batch_size=1, seq_length=8, num_microbatches=1)
     assert fused_wgrad_numel(config, layout, 0) == built > 0

@@ -5,7 +5,6 @@ import torch
 
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import SDPA_ENABLE_GQA, GPTModel, SelfAttention
-from megalite.parallel.mesh import Mesh
 
 
 def _loss_and_grads(enable_gqa: bool, flavour: str):
@@ -15,7 +14,7 @@ def _loss_and_grads(enable_gqa: bool, flavour: str):
         num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=128,
         max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    model = GPTModel(config, Mesh.single(), dtype=torch.float32)
+    model = GPTModel(config)
     for m in model.modules():
         if isinstance(m, SelfAttention):
             m.enable_gqa = enable_gqa

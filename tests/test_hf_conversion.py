@@ -13,7 +13,7 @@ import torch
 from megalite.checkpoint import hf
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
+from megalite.parallel.context import ParallelContext
 from megalite.spawn import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -65,7 +65,7 @@ CASES = {
 
 def megalite_from_hf(hf_model) -> tuple[GPTModel, dict, ModelConfig]:
     state, config = hf.hf_to_megalite(hf_model.state_dict(), hf_model.config.to_dict())
-    model = GPTModel(config, Mesh.single()).eval()
+    model = GPTModel(config).eval()
     model.load_state_dict(hf.padded_state_dict(state, config), strict=True)
     return model, state, config
 
@@ -214,7 +214,7 @@ def _at_tp2_pp2(folders, ids, labels, pretrain_runs):
     out = []
     for folder in folders:
         config = files.config_from_metadata(files.read_metadata(folder))
-        chunks = build_model_chunks(config, mesh)
+        chunks = build_model_chunks(config, ParallelContext(mesh))
         storage.read(model_pieces(chunks, config, mesh, for_load=True), folder)
         zero_vocab_padding(chunks, config, mesh)
         (model,) = chunks
@@ -366,7 +366,7 @@ def test_model_trained_here_exports_to_transformers(tmp_path, capsys):
         ).eval()
         ours, config = load_model(str(tmp_path / name))
         assert theirs.config.vocab_size == config.vocab_size == 96
-        init = GPTModel(config, Mesh.single())  # the same seed's untrained model: training moved the weights
+        init = GPTModel(config)  # the same seed's untrained model: training moved the weights
         assert not torch.equal(init.decoder.final_norm.weight, ours.decoder.final_norm.weight)
         with torch.no_grad():
             ref = theirs(ids, labels=ids).loss

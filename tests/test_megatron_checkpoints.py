@@ -29,7 +29,6 @@ import torch
 from megalite.checkpoint import load_model, save_model_checkpoint
 from megalite.checkpoint import megatron as mg
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
 from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 
 def megalite_logits(state: dict, config, tokens: torch.Tensor) -> torch.Tensor:
     """A single-process megalite model with ``state`` loaded: logits ``[b, s, V]``."""
-    model = GPTModel(config, Mesh.single(), dtype=torch.float32, device="cpu")
+    model = GPTModel(config)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     with torch.no_grad():
         return model.eval()(tokens)[..., : config.vocab_size]

@@ -348,10 +348,9 @@ def _tiny_config(**kw):
 @pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
 def test_layernorm_1p_is_gamma_minus_one(norm):
     from megalite.model import GPTModel
-    from megalite.parallel.mesh import Mesh
 
-    one_p = GPTModel(_tiny_config(normalization=norm, apply_layernorm_1p=True), Mesh.single())
-    plain = GPTModel(_tiny_config(normalization=norm), Mesh.single())
+    one_p = GPTModel(_tiny_config(normalization=norm, apply_layernorm_1p=True))
+    plain = GPTModel(_tiny_config(normalization=norm))
     norms = [n for n, _ in one_p.named_parameters() if "norm" in n and n.endswith("weight")]
     assert norms and all(float(one_p.get_parameter(n).detach().abs().max()) == 0.0 for n in norms)  # init 0
     with torch.no_grad():

@@ -21,7 +21,6 @@ from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig, pad_vocab_size
 from megalite.model.gpt import GPTModel
 from megalite.optim.grad_scaler import DynamicGradScaler
-from megalite.parallel.mesh import Mesh
 from megalite.training import forward_step
 
 
@@ -118,7 +117,7 @@ def test_model_embedding_has_the_padded_rows():
             vocab_size=100,
             make_vocab_size_divisible_by=8,
         )
-        model = GPTModel(cfg, Mesh.single())
+        model = GPTModel(cfg)
     assert model.embedding.word_embeddings.weight.shape == (104, 16)
 
 
@@ -178,7 +177,7 @@ def _tiny_gpt():
         max_position_embeddings=16,
         seed=3,
     )
-    return GPTModel(cfg, Mesh.single())
+    return GPTModel(cfg)
 
 
 def _microbatch(mask):

@@ -17,6 +17,7 @@ import torch
 from conftest import pretrain_runs
 
 from megalite.arguments import ArgumentError
+from megalite.configs import ParallelConfig
 from megalite.memory import (
     CATEGORIES,
     ChunkSpec,
@@ -38,7 +39,7 @@ from megalite.memory import (
 from megalite.model import gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import Mesh
+from megalite.parallel.context import ParallelContext
 from megalite.spawn import run_distributed
 
 ACTIVATION_RTOL = 0.05
@@ -72,7 +73,7 @@ def test_param_shapes_match_the_model_name_by_name(name, tp):
         for c in chunks:
             model = GPTModel(
                 config,
-                _FakeMesh(tp, pp_rank, 2),
+                ParallelContext(_FakeMesh(tp, pp_rank, 2)),
                 pre_process=c.pre_process,
                 post_process=c.post_process,
                 layer_range=c.layer_range,
@@ -213,9 +214,7 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     if flavour.endswith("_1head"):
         kw["num_attention_heads"] = 1
     config = (ModelConfig.gpt2 if flavour.startswith("gpt2") else ModelConfig.llama)(**kw)
-    model = GPTModel(
-        config, Mesh.single(torch.device("cpu")), dtype=dtype, recompute=MemoryLayout(**recompute).recompute
-    )
+    model = GPTModel(config, ParallelContext(recompute=MemoryLayout(**recompute).recompute, dtype=dtype))
     s = 16
     ids = torch.randint(0, 200, (b, s))
     meter = SavedTensorMeter(list(model.parameters()))
@@ -383,9 +382,8 @@ def _layer_bytes_with_and_without_sp(tp: int) -> dict:
         for sp in (False, True):
             peaks = []
             for layers in (2, 4):
-                model = GPTModel(
-                    dataclasses.replace(config, num_layers=layers), mesh, sequence_parallel=sp, dtype=dtype
-                )
+                ctx = ParallelContext(mesh, ParallelConfig(sequence_parallel=sp), dtype=dtype)
+                model = GPTModel(dataclasses.replace(config, num_layers=layers), ctx)
                 meter = SavedTensorMeter(list(model.parameters()))
                 with meter.track():
                     loss = model(input_ids=ids, labels=ids)

@@ -16,6 +16,7 @@ from conftest import forward_step, gather_full, microbatches, reference
 from megalite.configs import DataParallelConfig, ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_shared_embedding
@@ -68,7 +69,9 @@ def _run(layouts):
             for schedule, vp, times, extra, recompute in CASES:
                 m = times * pp + extra
                 parallel = ParallelConfig(virtual_pipeline_model_parallel_size=vp)
-                chunks = build_model_chunks(config, mesh, parallel, **(FULL_RECOMPUTE if recompute else {}))
+                chunks = build_model_chunks(
+                    config, ParallelContext(mesh, parallel, **(FULL_RECOMPUTE if recompute else {}))
+                )
                 if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                     chunks = [
                         DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=5000)) for c in chunks

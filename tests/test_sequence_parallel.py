@@ -31,6 +31,7 @@ from megalite.arguments import ArgumentError, parse_args, start_up_lines, valida
 from megalite.configs import DataParallelConfig, ParallelConfig, RecomputeConfig
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import build_model_chunks, recompute_units
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import grad_of, is_sequence_parallel
@@ -123,7 +124,7 @@ def _run():
         m = 2 * pp
         for flavour, config in flavours().items():
             sp = ParallelConfig(virtual_pipeline_model_parallel_size=vp, sequence_parallel=True)
-            chunks = build_model_chunks(config, mesh, sp, **recompute)
+            chunks = build_model_chunks(config, ParallelContext(mesh, sp, **recompute))
             if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
                 chunks = [
                     DistributedDataParallel(c, mesh, DataParallelConfig(bucket_size=3000)) for c in chunks

@@ -5,6 +5,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.configs import ParallelConfig
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.random import TensorParallelRNG, recompute, set_random_seed
 from megalite.spawn import run_distributed
@@ -157,7 +159,8 @@ def check_model_dropout(mesh):
     x = torch.arange(16).reshape(2, 8) % 64
     for sp in (False, True):
         rng = set_random_seed(SEED, mesh, "cpu")
-        model = GPTModel(cfg, mesh, rng=rng, sequence_parallel=sp, post_process=False)
+        ctx = ParallelContext(mesh, ParallelConfig(sequence_parallel=sp), rng=rng)
+        model = GPTModel(cfg, ctx, post_process=False)
         seen, out = _stream_at_dropouts(model, x)
         assert len(seen["hidden"]) >= 5 and len(seen["attention"]) == 2, {k: len(v) for k, v in seen.items()}
         for kind, states in seen.items():

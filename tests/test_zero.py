@@ -11,6 +11,7 @@ from conftest import COMMON, LLAMA, layout, losses, metrics, pretrain_runs
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.configs import RecomputeConfig
+from megalite.parallel.context import ParallelContext
 from megalite.spawn import run_distributed
 
 ITERS = 10
@@ -271,7 +272,7 @@ def test_bad_sharding_flags(flags, words):
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
-def one_process_zero3(config, prefetch: bool = False, **gpt_kwargs):
+def one_process_zero3(config, prefetch: bool = False, **ctx_kwargs):
     """A GPT on one process (dp=1, no collectives) wrapped for ZeRO-3, prefetching or not."""
     from megalite.configs import DataParallelConfig
     from megalite.model.gpt import GPTModel
@@ -279,7 +280,7 @@ def one_process_zero3(config, prefetch: bool = False, **gpt_kwargs):
     from megalite.parallel.mesh import Mesh
 
     zero3 = DataParallelConfig("optim_grads_params", overlap_param_gather=prefetch)
-    return DistributedDataParallel(GPTModel(config, Mesh.single(), **gpt_kwargs), Mesh.single(), zero3)
+    return DistributedDataParallel(GPTModel(config, ParallelContext(**ctx_kwargs)), Mesh.single(), zero3)
 
 
 @pytest.mark.parametrize("recompute", [None, "full"])
@@ -290,11 +291,10 @@ def test_zero3_one_process_gathers_just_in_time(recompute):
 
     from megalite.model.config import ModelConfig
     from megalite.model.gpt import GPTModel
-    from megalite.parallel.mesh import Mesh
 
     config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=40)
     kwargs = dict(recompute=RecomputeConfig(recompute, "uniform", 2) if recompute else RecomputeConfig())
-    ref = GPTModel(config, Mesh.single(), **kwargs)
+    ref = GPTModel(config, ParallelContext(**kwargs))
     ddp = one_process_zero3(config, **kwargs)
     params = dict(ddp.module.named_parameters())
 

@@ -32,6 +32,7 @@ from torch import nn
 from megalite.checkpoint.storage import Shard
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import is_tensor_parallel, partition_dim
 
@@ -49,7 +50,7 @@ class _ShapesOnly(GPTModel):
 
 def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{name: full shape}`` of ``config``'s logical state dict (vocab tables: the real rows)."""
-    model = _ShapesOnly(config, Mesh.single("meta"), device="meta")
+    model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
     return {
         name: (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
         for name, p in model.named_parameters()

@@ -39,7 +39,7 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
     elif problem := files.check_files(folder, sums):
         raise files.damaged(folder, it, problem)
     config = files.config_from_metadata(meta)
-    model = GPTModel(config, Mesh.single(), dtype=torch.float32, device="cpu")
+    model = GPTModel(config)  # one process, fp32, CPU
     storage.read(model_pieces([model], config, Mesh.single(), for_load=True), folder, no_dist=True)
     zero_vocab_padding([model], config, Mesh.single())
     return model.eval(), config

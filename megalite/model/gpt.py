@@ -51,11 +51,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.compiled import compile_forward
-from megalite.configs import RECOMPUTE_METHODS, ParallelConfig, RecomputeConfig
+from megalite.configs import RECOMPUTE_METHODS
 from megalite.errors import MegaliteError
 from megalite.model.attention_backend import attention_kernels
 from megalite.model.config import ModelConfig, ModelConfigError
 from megalite.parallel import random as tp_random
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention, shard_sequence
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import (
@@ -67,7 +68,6 @@ from megalite.parallel.layers import (
     init_param_from_full,
 )
 from megalite.parallel.mappings import split_along_sequence_dim
-from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import (
     mark_embedding_or_output,
     mark_replicated,
@@ -79,6 +79,17 @@ from megalite.parallel.pipeline_layout import stage_layer_ranges
 # The layers would draw their own init from torch's global RNG; GPTModel.init_weights sets
 # every parameter instead (layout-independent), so skip that work and leave the RNG untouched.
 _NO_INIT = dict(init_method=None)
+
+
+def _linear_kwargs(config: ModelConfig, ctx: ParallelContext) -> dict:
+    """What every TP linear of a layer is built with: bias, sequence parallelism, dtype, device."""
+    return dict(
+        bias=config.add_bias_linear,
+        sequence_parallel=ctx.sequence_parallel,
+        **_NO_INIT,
+        **ctx.tensor_kwargs(),
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # Norms
@@ -140,20 +151,6 @@ class RMSNorm(nn.Module):
             return _rms_norm(x.float(), self.weight.shape, gamma.float(), self.eps).to(x.dtype)
         return _rms_norm(x, self.weight.shape, gamma, self.eps)
 
-    @staticmethod
-    def saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_type: str, one_p: bool) -> int:
-        """Bytes one RMSNorm keeps for backward per token (its input included, its output not);
-        ``elem_bytes``: 4 for fp32 params, 2 for bf16 / fp16.
-
-        Fused kernel: the tensor it normalized (x, or its fp32 copy when gamma is fp32 and x is
-        not) and an fp32 1/rms. Composite: fp32 x, 1/rms and fp32 x/rms (the weight's grad needs
-        it), for any input dtype.
-        """
-        h = hidden_size
-        if not fused_rms_norm_kernel(device_type):
-            return 8 * h + 4
-        return (4 if one_p else elem_bytes) * h + 4
-
 
 class LayerNorm1P(nn.LayerNorm):
     """LayerNorm with a zero-centred gamma (``--apply-layernorm-1p``): scale ``1 + weight``, in fp32."""
@@ -163,21 +160,21 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
-def build_norm(config: ModelConfig, dtype, device, sequence_parallel: bool = False) -> nn.Module:
+def build_norm(config: ModelConfig, ctx: ParallelContext) -> nn.Module:
     """LayerNorm (with bias) or RMSNorm; its params are replicated over TP.
 
     Under sequence parallelism the norm sees only this rank's tokens, so its grads are
     partial: tagged to be summed over TP.
     """
-    zc = config.apply_layernorm_1p
+    zc, kw = config.apply_layernorm_1p, ctx.tensor_kwargs()
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device, zero_centered_gamma=zc)
+        norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw, zero_centered_gamma=zc)
     else:
         cls = LayerNorm1P if zc else nn.LayerNorm
-        norm = cls(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+        norm = cls(config.hidden_size, eps=config.norm_epsilon, **kw)
     for p in norm.parameters():
         mark_replicated(p)
-        if sequence_parallel:
+        if ctx.sequence_parallel:
             mark_sequence_parallel(p)
     return norm
 
@@ -272,14 +269,13 @@ class SelfAttention(nn.Module):
     ``query_groups/tp`` complete groups, with no communication inside attention.
     """
 
-    def __init__(
-        self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False, cp_comm="p2p"
-    ):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
+        mesh = ctx.mesh
         tp = mesh.tp_size
         # Context parallelism: this rank holds 2 of the sequence's 2 x cp chunks; K/V cross the group.
-        self.cp_group = mesh.cp_group if mesh.cp_size > 1 else None
-        self.cp_comm_type = cp_comm
+        self.cp_group = ctx.cp_group
+        self.cp_comm_type = ctx.parallel.cp_comm_type
         self.head_dim = config.head_dim
         self.q_per_group = config.num_attention_heads // config.query_groups
         self.local_groups = config.query_groups // tp
@@ -288,12 +284,10 @@ class SelfAttention(nn.Module):
         self.attention_backend = config.attention_backend  # --attention-backend: the SDPA kernels
         # SDPA's enable_gqa where torch has it (>= 2.5), else repeat_interleave (see repeats_kv).
         self.enable_gqa = SDPA_ENABLE_GQA
-        self.rng = rng
-        self.selective_recompute = selective
+        self.rng = ctx.rng
+        self.selective_recompute = ctx.recompute.selective
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
-        common = dict(
-            bias=config.add_bias_linear, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device
-        )
+        common = _linear_kwargs(config, ctx)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, mesh, **common)
         h_q = config.num_attention_heads * self.head_dim
         self.linear_proj = RowParallelLinear(h_q, config.hidden_size, mesh, input_is_parallel=True, **common)
@@ -360,12 +354,12 @@ class MLP(nn.Module):
     input-grad all-reduce without), one saved input.
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, dtype, device, sp=False):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
-        h, ffn, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+        h, ffn, mesh = config.hidden_size, config.ffn_size, ctx.mesh
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        common = dict(bias=bias, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device)
+        common = _linear_kwargs(config, ctx)
 
         def column():
             return ColumnParallelLinear(h, ffn, mesh, **common)
@@ -392,17 +386,15 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(
-        self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False, selective=False, cp_comm="p2p"
-    ):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
-        self.input_layernorm = build_norm(config, dtype, device, sp)
-        self.self_attention = SelfAttention(config, mesh, rng, dtype, device, sp, selective, cp_comm)
-        self.pre_mlp_layernorm = build_norm(config, dtype, device, sp)
-        self.mlp = MLP(config, mesh, dtype, device, sp)
+        self.input_layernorm = build_norm(config, ctx)
+        self.self_attention = SelfAttention(config, ctx)
+        self.pre_mlp_layernorm = build_norm(config, ctx)
+        self.mlp = MLP(config, ctx)
         # Replicated residual stream: the default RNG stream, identical on every TP rank (the
         # activations must stay identical). Sequence-sharded: the TP stream (other tokens).
-        self.dropout_rng = rng if sp else None
+        self.dropout_rng = ctx.sequence_rng()
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -440,16 +432,13 @@ class TransformerBlock(nn.Module):
     """This chunk's transformer layers, keyed by GLOBAL index, then the final norm on the last chunk."""
 
     def __init__(
-        self, gpt: GPTModel, layer_range: tuple[int, int], rng, recompute: RecomputeConfig, dtype, device
+        self, config: ModelConfig, ctx: ParallelContext, layer_range: tuple[int, int], final_norm: bool
     ):
         super().__init__()
-        config, mesh, sp = gpt.config, gpt.mesh, gpt.sequence_parallel
-        layer = functools.partial(
-            TransformerLayer, config, mesh, rng, dtype, device, sp, recompute.selective, gpt.cp_comm_type
-        )
-        self.layers = nn.ModuleDict({str(i): layer() for i in range(*layer_range)})
-        self.final_norm = build_norm(config, dtype, device, sp) if gpt.post_process else None
-        self.rng = rng
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx) for i in range(*layer_range)})
+        self.final_norm = build_norm(config, ctx) if final_norm else None
+        self.rng = ctx.rng
+        recompute = ctx.recompute
         full = recompute.full
         self.units = recompute_units(
             len(self.layers), recompute.method if full else None, recompute.num_layers if full else None
@@ -471,22 +460,21 @@ class TransformerBlock(nn.Module):
 class LanguageModelEmbedding(nn.Module):
     """Token embedding (vocab-parallel) + learned positions (GPT-2 only) + dropout."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, rng, dtype, device, sp=False):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
+        mesh, sp = ctx.mesh, ctx.sequence_parallel
         vocab, h = config.padded_vocab_size(mesh.tp_size), config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(
-            vocab, h, mesh, reduce_scatter_embeddings=sp, **_NO_INIT, dtype=dtype, device=device
+            vocab, h, mesh, reduce_scatter_embeddings=sp, **_NO_INIT, **ctx.tensor_kwargs()
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(
-                config.max_position_embeddings, h, dtype=dtype, device=device
-            )
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, **ctx.tensor_kwargs())
             mark_replicated(self.position_embeddings.weight)
             if sp:  # looked up for this rank's tokens only: partial grads
                 mark_sequence_parallel(self.position_embeddings.weight)
         self.tp_group = mesh.tp_group if sp else None
-        self.dropout_rng = rng if sp else None
+        self.dropout_rng = ctx.sequence_rng()
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -515,38 +503,30 @@ def _generator_for(seed: int, name: str) -> torch.Generator:
 
 
 class GPTModel(nn.Module):
-    """GPT-2 / Llama decoder, or one pipeline chunk of it, tensor-parallel over ``mesh.tp_group``.
+    """GPT-2 / Llama decoder, or one pipeline chunk of it, tensor-parallel over ``ctx.mesh.tp_group``.
 
     Args:
-        config: model shape and flavour; validated against ``mesh.tp_size``.
-        mesh: this rank's DP x TP x PP mesh (``Mesh.single()`` for one process).
+        config: model shape and flavour; validated against the mesh's tp size.
+        ctx: the layout, handed unchanged to every module (:class:`ParallelContext`: the mesh,
+            sequence parallelism, context parallelism's K/V exchange, recompute, the per-TP-rank
+            RNG streams, the parameters' dtype and device). Default: one process, fp32, CPU.
         pre_process: this chunk holds the embedding (first pipeline stage).
         post_process: this chunk holds the final norm and output head (last stage).
         layer_range: global ``[start, end)`` of the transformer layers held (None = all).
-        rng: per-TP-rank RNG streams; attention dropout runs in ``rng.fork()``.
-        sequence_parallel: split the activations outside the TP matmuls along the
-            sequence over TP (``[b, s/t, h]``); a no-op at tp=1.
-        recompute: None, ``"selective"`` (the attention core) or ``"full"`` (whole layers, as
-            its ``method`` / ``num_layers`` say; see :func:`recompute_units`). Dropout masks are
-            reproduced exactly.
     """
 
     def __init__(
         self,
         config: ModelConfig,
-        mesh: Mesh,
+        ctx: ParallelContext | None = None,
         *,
         pre_process: bool = True,
         post_process: bool = True,
         layer_range: tuple[int, int] | None = None,
-        rng: tp_random.TensorParallelRNG | None = None,
-        sequence_parallel: bool = False,
-        recompute: RecomputeConfig = RecomputeConfig(),
-        dtype=torch.float32,
-        device=None,
-        cp_comm_type: str = "p2p",
     ):
         super().__init__()
+        ctx = ctx if ctx is not None else ParallelContext()
+        mesh = ctx.mesh
         config.validate(mesh.tp_size)
         if layer_range is None:
             layer_range = (0, config.num_layers)
@@ -558,24 +538,23 @@ class GPTModel(nn.Module):
                 f"num_layers — check --num-layers against --pipeline-model-parallel-size"
             )
         self.config = config
+        self.ctx = ctx
         self.mesh = mesh
         self.pre_process = pre_process
         self.post_process = post_process
         self.layer_range = (start, end)
         self.tied = not config.untie_embeddings_and_output_weights
-        self.sequence_parallel = sp = sequence_parallel and mesh.tp_size > 1
-        self.cp_comm_type = cp_comm_type  # --cp-comm-type (with mesh.cp_size > 1)
-        device = device if device is not None else mesh.device
+        self.sequence_parallel = ctx.sequence_parallel
 
-        self.embedding = LanguageModelEmbedding(config, mesh, rng, dtype, device, sp) if pre_process else None
-        self.decoder = TransformerBlock(self, (start, end), rng, recompute, dtype, device)
+        self.embedding = LanguageModelEmbedding(config, ctx) if pre_process else None
+        self.decoder = TransformerBlock(config, ctx, (start, end), final_norm=post_process)
         self.output_layer = None
         if post_process and not (self.tied and pre_process):
             # Own [V_pad/tp, h] head: untied (Llama), or the tied copy on a last stage that does
             # not hold the embedding (its grads are summed with the embedding's over the
             # embedding group by the pipeline code).
             vocab = config.padded_vocab_size(mesh.tp_size)
-            kw = dict(bias=False, sequence_parallel=sp, **_NO_INIT, dtype=dtype, device=device)
+            kw = {**_linear_kwargs(config, ctx), "bias": False}
             self.output_layer = ColumnParallelLinear(config.hidden_size, vocab, mesh, **kw)
         # Megatron's attribute: --decoupled-lr gives these their own learning rate.
         if pre_process:
@@ -690,34 +669,27 @@ class GPTModel(nn.Module):
         )
 
 
-def build_model_chunks(
-    config: ModelConfig,
-    mesh: Mesh,
-    parallel: ParallelConfig = ParallelConfig(),
-    **gpt_kwargs,
-) -> list[GPTModel]:
+def build_model_chunks(config: ModelConfig, ctx: ParallelContext | None = None) -> list[GPTModel]:
     """This rank's model chunks: one GPTModel per virtual pipeline stage it holds.
 
     Chunk c holds the layers of virtual stage ``c*pp + pp_rank``
     (:func:`~megalite.parallel.pipeline_layout.stage_layer_ranges`); the embedding
     lives on virtual stage 0 (rank 0, chunk 0) and the final norm + head on the
-    last one (rank pp-1, chunk vp-1). ``parallel`` gives the virtual stages, the uneven
-    split and sequence parallelism (the mesh gives tp and pp); ``gpt_kwargs`` go to every
-    GPTModel (rng, recompute, dtype, device).
+    last one (rank pp-1, chunk vp-1). ``ctx.parallel`` gives the virtual stages and the uneven
+    split (the mesh gives tp and pp); every chunk gets the same ``ctx``.
     """
+    ctx = ctx if ctx is not None else ParallelContext()
+    mesh, parallel = ctx.mesh, ctx.parallel
     vp = parallel.virtual_pipeline_model_parallel_size
     first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
     ranges = stage_layer_ranges(config.num_layers, mesh.pp_size, vp, first, last)
     return [
         GPTModel(
             config,
-            mesh,
+            ctx,
             pre_process=mesh.is_first_stage and c == 0,
             post_process=mesh.is_last_stage and c == vp - 1,
             layer_range=layer_range,
-            sequence_parallel=parallel.sequence_parallel,
-            cp_comm_type=parallel.cp_comm_type,
-            **gpt_kwargs,
         )
         for c, layer_range in enumerate(ranges[mesh.pp_rank])
     ]
