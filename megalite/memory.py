@@ -49,7 +49,8 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
-from megalite.parallel.data_parallel import Bucket, split_into_buckets
+from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
+from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
 from megalite.parallel.param_gather import ROOT, unit_of_name
 from megalite.parallel.pipeline_layout import stage_layer_ranges
@@ -774,7 +775,11 @@ class SavedTensorMeter:
 
 def _param_shardings(model_chunks) -> list:
     """Each ZeRO-3 chunk's units (``ParamSharding``). Chunks run one at a time: the peak is their max."""
-    return [s for c in model_chunks if (s := getattr(c, "param_sharding", None)) is not None]
+    return [
+        c.param_sharding
+        for c in model_chunks
+        if isinstance(c, DistributedDataParallel) and c.param_sharding is not None
+    ]
 
 
 def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:

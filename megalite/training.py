@@ -53,11 +53,10 @@ from megalite.model.gpt import compile_layers, fuse_cross_entropy
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import shard_sequence
-from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads, finish_param_sync
 from megalite.parallel.determinism import enable_deterministic_mode
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
-from megalite.parallel.param_gather import finish_param_sync
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
 from megalite.parallel.schedules import forward_backward
 from megalite.profiling import named_range, start_memory_history

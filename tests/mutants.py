@@ -254,7 +254,7 @@ MUTANTS = [
     ),
     Mutant(
         "zero-shard-not-clipped-to-param",
-        "megalite/parallel/data_parallel.py",
+        "megalite/parallel/grad_buffer.py",
         "lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)",
         "lo, hi = max(p_lo, s_lo), p_hi",
         (DP + "::test_dp_matches_single_process",),
@@ -348,7 +348,7 @@ MUTANTS = [
     Mutant(
         "ddp-broadcast-from-global-rank-0",
         "megalite/parallel/sharding/no_shard.py",
-        "dist.broadcast(p.data, src=self.ddp.mesh.dp_ranks[0], group=self.dp_group)",
+        "dist.broadcast(p.data, src=self.buffer.mesh.dp_ranks[0], group=self.dp_group)",
         "dist.broadcast(p.data, src=0, group=self.dp_group)",
         ("tests/test_parallel_edges.py::test_vocab_shard_boundaries_and_dp_broadcast_source",),
         "src is a global rank: 0 is not in the DP group of other TP/PP ranks",
@@ -760,9 +760,9 @@ MUTANTS = [
     ),
     Mutant(
         "rms-norm-saved-bytes-hf",
-        "megalite/model/gpt.py",
-        "            return 8 * h + 4",
-        "            return 6 * h + 4",
+        "megalite/memory.py",
+        "        return 8 * h + 4",
+        "        return 6 * h + 4",
         ("tests/test_fused.py",),
         "the memory model charging HF's RMSNorm (bf16 x/rms) where F.rms_norm keeps fp32 x/rms",
     ),
@@ -1169,19 +1169,17 @@ MUTANTS += [
     ),
     Mutant(
         "model-layer-dropout-tp-stream-without-sp",
-        "megalite/model/gpt.py",
-        "        # activations must stay identical). Sequence-sharded: the TP stream (other tokens).\n"
-        "        self.dropout_rng = rng if sp else None\n",
-        "        # activations must stay identical). Sequence-sharded: the TP stream (other tokens).\n"
-        "        self.dropout_rng = rng\n",
+        "megalite/parallel/context.py",
+        "        return self.rng if self.sequence_parallel else None\n",
+        "        return self.rng\n",
         (RNG,),
         "the replicated residual stream dropped from the per-TP-rank stream: TP replicas diverge",
     ),
     Mutant(
         "model-embedding-dropout-no-tp-stream-with-sp",
-        "megalite/model/gpt.py",
-        "        self.tp_group = mesh.tp_group if sp else None\n        self.dropout_rng = rng if sp else None\n",
-        "        self.tp_group = mesh.tp_group if sp else None\n        self.dropout_rng = None\n",
+        "megalite/parallel/context.py",
+        "        return self.rng if self.sequence_parallel else None\n",
+        "        return None\n",
         (RNG,),
         "under SP each rank's own tokens after the embedding dropped with the same mask on every TP rank",
     ),

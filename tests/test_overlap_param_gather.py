@@ -57,13 +57,13 @@ def _rank_main(runs: list[list[str]], inside_argv: list[str] | None) -> dict | N
 def _inside_one_step(argv: list[str]) -> dict:
     """What one rank sees around one step: the step only starts the gathers; running just the embedding
     makes the embedding's bucket final, not the later ones; one forward makes everything final."""
-    from megalite.parallel.param_gather import finish_param_sync, param_gather_of
+    from megalite.parallel.data_parallel import finish_param_sync
     from megalite.training import microbatch_iterator, next_microbatches, run_schedule, setup, train_step
 
     args = validate_args(parse_args(argv), torch.distributed.get_world_size())
     state = setup(args)
     chunk = state.model[0]
-    gather = param_gather_of(chunk)
+    gather = chunk.param_gather
     data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
     named = dict(chunk.module.named_parameters())
 

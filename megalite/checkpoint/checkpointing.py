@@ -40,9 +40,8 @@ from megalite.checkpoint.logical import (
     vocab_padding,
 )
 from megalite.model.config import ModelConfig
-from megalite.parallel.data_parallel import gathered_params
+from megalite.parallel.data_parallel import finish_param_sync, gathered_params
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_gather import finish_param_sync
 
 logger = log.get_logger(__name__)
 

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from megalite.optim.base import MainParam, MainParams, make_main_param, offload_split
-from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
+from megalite.parallel.data_parallel import DistributedDataParallel, finish_param_sync
+from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_gather import ParamGather, finish_param_sync
+from megalite.parallel.param_gather import ParamGather
 from megalite.profiling import named_range
 
 
@@ -102,9 +103,7 @@ class ShardedMainParams(MainParams):
         def pack(bucket: Bucket, full: torch.Tensor) -> None:
             self._pack_shard(bucket, mains[id(bucket)], full, self._updated)
 
-        for chunk in self.model_chunks:
-            chunk.param_gather = ParamGather(chunk, pack, launch_all=launch_all)
-            self._param_gathers.append(chunk.param_gather)
+        self._param_gathers = [chunk.overlap_param_gather(pack, launch_all) for chunk in self.model_chunks]
 
     def finish_param_sync(self) -> None:
         """Wait for the outstanding param all-gathers (no-op without --overlap-param-gather)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch import nn
 
 from megalite.configs import DataParallelConfig
 from megalite.errors import ArgumentError
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import (
     grad_of,
@@ -29,73 +30,9 @@ from megalite.parallel.param_attributes import (
     is_wgrad_fusable,
     set_wgrad_accumulator,
 )
-from megalite.parallel.param_gather import finish_param_sync
+from megalite.parallel.param_gather import ParamGather
 from megalite.parallel.sharding import strategy_class
 from megalite.profiling import profiled
-
-
-class Bucket:
-    """A contiguous slice of the grad buffer holding the gradients of a few parameters.
-
-    ``param_ranges``: each param's ``(start, end)`` in its [numel_padded] elements; DP rank ``r`` owns
-    ``[r * shard_size, (r + 1) * shard_size)``. The strategy's ``bind`` gives ``grad_data``, a view of
-    the flat buffer, or (ZeRO-2) ``shard_grad``, the persistent shard; ``grad_data`` is then staged."""
-
-    def __init__(self, index: int, params: list[nn.Parameter], numel_padded: int, dp_size: int):
-        self.index = index
-        self.params = params  # backward order
-        self.grad_data: torch.Tensor | None = None
-        self.shard_grad: torch.Tensor | None = None
-        self.dtype = params[0].dtype  # every parameter of a bucket has one dtype (param all-gather)
-        self.param_ranges: dict[nn.Parameter, tuple[int, int]] = {}
-        offset = 0
-        for p in params:
-            self.param_ranges[p] = (offset, offset + p.numel())
-            offset += p.numel()
-        self.numel = offset
-        self.numel_padded = numel_padded
-        self.shard_size = numel_padded // dp_size
-        # ZeRO-3 (sharding/optim_grads_params.py): the full param buffer the params are views of
-        # (its storage freed between uses) and this rank's persistent shard of it.
-        self.param_data: torch.Tensor | None = None
-        self.param_shard: torch.Tensor | None = None
-        self.ready: set[nn.Parameter] = set()
-        self.handle = None
-        self.launched = False
-
-    def shard_range(self, dp_rank: int) -> tuple[int, int]:
-        """The ``[start, end)`` of ``grad_data`` that DP rank ``dp_rank`` owns under ZeRO-1/2."""
-        return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
-
-    def shard_view(self, dp_rank: int) -> torch.Tensor:
-        """DP rank ``dp_rank``'s reduced gradient shard [shard_size] (ZeRO-2's buffer, or ZeRO-1's view)."""
-        if self.shard_grad is not None:
-            return self.shard_grad
-        lo, hi = self.shard_range(dp_rank)
-        return self.grad_data[lo:hi]
-
-    def param_shard_piece(self, param: nn.Parameter, dp_rank: int) -> tuple[int, int]:
-        """``[lo, hi)`` of ``param``'s range inside DP rank ``dp_rank``'s shard, in shard coordinates
-        (``lo == hi`` when the param does not overlap the shard)."""
-        p_lo, p_hi = self.param_ranges[param]
-        s_lo, s_hi = self.shard_range(dp_rank)
-        lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)
-        return (lo - s_lo, hi - s_lo) if lo < hi else (0, 0)
-
-    @property
-    def is_complete(self) -> bool:
-        return len(self.ready) == len(self.params)
-
-    def wait(self) -> None:
-        """Wait for the bucket's collective, if one is in flight."""
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-
-    def reset(self) -> None:
-        self.ready.clear()
-        self.handle = None
-        self.launched = False
 
 
 def split_into_buckets(
@@ -170,25 +107,43 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        self.strategy = level(self)
+        # The strategy sees only this narrow view of the chunk, never the DDP object itself.
+        self.buffer = GradBuffer(module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync)
+        self.strategy = level(self.buffer)
         if config.gradient_accumulation_fusion:  # the TP linears' GEMMs add into the buffer
             for p in filter(is_wgrad_fusable, params):
                 set_wgrad_accumulator(p, functools.partial(self.strategy.wgrad_buffer, p, self._bucket_of[p]))
         self.param_sharding = self.strategy.param_sharding  # ZeRO-3's gathered units; else None
         self.use_distributed_optimizer = config.use_distributed_optimizer  # the optimizer checks it
+        # --overlap-param-gather under ZeRO-1/2: the post-step gather (set by the distributed optimizer).
+        self.param_gather: ParamGather | None = None
 
     # Forward / state pass straight through, so parameter names stay the model's.
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def overlap_param_gather(
+        self, pack: Callable[[Bucket, torch.Tensor], None], launch_all: bool = False
+    ) -> ParamGather:
+        """``--overlap-param-gather`` under ZeRO-1/2: from now on the params are gathered after each
+        step by the returned :class:`ParamGather` (``pack`` writes this rank's updated shard of a
+        bucket), and the next forward waits for them bucket by bucket."""
+        self.param_gather = ParamGather(self.buffer, pack, launch_all=launch_all)
+        return self.param_gather
+
+    def finish_param_sync(self) -> None:
+        """Wait for this chunk's outstanding param all-gathers (a no-op without any)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
+
     def state_dict(self, *args, **kwargs):
-        finish_param_sync([self])  # --overlap-param-gather: never hand out a param still in flight
+        self.finish_param_sync()  # --overlap-param-gather: never hand out a param still in flight
         return self.strategy.state_dict(*args, **kwargs)  # ZeRO-3: gathered (collective), copies
 
     def load_state_dict(self, state_dict, strict: bool = True):
         # Copies into the existing params (never assign=True): main_grad views and the grad hooks
         # belong to them. A gather still in flight would land later. ZeRO-3: into the shards.
-        finish_param_sync([self])
+        self.finish_param_sync()
         with self.strategy.whole_params():
             return self.module.load_state_dict(state_dict, strict=strict)
 
@@ -259,6 +214,17 @@ class DistributedDataParallel(nn.Module):
     def num_buckets_launched(self) -> int:
         """How many buckets have started their collective since the last sync (for tests / logs)."""
         return sum(b.launched for b in self.buckets)
+
+
+def finish_param_sync(model_chunks: Iterable[nn.Module]) -> None:
+    """Wait for every outstanding parameter all-gather of these chunks (a no-op without any).
+
+    Call it before reading the params outside a forward: checkpoint save / load, evaluation, the end
+    of training. Each DP rank issues the waits and the remaining launches in the same order.
+    """
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_param_sync()
 
 
 @contextlib.contextmanager

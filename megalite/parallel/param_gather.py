@@ -13,23 +13,20 @@ unit's forward for everything left, so what follows the blocks may read its para
 head, inside a compiled region). Price: a layer's later buckets do not overlap its own compute. Every
 DP rank runs the same forward: the same collectives in the same order. Whatever reads params outside
 a forward (checkpoints, evaluation, the next step, whose fp32 main params share storage with the
-params) calls :func:`finish_param_sync` first. Bitwise the synchronous gather's result.
+params) calls :func:`~megalite.parallel.data_parallel.finish_param_sync` first. Bitwise the synchronous gather's result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from megalite.compiled import has_compiled_forward
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.mappings import all_gather_flat
 from megalite.profiling import named_range
-
-if TYPE_CHECKING:
-    from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 
 ROOT = ""  # the unit name of the params outside every repeated block
 
@@ -58,21 +55,21 @@ def param_units(module: nn.Module) -> dict[nn.Parameter, str]:
 class ParamGather:
     """One model chunk's post-step parameter all-gathers, bucket by bucket in forward order.
 
-    ``ddp``: the chunk; ``pack(bucket, full)`` writes this DP rank's updated shard into its slice of
+    ``buffer``: the chunk's grad buffer (its module and buckets); ``pack(bucket, full)`` writes this DP rank's updated shard into its slice of
     the bucket's flat ``full`` [numel_padded] (model dtype); ``launch_all``: :meth:`start` launches
     every bucket (``--overlap-param-gather-with-optimizer-step``), not one ahead of the forward.
     """
 
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        buffer: GradBuffer,
         pack: Callable[[Bucket, torch.Tensor], None],
         launch_all: bool = False,
     ):
-        self.ddp = ddp
+        self.buffer = buffer
         self.pack = pack
         self.launch_all = launch_all
-        self.buckets: list[Bucket] = list(reversed(ddp.buckets))  # forward order
+        self.buckets: list[Bucket] = list(reversed(buffer.buckets))  # forward order
         n = len(self.buckets)
         self._full: list[torch.Tensor | None] = [None] * n
         self._handles: list = [None] * n
@@ -81,9 +78,9 @@ class ParamGather:
         self._launched = self._finished = n
         self._index = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self._hooks = []
-        units = unit_prefixes(ddp.module)
+        units = unit_prefixes(buffer.module)
         covered: set[nn.Module] = set()  # inside a unit or a compiled module: its hook waited
-        for name, module in ddp.module.named_modules():  # parents before children
+        for name, module in buffer.module.named_modules():  # parents before children
             if module in covered:
                 continue
             whole = name in units or has_compiled_forward(module)
@@ -99,9 +96,9 @@ class ParamGather:
         outer = [u for u in units if unit_of_name(u, units) == ROOT]
         rest = self._pre_hook(n - 1)
         if outer:
-            self._hooks.append(ddp.module.get_submodule(outer[-1]).register_forward_hook(rest))
+            self._hooks.append(buffer.module.get_submodule(outer[-1]).register_forward_hook(rest))
         else:
-            self._hooks.append(ddp.module.register_forward_pre_hook(rest))
+            self._hooks.append(buffer.module.register_forward_pre_hook(rest))
 
     @property
     def pending(self) -> bool:
@@ -142,13 +139,13 @@ class ParamGather:
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:
-        bucket, ddp = self.buckets[i], self.ddp
-        full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=ddp.grad_buffer.device)
+        bucket, buffer = self.buckets[i], self.buffer
+        full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=buffer.flat.device)
         self.pack(bucket, full)
-        if ddp.dp_size > 1:
-            lo, hi = bucket.shard_range(ddp.dp_rank)
+        if buffer.dp_size > 1:
+            lo, hi = bucket.shard_range(buffer.dp_rank)
             with named_range("params-all-gather"):
-                self._handles[i] = all_gather_flat(full, full[lo:hi], ddp.dp_group, async_op=True)
+                self._handles[i] = all_gather_flat(full, full[lo:hi], buffer.dp_group, async_op=True)
         self._full[i] = full
 
     @torch.no_grad()
@@ -160,20 +157,3 @@ class ParamGather:
         full, self._full[i] = self._full[i], None
         for p, (lo, hi) in self.buckets[i].param_ranges.items():
             p.view(-1).copy_(full[lo:hi])
-
-
-def param_gather_of(chunk: nn.Module) -> ParamGather | None:
-    """The chunk's overlapped parameter gather, or None (no --overlap-param-gather)."""
-    return getattr(chunk, "param_gather", None)
-
-
-def finish_param_sync(model_chunks: Iterable[nn.Module]) -> None:
-    """Wait for every outstanding parameter all-gather of these chunks (a no-op without any).
-
-    Call it before reading the params outside a forward: checkpoint save / load, evaluation, the end
-    of training. Each DP rank issues the waits and the remaining launches in the same order.
-    """
-    for chunk in model_chunks:
-        gather = param_gather_of(chunk)
-        if gather is not None:
-            gather.finish()

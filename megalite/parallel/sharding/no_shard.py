@@ -12,30 +12,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megalite.configs import ShardingStrategy
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.param_attributes import grad_of, set_main_grad, take_grad_added
-
-if TYPE_CHECKING:
-    from megalite.parallel.data_parallel import Bucket, DistributedDataParallel
 
 
 class NoShard:
     """A level's class methods fix the bucket layout (``megalite.memory`` predicts with them too);
-    an instance serves one DistributedDataParallel chunk ``ddp``: its backward, grads and state."""
+    an instance serves one DistributedDataParallel chunk through its ``buffer`` (:class:`GradBuffer`):
+    its backward, grads and state."""
 
     level = ShardingStrategy.NO_SHARD
     param_sharding = None  # ZeRO-3's units of gathered params; None below ZeRO-3
 
-    def __init__(self, ddp: DistributedDataParallel):
-        self.ddp = ddp
-        self.dp_size, self.dp_rank, self.dp_group = ddp.dp_size, ddp.dp_rank, ddp.dp_group
-        self.overlap = ddp.config.overlap_grad_reduce  # launch buckets while backward runs
+    def __init__(self, buffer: GradBuffer):
+        self.buffer = buffer
+        self.dp_size, self.dp_rank, self.dp_group = buffer.dp_size, buffer.dp_rank, buffer.dp_group
+        self.overlap = buffer.config.overlap_grad_reduce  # launch buckets while backward runs
 
     @classmethod
     def padded_numel(cls, numel: int, dp_size: int) -> int:
@@ -112,16 +110,16 @@ class NoShard:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
         if self.dp_size == 1:
             return
-        for bucket in self.ddp.buckets:
+        for bucket in self.buffer.buckets:
             for p in bucket.params:
-                dist.broadcast(p.data, src=self.ddp.mesh.dp_ranks[0], group=self.dp_group)
+                dist.broadcast(p.data, src=self.buffer.mesh.dp_ranks[0], group=self.dp_group)
 
     def whole_params(self) -> contextlib.AbstractContextManager:
         """Inside, every param of the chunk holds its whole value (ZeRO-3: collective over DP)."""
         return contextlib.nullcontext()
 
     def state_dict(self, *args, **kwargs) -> dict:  # of the whole params
-        return self.ddp.module.state_dict(*args, **kwargs)
+        return self.buffer.module.state_dict(*args, **kwargs)
 
 
 def absorb_grad(param: nn.Parameter, target: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ staged, so m microbatches send m rounds, not m + 1 (all DP ranks stage alike, so
 from __future__ import annotations
 
 from megalite.configs import ShardingStrategy
+from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.sharding.no_shard import absorb_grad, queue_end_of_backward
 from megalite.parallel.sharding.optim import ShardOptim
 
@@ -26,8 +27,8 @@ class ShardOptimGrads(ShardOptim):
     def bind(cls, bucket, held) -> None:
         bucket.shard_grad = held  # no main_grad: a param's full grad exists only while it is staged
 
-    def __init__(self, ddp):
-        super().__init__(ddp)
+    def __init__(self, buffer: GradBuffer):
+        super().__init__(buffer)
         self._staged = False  # a backward staged grads not reduce-scattered yet
         self._end_queued = False
 
@@ -39,14 +40,14 @@ class ShardOptimGrads(ShardOptim):
 
     def end_of_backward(self) -> None:
         self._end_queued = False
-        self.ddp.finish_grad_sync()
+        self.buffer.finish_grad_sync()
 
     def wgrad_buffer(self, param, bucket):
         """``param``'s slice of its bucket's staging buffer (staged now if it is not yet)."""
         self.expect_end_of_backward()
         self._staged = True
         if bucket.grad_data is None:
-            bucket.grad_data = self.ddp.grad_buffer.new_zeros(bucket.numel_padded)
+            bucket.grad_data = self.buffer.flat.new_zeros(bucket.numel_padded)
         lo, hi = bucket.param_ranges[param]
         return bucket.grad_data[lo:hi].view(param.shape)
 
@@ -58,10 +59,10 @@ class ShardOptimGrads(ShardOptim):
 
     def launch(self, bucket) -> None:
         if bucket.grad_data is None:  # no grad this backward: the peers still wait
-            bucket.grad_data = self.ddp.grad_buffer.new_zeros(bucket.numel_padded)
+            bucket.grad_data = self.buffer.flat.new_zeros(bucket.numel_padded)
         super().launch(bucket)
         if bucket.index > 0:  # at most two staged buckets in flight
-            self.finish(self.ddp.buckets[bucket.index - 1])
+            self.finish(self.buffer.buckets[bucket.index - 1])
 
     def begin_sync(self) -> bool:
         if not self._staged:
@@ -78,7 +79,7 @@ class ShardOptimGrads(ShardOptim):
             bucket.grad_data = None
 
     def zero_grad(self) -> None:
-        for bucket in self.ddp.buckets:
+        for bucket in self.buffer.buckets:
             bucket.grad_data = None
 
     def local_grad(self, param, bucket):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megalite.configs import ShardingStrategy
+from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.mappings import all_gather_flat
 from megalite.parallel.param_gather import ROOT, param_units, unit_prefixes
 from megalite.parallel.sharding.no_shard import in_backward
@@ -67,13 +68,19 @@ class ParamSharding:
     (every unit is freed when it ends). ``live`` / ``peak``: bytes of this chunk's full param buffers
     materialised now / at most since :meth:`reset_peak`."""
 
-    def __init__(self, ddp, units: dict[nn.Parameter, str], prefetch: bool, on_backward: Callable[[], None]):
-        self.dp_size, self.dp_rank, self.dp_group = ddp.dp_size, ddp.dp_rank, ddp.dp_group
+    def __init__(
+        self,
+        buffer: GradBuffer,
+        units: dict[nn.Parameter, str],
+        prefetch: bool,
+        on_backward: Callable[[], None],
+    ):
+        self.dp_size, self.dp_rank, self.dp_group = buffer.dp_size, buffer.dp_rank, buffer.dp_group
         self.prefetch, self.on_backward = prefetch, on_backward
         self.live = self.peak = 0
         by_name: dict[str, list] = {}
         with torch.no_grad():
-            for bucket in ddp.buckets:
+            for bucket in buffer.buckets:
                 self._shard_bucket(bucket)
                 by_name.setdefault(units[bucket.params[0]], []).append(bucket)
         if prefetch:  # a chunk without root params (a middle stage) still starts the first prefetch
@@ -81,14 +88,14 @@ class ParamSharding:
         self.units = {name: Unit(name, buckets) for name, buckets in by_name.items()}
         self._unit_of = {p: u for u in self.units.values() for p in u.params}
         # The pass orders the prefetch follows: the units in module order, after the root.
-        order = [self.units[n] for n in unit_prefixes(ddp.module) if n in self.units and n != ROOT]
+        order = [self.units[n] for n in unit_prefixes(buffer.module) if n in self.units and n != ROOT]
         root = self.units.get(ROOT)
         self._next_forward = dict(zip([root, *order], order)) if root else dict(zip(order, order[1:]))
         self._next_backward = dict(zip([root, *reversed(order)], reversed(order)))
         self._next_backward.pop(None, None)
         self._handles = []
         for unit in self.units.values():
-            module = ddp.module if unit.name == ROOT else ddp.module.get_submodule(unit.name)
+            module = buffer.module if unit.name == ROOT else buffer.module.get_submodule(unit.name)
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
             self.free(unit)
@@ -224,11 +231,11 @@ class ShardOptimGradsParams(ShardOptimGrads):
     def units(cls, module: nn.Module) -> dict[nn.Parameter, str]:
         return param_units(module)
 
-    def __init__(self, ddp):
-        super().__init__(ddp)
-        prefetch = ddp.config.overlap_param_gather  # ZeRO-3's --overlap-param-gather: the prefetch
+    def __init__(self, buffer: GradBuffer):
+        super().__init__(buffer)
+        prefetch = buffer.config.overlap_param_gather  # ZeRO-3's --overlap-param-gather: the prefetch
         self.param_sharding = ParamSharding(
-            ddp, self.units(ddp.module), prefetch, self.expect_end_of_backward
+            buffer, self.units(buffer.module), prefetch, self.expect_end_of_backward
         )
 
     def grad_ready(self, param, bucket, sync: bool) -> bool:
@@ -255,4 +262,4 @@ class ShardOptimGradsParams(ShardOptimGrads):
 
     def state_dict(self, *args, **kwargs) -> dict:
         with self.whole_params():  # copies: the whole params are freed on exit
-            return {k: v.clone() for k, v in self.ddp.module.state_dict(*args, **kwargs).items()}
+            return {k: v.clone() for k, v in self.buffer.module.state_dict(*args, **kwargs).items()}
