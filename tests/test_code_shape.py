@@ -45,3 +45,44 @@ def test_every_module_has_a_layer():
     top |= {f"megalite.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")}
     assert top - placed == set(), "give these modules a layer in pyproject.toml's import contract"
     assert placed - top == set(), "these layers name modules that do not exist"
+
+
+# The parallel seam (docs/internals.md, "The seam"): a model module built from its config takes the
+# layout as one ParallelContext, never as loose arguments a new dimension would add to.
+LAYOUT_ARGUMENTS = {
+    "mesh", "rng", "dtype", "device", "sp", "sequence_parallel", "selective", "recompute",
+    "cp_comm", "cp_comm_type", "tp_group", "cp_group", "ep_group", "parallel",
+}  # fmt: skip
+
+
+def _seam_violations(source: str, where: str) -> list[str]:
+    """Constructors in ``source`` that take a ``config`` and either no ``ctx`` or a layout argument."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for fn in node.body:
+            if not (isinstance(fn, ast.FunctionDef) and fn.name == "__init__"):
+                continue
+            names = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+            if "config" in names and ("ctx" not in names or names & LAYOUT_ARGUMENTS):
+                out.append(f"{where}:{fn.lineno} {node.name}({', '.join(sorted(names - {'self'}))})")
+    return out
+
+
+def test_model_modules_take_the_layout_through_the_seam():
+    bad = [
+        v
+        for path in sorted((PACKAGE / "model").rglob("*.py"))
+        for v in _seam_violations(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert not bad, "take (config, ctx: ParallelContext) instead of layout arguments:\n" + "\n".join(bad)
+
+
+def test_the_seam_check_finds_a_layout_argument():
+    planted = "class A:\n    def __init__(self, config, mesh, rng, dtype, device, sp=False): pass\n"
+    assert _seam_violations(planted, "x") == ["x:2 A(config, device, dtype, mesh, rng, sp)"]
+    mixed = "class B:\n    def __init__(self, config, ctx, sequence_parallel=False): pass\n"
+    assert len(_seam_violations(mixed, "x")) == 1
+    good = "class C:\n    def __init__(self, config, ctx): pass\n"
+    assert _seam_violations(good, "x") == []
