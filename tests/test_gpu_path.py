@@ -162,6 +162,7 @@ def test_enable_deterministic_mode_keeps_good_settings_and_refuses_bad_ones(torc
     for bad, words in (
         ({"NCCL_ALGO": "Tree"}, "NCCL_ALGO=Tree"),
         ({"NCCL_ALGO": "Ring,Tree"}, "NCCL_ALGO=Ring,Tree"),
+        ({"NCCL_ALGO": "^NVLS"}, "NCCL_ALGO=^NVLS"),  # every algorithm but NVLS: Tree too
         ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}, "CUBLAS_WORKSPACE_CONFIG=:0:0"),
     ):
         with pytest.raises(ArgumentError, match="--deterministic-mode") as e:
@@ -374,3 +375,37 @@ def test_cuda_attention_backends_name_their_kernel(torch_switches):
     torch.use_deterministic_algorithms(True)
     assert kernel("fused") == "efficient_attention"
     assert kernel("auto") != "cudnn_attention" and kernel("flash") == "flash_attention"
+
+
+# ---- top-p under deterministic mode (issue 33) -------------------------------------------------
+def _top_p_cumsums(device: str) -> list[torch.dtype]:
+    """Sample with top-p on ``device``; the dtypes of every cumsum it ran (a TorchFunctionMode spy)."""
+    from torch.overrides import TorchFunctionMode
+
+    from megalite.generation import sample_next_token
+
+    seen: list[torch.dtype] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "cumsum":
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.tensor([[2.0, 1.5, 0.1, -1.0]], device=device)
+    with Spy():
+        sample_next_token(logits, temperature=1.0, top_p=0.7)
+    return seen
+
+
+def test_top_p_sums_in_integers():
+    """CUDA's float cumsum raises under deterministic mode; top-p's sums run on integers (fixed
+    point), and keep exactly the ids float sums keep (tests/test_generate.py's distribution)."""
+    seen = _top_p_cumsums("cpu")
+    assert seen and all(not d.is_floating_point and not d.is_complex for d in seen), seen
+
+
+@needs_cuda
+def test_cuda_top_p_runs_under_deterministic_mode(torch_switches):
+    torch.use_deterministic_algorithms(True)
+    assert _top_p_cumsums("cuda")
