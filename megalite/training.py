@@ -445,12 +445,7 @@ def describe_layout(state: TrainState) -> str:
     run, mesh, train = state.configs, state.mesh, state.configs.training
     mine, total = count_parameters(state.model, mesh)
     cp = f" x cp {mesh.cp_size} ({run.parallel.cp_comm_type})" if mesh.cp_size > 1 else ""
-    # Under CP the attention is context_parallel_attention's own SDPA kernels, not --attention-backend's.
-    attention = (
-        f"attention: context parallel {run.parallel.cp_comm_type} over SDPA's log-sum-exp kernels"
-        if mesh.cp_size > 1
-        else describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size)
-    )
+    attention = describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size, mesh.cp_size)
     return (
         f"megalite: world {mesh.world_size} = tp {mesh.tp_size}{cp} x pp {mesh.pp_size} x dp {mesh.dp_size}"
         f" (virtual stages {run.parallel.virtual_pipeline_model_parallel_size}); microbatches per step "

@@ -415,6 +415,28 @@ def context_parallel_attention(
     return _ContextParallelAttention.apply(q, k, v, group, comm_type, scale)
 
 
+def probe_kernels(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Run the CP kernels once as a CP run calls them (the model's heads, K/V groups, head dim and
+    dtype; a causal and an unmasked block, forward and backward, under torch's current
+    deterministic setting) and name them; one-line ArgumentError when they cannot run."""
+    q = torch.zeros(1, heads, 8, head_dim, device=device, dtype=dtype)
+    k = v = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)
+    kernels = _kernels(q)
+    name = "memory-efficient" if kernels is _EfficientKernels else "CPU flash"
+    try:
+        for causal in (True, False):
+            out, lse = _block_forward(q, k, v, causal, 1.0)
+            _block_backward(torch.zeros_like(out), q, k, v, out, lse.float(), causal, 1.0)
+    except RuntimeError as e:
+        raise ArgumentError(
+            f"--context-parallel-size: the {name} attention kernel CP runs on cannot run this model's "
+            f"attention here ({device.type}, {dtype}, {heads} heads x {kv_heads} K/V heads of {head_dim}"
+            f"{', deterministic mode' if torch.are_deterministic_algorithms_enabled() else ''}): "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; use --context-parallel-size 1"
+        ) from None
+    return f"SDPA's {name} kernel"
+
+
 def context_parallel_comm_bytes(
     *,
     comm_type: str,
