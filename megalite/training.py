@@ -54,6 +54,7 @@ from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerPar
 from megalite.parallel.context_parallel import shard_sequence
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.determinism import enable_deterministic_mode
+from megalite.parallel.layers import describe_fusion
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.param_gather import finish_param_sync
@@ -453,7 +454,7 @@ def describe_layout(state: TrainState) -> str:
         f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "
         f"rank {mesh.rank}; dtype {train.params_dtype}; device {mesh.device}; sequence parallel "
         f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}; "
-        f"{attention}; "
+        f"{attention}; {describe_fusion(run.data_parallel.gradient_accumulation_fusion, mesh.device, train.params_dtype)}; "
         f"deterministic mode {'on' if train.deterministic_mode else 'off'}"
     )
 
