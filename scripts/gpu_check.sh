@@ -2,7 +2,7 @@
 # The first thing to run whenever a GPU is lent (docs/performance.md, "GPU checks"): every check of
 # the GPU path, one verdict line each ("<check>: PASS|FAIL|skipped: ..."), logs under $GPU_CHECK_LOGS.
 # Budget: under 8 minutes on one H100 (not yet measured on one); each check has its own timeout
-# (at most 11.7 minutes in all). Without a GPU every check
+# (at most 13.7 minutes in all). Without a GPU every check
 # prints "skipped: no GPU" and the script exits 0. Exit status: 1 when any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ LOGS="${GPU_CHECK_LOGS:-$(mktemp -d /tmp/gpu_check.XXXXXX)}"
 mkdir -p "$LOGS"
 MFU_PRESETS=(gpt-1.3b llama-7b-2layer gpt2-125m)
 declare -A MFU_TARGET=([gpt-1.3b]=0.60 [llama-7b-2layer]=0.60 [gpt2-125m]=0.35)
-CHECKS=(cuda-tests deterministic-two-runs fake-rank-real-tensors "${MFU_PRESETS[@]/#/mfu-}")
+CHECKS=(cuda-tests deterministic-two-runs fake-rank-real-tensors "${MFU_PRESETS[@]/#/mfu-}" fusion-under-compile)
 
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   for check in "${CHECKS[@]}"; do echo "$check: skipped: no GPU"; done
@@ -78,4 +78,27 @@ PYEOF
   [ "$rc" -eq 0 ] || line="1 (exit $rc)"
   verdict "mfu-$preset" "${line%% *}" "${line#* }" "$log"
 done
+
+# 5. --torch-compile with and without --gradient-accumulation-fusion (1.3B): which default is faster
+#    (fused linears run eagerly between graph pieces; issue 33). Informational: passes when both ran.
+log="$LOGS/fusion-under-compile.log"
+timeout 120 "$PY" bench/mfu.py --preset gpt-1.3b --modes compiled --iters 6 --warmup 2 \
+  --no-gradient-accumulation-fusion >"$log" 2>&1
+rc=$?
+line=$("$PY" - "$log" "$LOGS/mfu-gpt-1.3b.log" <<'PYEOF'
+import json, sys
+
+def rate(path):
+    rows = [json.loads(x) for x in open(path) if x.startswith("{")]
+    return rows[-1]["compiled"]["tokens_per_sec"] if rows and rows[-1].get("compiled") else None
+
+unfused, fused = rate(sys.argv[1]), rate(sys.argv[2])
+if unfused is None or fused is None:
+    print("1 (no figure)")
+else:
+    print(f"0 (compiled tokens/s fused/unfused = {fused / unfused:.3f}: {'fused' if fused >= unfused else 'unfused'} is faster)")
+PYEOF
+)
+[ "$rc" -eq 0 ] || line="1 (exit $rc)"
+verdict fusion-under-compile "${line%% *}" "${line#* }" "$log"
 exit "$failed"
