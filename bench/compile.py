@@ -3,6 +3,7 @@
     python bench/compile.py [--repeats 7] [--steps 3] [--vocab-size 1024|own] [--dtype bf16]   # one process
     python bench/compile.py --tp2pp2 [--iters 8]                           # one spawn, 4 ranks
     python bench/compile.py --cache                                        # second start vs first
+    python bench/compile.py --fusion [--iters 8] [--rounds 3] [--dtype bf16]  # fusion x compile, 1 rank
 
 One process: GPT-2 and Llama, 4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32 (or
 ``--dtype bf16``: bf16 params and activations, as ``--bf16`` trains), forward + backward, built as pretrain() builds them (with the TP RNG streams). Five copies of
@@ -26,6 +27,10 @@ contention) and the logging rank's wall-clock iteration time.
 (``TORCHINDUCTOR_CACHE_DIR``), again with that (now warm) dir, and with another empty dir after
 loading the first process's ``torch.compiler.save_cache_artifacts()`` ("mega-cache"). Compile
 time of the first step, wall clock and CPU seconds (with the C++ compiler's).
+
+``--fusion``: pretrain() in one process (DDP's fp32 grad buffer, so ``--gradient-accumulation-fusion``
+applies), eager and ``--torch-compile``, each with and without fusion, ``--rounds`` times in turn;
+median CPU-seconds per iteration (the first two of each run left out) and the ratios.
 
 The machine is shared and noisy: compare the columns of one run, not figures across runs.
 JSON on stdout.
@@ -153,14 +158,14 @@ def breaks_at_collectives():
             setattr(dist, n, f)
 
 
-def tp2pp2_argv(iters: int, metrics_file: str, dtype: str) -> list[str]:
+def tp2pp2_argv(iters: int, metrics_file: str, dtype: str, tp: int = 2, pp: int = 2) -> list[str]:
     return (["--bf16"] if dtype == "bf16" else []) + [
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023",
         "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
         "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "1e-4",
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--log-interval", "1",
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--metrics-file", metrics_file,
     ]  # fmt: skip
 
@@ -235,6 +240,49 @@ def tp2pp2(iters: int, dtype: str) -> dict:
     }
 
 
+# ---- gradient-accumulation fusion, eager and compiled, one process ------------------------------
+FUSION_VARIANTS = {
+    "eager_fused": [],
+    "eager_unfused": ["--no-gradient-accumulation-fusion"],
+    "compiled_fused": ["--torch-compile"],
+    "compiled_unfused": ["--torch-compile", "--no-gradient-accumulation-fusion"],
+}
+
+
+def fusion_rank(iters: int, tmp: str, dtype: str, rounds: int) -> dict:
+    from megalite.training import pretrain
+
+    cpu: dict[str, list[float]] = {v: [] for v in FUSION_VARIANTS}
+    for rnd in range(rounds):
+        for name, extra in FUSION_VARIANTS.items():
+            steps: list[float] = []
+            with cpu_time_per_step(steps):
+                pretrain(tp2pp2_argv(iters, os.path.join(tmp, f"{name}-{rnd}.jsonl"), dtype, 1, 1) + extra)
+            cpu[name] += steps[2:]  # the first two: compile and warm-up
+    return cpu
+
+
+def fusion(iters: int, dtype: str, rounds: int) -> dict:
+    """pretrain() in one process (1 rank: DDP's fp32 grad buffer, so fusion is on), each variant
+    ``rounds`` times in turn: median CPU-seconds per iteration, compiled/eager with and without
+    --gradient-accumulation-fusion."""
+    from megalite.spawn import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (cpu,) = run_distributed(fusion_rank, 1, iters, tmp, dtype, rounds, timeout=1800)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    return {
+        "layout": f"one process (tp1 pp1 dp1), global batch 8 (4 microbatches of 2), {SHAPE}, {dtype}",
+        "cpu_s_per_iteration": {k: round(v, 4) for k, v in med.items()},
+        "compiled_over_eager_fused": round(med["eager_fused"] / med["compiled_fused"], 3),
+        "compiled_over_eager_unfused": round(med["eager_unfused"] / med["compiled_unfused"], 3),
+        "compiled_unfused_over_eager_fused": round(med["eager_fused"] / med["compiled_unfused"], 3),
+        "fused_over_unfused_eager": round(med["eager_unfused"] / med["eager_fused"], 3),
+        "fused_over_unfused_compiled": round(med["compiled_unfused"] / med["compiled_fused"], 3),
+        "samples": {k: [round(x, 4) for x in v] for k, v in cpu.items()},
+    }
+
+
 # ---- compile cache -------------------------------------------------------------------------
 def cache_child(flavour: str, vocab: int, load: str | None, save: str | None) -> None:
     """One fresh process: compile and time the first step (minus an eager one)."""
@@ -301,6 +349,8 @@ def main() -> None:
     p.add_argument("--tp2pp2", action="store_true", help="pretrain() at tp2 x pp2 instead (4 ranks)")
     p.add_argument("--iters", type=int, default=8, help="with --tp2pp2: iterations per run")
     p.add_argument("--cache", action="store_true", help="compile time: first vs second start")
+    p.add_argument("--fusion", action="store_true", help="pretrain() in one process: compiled/eager x fusion")
+    p.add_argument("--rounds", type=int, default=3, help="with --fusion: runs of each variant")
     p.add_argument("--cache-child", choices=list(FLAVOURS), help=argparse.SUPPRESS)
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
@@ -316,6 +366,8 @@ def main() -> None:
     out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "shape": SHAPE}
     if a.tp2pp2:
         out["tp2pp2"] = tp2pp2(a.iters, a.dtype)
+    elif a.fusion:
+        out["fusion"] = fusion(a.iters, a.dtype, a.rounds)
     elif a.cache:
         out["cache"] = [cache(f, vocab(f)) for f in a.flavours]
     else:

@@ -193,7 +193,12 @@ def main(argv=None) -> int:
         "gradient_accumulation_fusion": a.gradient_accumulation_fusion,
         "deterministic_mode": a.deterministic_mode,
         "sdpa": kernel_that_runs(
-            a.attention_backend, device, torch.bfloat16, config.num_attention_heads, config.head_dim
+            a.attention_backend,
+            device,
+            torch.bfloat16,
+            config.num_attention_heads,
+            config.head_dim,
+            kv_heads=config.query_groups,
         ),
         "seq_length": args.seq_length,
         "global_batch_size": args.global_batch_size,

@@ -22,6 +22,9 @@ class GenerationError(MegaliteError, ValueError):
     """A sampling flag or prompt that cannot work; the message names the flag."""
 
 
+_FIXED_ONE = 2**40  # top-p's fixed point: 2^23 ids of probability 1 still fit an int64
+
+
 def sample_next_token(
     logits: torch.Tensor,
     *,
@@ -54,8 +57,11 @@ def sample_next_token(
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop an id when the ids ranked above it already reach top_p; the top id always stays.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        # Drop an id when the ids ranked above it already reach top_p; the top id always stays. The
+        # sums run in fixed point (units of 2^-40): CUDA's float cumsum raises under deterministic
+        # mode, its integer cumsum is exact and deterministic.
+        fixed = (probs.double() * _FIXED_ONE).round().long()
+        drop_sorted = (fixed.cumsum(dim=-1) - fixed) >= round(top_p * _FIXED_ONE)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)

@@ -55,6 +55,7 @@ from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import shard_sequence
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads, finish_param_sync
 from megalite.parallel.determinism import enable_deterministic_mode
+from megalite.parallel.layers import describe_fusion
 from megalite.parallel.mesh import Mesh, initialize_model_parallel
 from megalite.parallel.param_attributes import counted_once
 from megalite.parallel.random import TensorParallelRNG, set_random_seed
@@ -444,12 +445,7 @@ def describe_layout(state: TrainState) -> str:
     run, mesh, train = state.configs, state.mesh, state.configs.training
     mine, total = count_parameters(state.model, mesh)
     cp = f" x cp {mesh.cp_size} ({run.parallel.cp_comm_type})" if mesh.cp_size > 1 else ""
-    # Under CP the attention is context_parallel_attention's own SDPA kernels, not --attention-backend's.
-    attention = (
-        f"attention: context parallel {run.parallel.cp_comm_type} over SDPA's log-sum-exp kernels"
-        if mesh.cp_size > 1
-        else describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size)
-    )
+    attention = describe_attention(state.config, mesh.device, train.params_dtype, mesh.tp_size, mesh.cp_size)
     return (
         f"megalite: world {mesh.world_size} = tp {mesh.tp_size}{cp} x pp {mesh.pp_size} x dp {mesh.dp_size}"
         f" (virtual stages {run.parallel.virtual_pipeline_model_parallel_size}); microbatches per step "
@@ -457,7 +453,7 @@ def describe_layout(state: TrainState) -> str:
         f" x dp {mesh.dp_size} x {train.num_microbatches}); parameters: {total:,} total, {mine:,} on "
         f"rank {mesh.rank}; dtype {train.params_dtype}; device {mesh.device}; sequence parallel "
         f"{'on' if run.parallel.sequence_parallel else 'off'}; recompute {run.recompute.describe()}; "
-        f"{attention}; "
+        f"{attention}; {describe_fusion(run.data_parallel.gradient_accumulation_fusion, mesh.device, train.params_dtype)}; "
         f"deterministic mode {'on' if train.deterministic_mode else 'off'}"
     )
 

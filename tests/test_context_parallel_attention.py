@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_cuda
 
 from megalite.errors import ArgumentError
 from megalite.parallel.context_parallel import (
@@ -178,12 +179,13 @@ def test_cp1_is_causal_attention_and_a2a_is_refused():
         context_parallel_attention(q, k, v, group=None, comm_type="a2a")
 
 
+# ---- every CP rank in one process: the kernels and the block plan, on any device -----------------
 class _Simulated:
-    """Every CP rank's K/V shard in one process: the exchange of CP rank ``rank``, for a check of
-    the kernels and block plan on a device gloo cannot carry (CUDA)."""
+    """The exchange of CP rank ``rank`` when every rank's packed K/V shard is in this process; the K/V
+    grads of shard j (fp32, as the real exchanges keep them) summed over the ranks in ``dkv[j]``."""
 
     def __init__(self, shards: list[torch.Tensor], rank: int, dkv: list[torch.Tensor]):
-        self.shards, self.rank, self.dkv = shards, rank, dkv  # dkv: per shard, summed over ranks
+        self.shards, self.rank, self.dkv = shards, rank, dkv
 
     def forward_blocks(self, kv):
         cp = len(self.shards)
@@ -198,17 +200,15 @@ class _Simulated:
         return self.dkv[self.rank]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
-def test_cuda_blocks_match_sdpa():
+def _simulate(q, k, v, dout, cp: int, scale: float | None = None):
+    """Every CP rank's forward and backward (megalite's ``_attend`` / ``_attend_backward``) in one
+    process: (out, dq, dk, dv) over the whole sequence, each rank's shard put back in place."""
     from megalite.parallel import context_parallel as C
 
-    cp, case = 4, CASES[1]
-    q, k, v, dout = (t.cuda() for t in _full_inputs(case, seed=3))
-    want = [shard_sequence(t, 2, cp, r) for t in _reference(case, q, k, v, dout) for r in range(cp)]
+    scale = q.size(-1) ** -0.5 if scale is None else scale
     shard = [[shard_sequence(t, 2, cp, r) for r in range(cp)] for t in (q, k, v, dout)]
     kv = [C._pack(shard[1][r], shard[2][r]) for r in range(cp)]
-    dkv = [torch.zeros_like(x) for x in kv]
-    scale = case[4] ** -0.5
+    dkv = [torch.zeros_like(x, dtype=torch.float32) for x in kv]
     outs, dqs = [], []
     for r in range(cp):
         out, lse = C._attend(shard[0][r], kv[r], _Simulated(kv, r, dkv), scale)
@@ -217,5 +217,184 @@ def test_cuda_blocks_match_sdpa():
             shard[3][r], shard[0][r], kv[r], outs[r], lse, _Simulated(kv, r, dkv), scale
         )
         dqs.append(dq)
-    got = outs + dqs + [d[0] for d in dkv] + [d[1] for d in dkv]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # the efficient kernel rounds its own way
+    dks, dvs = [d[0].to(q.dtype) for d in dkv], [d[1].to(q.dtype) for d in dkv]
+    return [_unshard_local(parts, cp) for parts in (outs, dqs, dks, dvs)]
+
+
+def _unshard_local(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
+    """:func:`unshard_sequence` of every rank's shard (dim 2), without a process group."""
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        early, late = load_balanced_chunks(cp, rank)
+        chunks[early], chunks[late] = part.chunk(2, dim=2)
+    return torch.cat(chunks, dim=2)
+
+
+class EmulatedEfficientKernels:
+    """The CUDA memory-efficient kernels' contract, read as they read memory, computed on the CPU.
+
+    Every call is recorded. ``forward`` returns what the CUDA op returns: out [b, h, s, d] in
+    [b, s, h, d] memory, the lse [b, h, s rounded up to 32] with +inf in the padded rows.
+    ``backward`` reads ``out`` with its batch and head strides and the kernel's implied row stride
+    ``o_strideM = head_dim * num_heads`` (kernel_backward.h), reads the lse rows up to the padded
+    length, and computes the gradients (the CPU flash backward, whose delta term sum(dout * out)
+    then sees exactly what the CUDA kernel would see)."""
+
+    lse_align = 32
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict[str, torch.Tensor]]] = []
+
+    def forward(self, q, k, v, causal, scale):
+        self.calls.append(("forward", {"q": q, "k": k, "v": v}))
+        check_kernel_layout("forward", {"q": q, "k": k, "v": v})
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out, torch.nn.functional.pad(lse, (0, -lse.size(-1) % 32), value=float("inf"))
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        self.calls.append(("backward", tensors))
+        b, h, s, d = out.shape
+        read_out = torch.as_strided(
+            out, (b, h, s, d), (out.stride(0), out.stride(1), h * d, 1), out.storage_offset()
+        )
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, read_out, lse[..., :s].contiguous(), 0.0, causal, scale=scale
+        )
+
+
+def check_kernel_layout(call: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Assert the CUDA memory-efficient kernels' layout contract on the tensors handed to ``call``
+    (the strides as the kernel reads them; see ``megalite.parallel.context_parallel._EfficientKernels``)."""
+    for name in ("q", "k", "v", "dout", "out"):
+        if name in tensors:
+            assert tensors[name].stride(-1) == 1, f"{call}: {name} has no contiguous last dim"
+    if call == "forward":
+        return
+    out, lse = tensors["out"], tensors["lse"]
+    b, h, s, d = out.shape
+    assert s == 1 or out.stride(2) == h * d, (
+        f"backward: out's rows are {out.stride(2)} apart; the kernel reads them h*d = {h * d} apart "
+        f"([b, s, h, d] memory), strides {out.stride()}"
+    )
+    assert h == 1 or out.stride(1) == d, f"backward: out's heads are {out.stride(1)} apart, want d = {d}"
+    assert lse.dtype == torch.float32 and lse.stride(-1) == 1, "backward: lse must be fp32, rows contiguous"
+    assert lse.size(-1) % 32 == 0 and lse.size(-1) >= s, f"backward: lse rows {lse.size(-1)} not padded to 32"
+    assert torch.isinf(lse[..., s:]).all() and (lse[..., s:] > 0).all(), "backward: lse padding is not +inf"
+
+
+# (b, s, hq, hkv, d): rows per block c = s / (2 cp) = 12 or 6 (not a multiple of 32: the lse padding)
+CONTRACT_CASES = [(2, 48, 4, 4, 8), (1, 48, 6, 2, 16)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case", CONTRACT_CASES, ids=["mha", "gqa"])
+def test_tensors_handed_to_the_cuda_kernels_keep_their_layout_contract(monkeypatch, case, cp):
+    """The CUDA path's kernel calls, recorded on the CPU through the one seam (``_kernels``) by a
+    stand-in that reads memory as the CUDA kernels do: every call keeps the layout contract, and
+    the whole-sequence output and grads equal SDPA's (fp32, tight)."""
+    from megalite.parallel import context_parallel as C
+
+    emulated = EmulatedEfficientKernels()
+    monkeypatch.setattr(C, "_kernels", lambda q: emulated)
+    b, s, hq, hkv, d = case
+    full = _full_inputs((b, s, hq, hkv, d, None), seed=cp)
+    got = _simulate(*full, cp)
+    want = _reference((b, s, hq, hkv, d, None), *full)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    kinds = [kind for kind, _ in emulated.calls]
+    assert kinds.count("forward") == kinds.count("backward") == cp * cp
+    for kind, tensors in emulated.calls:
+        check_kernel_layout(kind, tensors)
+
+
+def test_a_bhsd_out_breaks_the_layout_contract(monkeypatch):
+    """The checker's own failure case: ``out`` handed to the CUDA backward in [b, h, s, d] memory
+    (what megalite did before issue 33) fails the stride check, and read as the kernel reads it,
+    gives wrong dq and dk (dv is right: it does not depend on the delta term)."""
+    from megalite.parallel import context_parallel as C
+
+    emulated = EmulatedEfficientKernels()
+    monkeypatch.setattr(C, "_kernels", lambda q: emulated)
+    monkeypatch.setattr(C, "kernel_layout", lambda t: t.contiguous())  # the planted [b, h, s, d] layout
+    case = (2, 48, 4, 4, 8, None)
+    full = _full_inputs(case, seed=5)
+    try:
+        got = _simulate(*full, 2)
+    except RuntimeError:  # the kernel's implied stride reads past the buffer: an illegal access
+        got = None
+    backward = [t for kind, t in emulated.calls if kind == "backward"]
+    with pytest.raises(AssertionError, match="out's rows"):
+        check_kernel_layout("backward", backward[0])
+    if got is not None:
+        want = _reference(case, *full)
+        assert not torch.allclose(got[1], want[1], rtol=1e-3, atol=1e-3)  # dq
+        assert not torch.allclose(got[2], want[2], rtol=1e-3, atol=1e-3)  # dk
+        torch.testing.assert_close(got[3], want[3], **TOL)  # dv
+
+
+def test_kernel_layout_copies_only_what_is_not_bshd():
+    from megalite.parallel.context_parallel import kernel_layout
+
+    bshd = torch.randn(2, 5, 3, 8).transpose(1, 2)  # [b, h, s, d] in [b, s, h, d] memory
+    assert kernel_layout(bshd) is bshd
+    assert (
+        kernel_layout(bshd[:, :, 1:4]) is not None
+        and kernel_layout(bshd[:, :, 1:4]).data_ptr() == bshd[:, :, 1:4].data_ptr()
+    )
+    bhsd = torch.randn(2, 3, 5, 8)
+    laid = kernel_layout(bhsd)
+    assert torch.equal(laid, bhsd) and laid.stride() == (120, 8, 24, 1)
+
+
+# ---- CUDA: the real kernels in bf16 and fp16 (pytest -m cuda) ----------------------------------
+# (b, s, hq, hkv, d): s = 192 gives blocks of 48 and 24 rows at cp 2 and 4 (the lse padding is used)
+CUDA_CASES = {"mha": (2, 192, 8, 8, 64), "gqa": (1, 192, 8, 2, 64)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize("heads", sorted(CUDA_CASES))
+def test_cuda_cp_matches_whole_sequence_sdpa(dtype, cp, comm_type, heads):
+    """Every CP rank simulated in one process on the GPU with the memory-efficient kernels (half
+    types: the kernel computes its delta term on the device from ``out``'s memory): output and
+    grads against whole-sequence SDPA in fp32; the error at most twice whole-sequence SDPA's own in
+    ``dtype`` (plus a floor). ``comm_type`` runs the real exchange's block order and fp32 sums
+    (one process cannot carry a process group on CUDA: gloo has no CUDA tensors)."""
+    b, s, hq, hkv, d = CUDA_CASES[heads]
+    g = torch.Generator(device="cuda").manual_seed(cp)
+    q, k, v, dout = (
+        torch.randn(b, h, s, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv, hq)
+    )
+    exact = _reference((b, s, hq, hkv, d, None), *(t.float() for t in (q, k, v, dout)))
+    same_dtype = _reference((b, s, hq, hkv, d, None), q, k, v, dout)
+    got = _simulate(q, k, v, dout, cp)
+    for name, g_, sd, ex in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
+        err, sdpa_err = (g_.float() - ex).abs().max().item(), (sd.float() - ex).abs().max().item()
+        scale = ex.abs().max().item()
+        assert err <= 2 * sdpa_err + 2e-3 * scale, (
+            f"{name}: CP error {err:.3g}, SDPA's {sdpa_err:.3g} ({scale:.3g})"
+        )
+
+
+@needs_cuda
+def test_cuda_cp_attention_autograd_runs_the_exchange():
+    """cp = 1 on the GPU through the autograd function (the exchange, the saved out): bf16 against
+    fp32 SDPA."""
+    b, s, hq, hkv, d = CUDA_CASES["gqa"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(b, h, s, d, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv, hq)
+    )
+    exact = _reference((b, s, hq, hkv, d, None), *(t.float() for t in (q, k, v, dout)))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, group=None, comm_type="p2p")
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    for x, y in zip(got, exact):
+        torch.testing.assert_close(x.float(), y, rtol=2e-2, atol=2e-2)

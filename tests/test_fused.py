@@ -339,3 +339,93 @@ def test_mfu_bench_runs_on_cpu_and_reports_its_fields():
     assert "compiled" not in out and "compiled_speedup" not in out
     # The backend and the SDPA kernel that ran: auto is torch's choice (on this CPU, its flash kernel).
     assert out["attention_backend"] == "auto" and out["sdpa"] == "flash_attention"
+
+
+# ---- the weight-gradient GEMM of --gradient-accumulation-fusion (issue 33) --------------------
+def _fresh_probe(monkeypatch, addmm):
+    """The fusion probe as a fresh process would run it, with ``torch.addmm`` replaced."""
+    from megalite.parallel import layers
+
+    layers.mixed_dtype_gemm.cache_clear()
+    monkeypatch.setattr(torch, "addmm", addmm)
+    return layers
+
+
+def _accumulates(layers, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(24, 16, generator=g).to(dtype) for _ in range(2))
+    target = torch.randn(16, 16, generator=g)
+    want = target + a.t().float() @ b.float()
+    layers.add_matmul_into(target, a.t(), b)
+    torch.testing.assert_close(target, want, rtol=BF16_U, atol=1e-2)
+
+
+def test_fusion_gemm_is_decided_by_what_torch_does_not_its_version(monkeypatch):
+    """torch 2.8 / 2.9 have ``addmm.dtype_out`` but raise at the call (it works from 2.10, CUDA): the
+    probe tries it once per device and dtype; where it raises, add_matmul_into materialises the
+    product and adds it (same sum); where it works, the one mixed-dtype GEMM runs. The start-up
+    line says which."""
+    real = torch.addmm
+    calls = []
+
+    def raising(*args, **kwargs):  # torch 2.8 / 2.9: the overload exists, the kernel refuses
+        if "out_dtype" in kwargs:
+            calls.append("raised")
+            raise RuntimeError("addmm: out_dtype is not supported for these inputs")
+        return real(*args, **kwargs)
+
+    layers = _fresh_probe(monkeypatch, raising)
+    try:
+        _accumulates(layers)
+        _accumulates(layers)
+        assert calls == ["raised"]  # probed once; then never called again
+        assert not layers.mixed_dtype_gemm(torch.device("cpu"))
+        assert "product added" in layers.describe_fusion(True, torch.device("cpu"), torch.bfloat16)
+    finally:
+        layers.mixed_dtype_gemm.cache_clear()
+
+    def working(target, a, b, *, out_dtype=None, out=None):  # torch >= 2.10 on CUDA, emulated
+        if out_dtype is None:
+            return real(target, a, b, out=out) if out is not None else real(target, a, b)
+        calls.append("fused")
+        return out.copy_(target + a.to(out_dtype) @ b.to(out_dtype))
+
+    calls.clear()
+    layers = _fresh_probe(monkeypatch, working)
+    try:
+        _accumulates(layers)
+        assert calls == ["fused", "fused"]  # the probe's own, then the GEMM's
+        line = layers.describe_fusion(True, torch.device("cpu"), torch.bfloat16)
+        assert "one torch.bfloat16 GEMM into the fp32 grad" in line
+    finally:
+        layers.mixed_dtype_gemm.cache_clear()
+    assert layers.describe_fusion(False, torch.device("cpu"), torch.bfloat16).startswith(
+        "gradient accumulation fusion off"
+    )
+    assert "addmm_" in layers.describe_fusion(True, torch.device("cpu"), torch.float32)
+
+
+def test_fusion_probe_on_this_torch():
+    """What the installed torch really does here: the CPU has no mixed-dtype addmm kernel."""
+    from megalite.parallel import layers
+
+    assert layers.mixed_dtype_gemm(torch.device("cpu")) is False
+    _accumulates(layers)
+    _accumulates(layers, torch.float16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fusion_probe_and_bf16_gemm():
+    """On a GPU: the probe's answer, and the fused bf16 GEMM (whichever path) against fp32 math."""
+    from megalite.parallel import layers
+
+    cuda = torch.device("cuda")
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert layers.mixed_dtype_gemm(cuda) == ((major, minor) >= (2, 10)), torch.__version__
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(512, 256, device="cuda", generator=g).bfloat16() for _ in range(2))
+    target = torch.randn(256, 256, device="cuda", generator=g)
+    want = target + a.t().float() @ b.float()
+    layers.add_matmul_into(target, a.t(), b)
+    torch.testing.assert_close(target, want, rtol=1e-5, atol=1e-4)

@@ -162,6 +162,7 @@ def test_enable_deterministic_mode_keeps_good_settings_and_refuses_bad_ones(torc
     for bad, words in (
         ({"NCCL_ALGO": "Tree"}, "NCCL_ALGO=Tree"),
         ({"NCCL_ALGO": "Ring,Tree"}, "NCCL_ALGO=Ring,Tree"),
+        ({"NCCL_ALGO": "^NVLS"}, "NCCL_ALGO=^NVLS"),  # every algorithm but NVLS: Tree too
         ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}, "CUBLAS_WORKSPACE_CONFIG=:0:0"),
     ):
         with pytest.raises(ArgumentError, match="--deterministic-mode") as e:
@@ -237,9 +238,89 @@ def test_attention_backend_that_cannot_run_stops_in_one_line():
     with pytest.raises(ArgumentError) as e:  # the CPU's flash kernel takes no dropout
         kernel_that_runs("flash", torch.device("cpu"), torch.float32, 2, 8, dropout_p=0.1)
     msg = str(e.value)
-    assert (
-        "--attention-backend flash" in msg and "FLASH_ATTENTION" in msg and "auto" in msg and "\n" not in msg
+    assert "--attention-backend flash" in msg and "FLASH_ATTENTION" in msg and "\n" not in msg
+    assert msg.endswith("use --attention-backend unfused or local or auto"), msg  # the ones that run
+
+
+def test_attention_probe_runs_the_models_own_call(monkeypatch):
+    """The probe hands SDPA what the model will: its heads per TP rank, its K/V groups (GQA), head
+    dim, dtype, causal, under the run's deterministic setting; the decision (which backends can
+    run it, the one line) follows what SDPA did. A stand-in SDPA plays a GPU where the fused
+    kernels take no GQA under deterministic mode (the issue's case)."""
+    from megalite.errors import ArgumentError
+    from megalite.model import attention_backend as A
+    from megalite.model.config import ModelConfig
+
+    seen = []
+
+    def fake_sdpa(q, k, v, *, dropout_p, is_causal, enable_gqa=False):
+        from torch.nn.attention import _cur_sdpa_kernel_backends
+
+        det = torch.are_deterministic_algorithms_enabled()
+        seen.append((q.shape, k.shape, q.dtype, is_causal, enable_gqa, det))
+        allowed = set(_cur_sdpa_kernel_backends())
+        if {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION} & allowed or not (det and k.size(1) != q.size(1)):
+            return (q * 1.0).sum() + k.sum() + v.sum()
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake_sdpa)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: SDPBackend.EFFICIENT_ATTENTION.value)
+    config = ModelConfig(
+        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, vocab_size=32,
+        attention_backend="fused", attention_dropout=0.0,
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(A._CPU_KERNELS, "fused", A.SDPA_KERNELS["fused"])  # the GPU's fused kernels
+    assert A.describe_attention(config, cpu, torch.bfloat16, 2) == "attention fused: SDPA efficient_attention"
+    assert seen[-1] == ((1, 4, 8, 64), (1, 1, 8, 64), torch.bfloat16, True, True, False)  # tp 2: 4 q, 1 kv
+    before = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ArgumentError) as e:
+        A.kernel_that_runs("fused", cpu, torch.bfloat16, 4, 64, kv_heads=1, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled() == before  # the probe puts the switch back
+    msg = str(e.value)
+    assert "--attention-backend fused" in msg and "4 heads x 1 K/V heads of 64" in msg and "\n" not in msg
+    assert "deterministic mode" in msg and msg.endswith(
+        "use --attention-backend flash or unfused or local or auto"
     )
+    # MHA under deterministic mode runs fused: the GQA layout is what decides
+    assert (
+        A.kernel_that_runs("fused", cpu, torch.bfloat16, 4, 64, deterministic=True) == "efficient_attention"
+    )
+
+
+def test_cp_probe_runs_the_cp_kernels_and_stops_in_one_line(monkeypatch):
+    from megalite.errors import ArgumentError
+    from megalite.model.attention_backend import describe_attention
+    from megalite.model.config import ModelConfig
+    from megalite.parallel import context_parallel as C
+
+    config = ModelConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=32
+    )
+    line = describe_attention(config, torch.device("cpu"), torch.float32, 2, cp_size=2)
+    assert (
+        line
+        == "attention: context parallel over SDPA's CPU flash kernel (--attention-backend does not apply under CP)"
+    )
+
+    calls = []
+
+    class Refusing(C._CpuFlashKernels):
+        @staticmethod
+        def forward(q, k, v, causal, scale):
+            calls.append((q.shape, k.shape, causal))
+            if not causal:
+                raise RuntimeError("No available kernel.\nmore")
+            return C._CpuFlashKernels.forward(q, k, v, causal, scale)
+
+    monkeypatch.setattr(C, "_kernels", lambda q: Refusing)
+    with pytest.raises(ArgumentError) as e:
+        describe_attention(config, torch.device("cpu"), torch.float32, 2, cp_size=2)
+    msg = str(e.value)
+    assert calls == [((1, 4, 8, 8), (1, 4, 8, 8), True), ((1, 4, 8, 8), (1, 4, 8, 8), False)]  # K/V expanded
+    assert msg.startswith("--context-parallel-size:") and "No available kernel" in msg and "\n" not in msg
 
 
 # ---- the host's share of the step ------------------------------------------------------------
@@ -372,3 +453,104 @@ def test_cuda_attention_backends_name_their_kernel(torch_switches):
     torch.use_deterministic_algorithms(True)
     assert kernel("fused") == "efficient_attention"
     assert kernel("auto") != "cudnn_attention" and kernel("flash") == "flash_attention"
+
+
+# ---- top-p under deterministic mode (issue 33) -------------------------------------------------
+def _top_p_cumsums(device: str) -> list[torch.dtype]:
+    """Sample with top-p on ``device``; the dtypes of every cumsum it ran (a TorchFunctionMode spy)."""
+    from torch.overrides import TorchFunctionMode
+
+    from megalite.generation import sample_next_token
+
+    seen: list[torch.dtype] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "cumsum":
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.tensor([[2.0, 1.5, 0.1, -1.0]], device=device)
+    with Spy():
+        sample_next_token(logits, temperature=1.0, top_p=0.7)
+    return seen
+
+
+def test_top_p_sums_in_integers():
+    """CUDA's float cumsum raises under deterministic mode; top-p's sums run on integers (fixed
+    point), and keep exactly the ids float sums keep (tests/test_generate.py's distribution)."""
+    seen = _top_p_cumsums("cpu")
+    assert seen and all(not d.is_floating_point and not d.is_complex for d in seen), seen
+
+
+@needs_cuda
+def test_cuda_top_p_runs_under_deterministic_mode(torch_switches):
+    torch.use_deterministic_algorithms(True)
+    assert _top_p_cumsums("cuda")
+
+
+@needs_cuda
+def test_cuda_attention_probe_with_gqa_under_deterministic_mode(torch_switches):
+    """On a GPU: the probe with the model's GQA layout under deterministic mode either names a
+    kernel that then really runs the model's call (bf16, 16 heads x 4 K/V heads of 64, causal,
+    forward and backward, at a real length), or stops in one line naming the backends that can."""
+    import torch.nn.functional as F
+
+    from megalite.errors import ArgumentError
+    from megalite.model.attention_backend import attention_kernels, kernel_that_runs
+
+    cuda = torch.device("cuda")
+    for backend in ("fused", "flash", "auto"):
+        try:
+            kernel = kernel_that_runs(backend, cuda, torch.bfloat16, 16, 64, kv_heads=4, deterministic=True)
+        except ArgumentError as e:
+            assert "--attention-backend" in str(e) and "\n" not in str(e), str(e)
+            continue
+        assert kernel != "cudnn_attention"
+        torch.use_deterministic_algorithms(True)
+        q = torch.randn(2, 16, 512, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(2, 4, 512, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+        with attention_kernels(backend, "cuda"):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).sum().backward()
+        torch.use_deterministic_algorithms(False)
+
+
+# ---- scripts/gpu_check.sh and the cuda marker (issue 33) ---------------------------------------
+GPU_CHECKS = [
+    "cuda-tests", "deterministic-two-runs", "fake-rank-real-tensors",
+    "mfu-gpt-1.3b", "mfu-llama-7b-2layer", "mfu-gpt2-125m", "fusion-under-compile",
+]  # fmt: skip
+
+
+def test_gpu_check_script_without_a_gpu(tmp_path):
+    """Without a GPU the script prints one "skipped: no GPU" line per check and exits 0."""
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/gpu_check.sh runs its checks for real")
+    env = dict(os.environ, GPU_CHECK_LOGS=str(tmp_path))
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"{c}: skipped: no GPU" for c in GPU_CHECKS]
+
+
+def test_the_cuda_tests_are_collected_by_the_cuda_marker():
+    """``pytest -m cuda --collect-only`` lists the GPU checks of issue 33 (they skip without a GPU)."""
+    import subprocess
+
+    files = ["tests/test_context_parallel_attention.py", "tests/test_gpu_path.py", "tests/test_fused.py",
+             "tests/test_offload.py"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q", *files], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=REPO))  # fmt: skip
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert {
+        "test_cuda_cp_matches_whole_sequence_sdpa", "test_cuda_cp_attention_autograd_runs_the_exchange",
+        "test_cuda_attention_probe_with_gqa_under_deterministic_mode", "test_cuda_top_p_runs_under_deterministic_mode",
+        "test_cuda_fusion_probe_and_bf16_gemm", "test_cuda_offload_overlaps_copies_with_the_cpu_step",
+        "test_cuda_deterministic_runs_and_resume_are_bitwise",
+    } <= names, names  # fmt: skip
+    cp = [i for i in ids if "test_cuda_cp_matches_whole_sequence_sdpa" in i]
+    assert len(cp) == 16 and all(i.split("[")[1].startswith(("gqa", "mha")) for i in cp), cp  # 2 x 2 x 2 x 2
+    assert not any(":: " in i or "test_forward_and_grads_match" in i for i in ids)  # CPU tests stay out

@@ -24,6 +24,7 @@ and ``auto`` picks among flash (deterministic backward), memory-efficient and ma
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 
@@ -65,6 +66,97 @@ def attention_kernels(backend: str, device_type: str = "cuda") -> contextlib.Abs
     return sdpa_kernel(list(kernels))
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """What the run's attention hands SDPA: the start-up probe runs exactly this (tiny sequence).
+
+    ``kv_heads < heads`` is GQA: with SDPA's ``enable_gqa`` (torch >= 2.5) k/v keep their few heads
+    and the kernel must take GQA itself; without it, they are repeated per query head first (plain
+    MHA for the kernel). ``enable_gqa`` None: as the model does (``megalite.model.gpt.repeats_kv``),
+    SDPA's ``enable_gqa`` where this torch has it. ``deterministic``: the run's ``--deterministic-mode`` (torch refuses cuDNN attention
+    and the memory-efficient kernel's split keys under it)."""
+
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    kv_heads: int | None = None
+    enable_gqa: bool | None = None
+    dropout_p: float = 0.0
+    causal: bool = True
+    deterministic: bool | None = None  # None: torch's current setting
+
+    def describe(self, device: torch.device) -> str:
+        kv = self.kv_heads or self.heads
+        gqa = (
+            f" x {kv} K/V heads{' repeated' if self.enable_gqa is False else ''}" if kv != self.heads else ""
+        )
+        det = (
+            self.deterministic
+            if self.deterministic is not None
+            else torch.are_deterministic_algorithms_enabled()
+        )
+        return (
+            f"{device.type}, {self.dtype}, {self.heads} heads{gqa} of {self.head_dim}, "
+            f"{'causal' if self.causal else 'no mask'}, attention dropout {self.dropout_p}"
+            f"{', deterministic mode' if det else ''}"
+        )
+
+
+@contextlib.contextmanager
+def _deterministic(mode: bool | None):
+    """Inside, torch's deterministic switch is ``mode`` (None: unchanged); put back after."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if mode is not None:
+        torch.use_deterministic_algorithms(mode)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _run_sdpa(q, k, v, call: AttentionCall) -> int:
+    """Forward and backward of SDPA on the call's q [1, h, s, d] and k, v [1, kv, s, d], GQA as the
+    model runs it; returns the kernel SDPA chose (an SDPBackend value). RuntimeError if none runs."""
+    kw = {"dropout_p": call.dropout_p, "is_causal": call.causal}
+    if k.size(1) != q.size(1):
+        if call.enable_gqa is not False:
+            try:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw).sum().backward()
+                return torch._fused_sdp_choice(q, k, v, enable_gqa=True, **kw)
+            except TypeError:  # torch < 2.5 has no enable_gqa: the model repeats k/v (repeats_kv)
+                if call.enable_gqa:
+                    raise
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    F.scaled_dot_product_attention(q, k, v, **kw).sum().backward()
+    return torch._fused_sdp_choice(q, k, v, **kw)
+
+
+def _try_backend(backend: str, device: torch.device, call: AttentionCall) -> str | None:
+    """The SDPA kernel ``backend`` runs for ``call`` on ``device`` (a tiny forward and backward there,
+    under the call's deterministic setting), or None when none of its kernels can."""
+    shapes = [(1, h, 8, call.head_dim) for h in (call.heads, call.kv_heads or call.heads)]
+    q, k, v = (
+        torch.zeros(s, device=device, dtype=call.dtype, requires_grad=True) for s in shapes + shapes[1:]
+    )
+    # The probe's dropout draws from the RNG: fork it, so a resumed run's restored streams stay put.
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if q.is_cuda else []
+    with (
+        torch.random.fork_rng(devices=cuda),
+        warnings.catch_warnings(),
+        _deterministic(call.deterministic),
+        attention_kernels(backend, device.type),
+    ):
+        warnings.simplefilter("ignore")  # torch explains each refused kernel in a warning
+        try:
+            choice = _run_sdpa(q, k, v, call)
+        except RuntimeError:
+            return None
+    return SDPBackend(choice).name.lower()
+
+
 def kernel_that_runs(
     backend: str,
     device: torch.device,
@@ -72,37 +164,58 @@ def kernel_that_runs(
     heads: int,
     head_dim: int,
     dropout_p: float = 0.0,
+    **call,
 ) -> str:
-    """The SDPA kernel ``backend`` runs for causal attention of ``heads`` heads of ``head_dim`` on
-    ``device`` in ``dtype`` (``"flash_attention"``, ``"cudnn_attention"``, ``"efficient_attention"``,
-    ``"math"``): a tiny forward and backward there. ArgumentError when no kernel of the backend can."""
-    q = torch.zeros(1, heads, 8, head_dim, device=device, dtype=dtype, requires_grad=True)
-    # The probe's dropout draws from the RNG: fork it, so a resumed run's restored streams stay put.
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if q.is_cuda else []
-    with (
-        torch.random.fork_rng(devices=cuda),
-        warnings.catch_warnings(),
-        attention_kernels(backend, device.type),
-    ):
-        warnings.simplefilter("ignore")  # torch explains each refused kernel in a warning
-        try:
-            F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True).sum().backward()
-            choice = torch._fused_sdp_choice(q, q, q, dropout_p=dropout_p, is_causal=True)
-        except RuntimeError:
-            kernels = " / ".join(k.name for k in sdpa_kernels(backend, device.type) or ())
-            raise ArgumentError(
-                f"--attention-backend {backend}: no {kernels} kernel runs here ({device.type}, {dtype}, "
-                f"head dim {head_dim}, attention dropout {dropout_p}"
-                f"{', deterministic mode' if torch.are_deterministic_algorithms_enabled() else ''}); "
-                "use --attention-backend auto"
-            ) from None
-    return SDPBackend(choice).name.lower()
+    """The SDPA kernel ``backend`` runs for the attention :class:`AttentionCall` describes
+    (``"flash_attention"``, ``"cudnn_attention"``, ``"efficient_attention"``, ``"math"``): a tiny
+    forward and backward there. ArgumentError in one line when none of its kernels can, naming
+    the backends that can."""
+    spec = AttentionCall(heads=heads, head_dim=head_dim, dtype=dtype, dropout_p=dropout_p, **call)
+    kernel = _try_backend(backend, device, spec)
+    if kernel is not None:
+        return kernel
+    kernels = " / ".join(k.name for k in sdpa_kernels(backend, device.type) or ())
+    others = [b for b in CHOICES if b != backend and _try_backend(b, device, spec) is not None]
+    fix = f"use --attention-backend {' or '.join(others)}" if others else "no --attention-backend runs it"
+    raise ArgumentError(
+        f"--attention-backend {backend}: no {kernels or 'SDPA'} kernel runs this model's attention here "
+        f"({spec.describe(device)}); {fix}"
+    )
 
 
-def describe_attention(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp_size: int) -> str:
-    """The start-up log's words for the attention that runs, e.g. ``attention auto: SDPA flash_attention``."""
-    heads = config.num_attention_heads // tp_size
+def attention_call(
+    config: ModelConfig, dtype: torch.dtype, tp_size: int, training: bool = True
+) -> AttentionCall:
+    """The model's own attention call on one TP rank (its heads, K/V groups, head dim, dropout)."""
+    return AttentionCall(
+        heads=config.num_attention_heads // tp_size,
+        kv_heads=config.query_groups // tp_size,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        dropout_p=config.attention_dropout if training else 0.0,
+    )
+
+
+def describe_attention(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, tp_size: int, cp_size: int = 1
+) -> str:
+    """The start-up log's words for the attention that runs, e.g. ``attention auto: SDPA flash_attention``,
+    after running it as the model will (its heads, GQA, head dim, dtype, causal, under the current
+    deterministic setting); with ``cp_size`` > 1, the context-parallel kernels instead (the
+    attention backend does not apply there). One-line ArgumentError when it cannot run."""
+    call = attention_call(config, dtype, tp_size)
+    if cp_size > 1:
+        from megalite.parallel.context_parallel import probe_kernels
+
+        kernel = probe_kernels(device, dtype, call.heads, call.kv_heads, call.head_dim)
+        return f"attention: context parallel over {kernel} (--attention-backend does not apply under CP)"
     kernel = kernel_that_runs(
-        config.attention_backend, device, dtype, heads, config.head_dim, config.attention_dropout
+        config.attention_backend,
+        device,
+        dtype,
+        call.heads,
+        call.head_dim,
+        call.dropout_p,
+        kv_heads=call.kv_heads,
     )
     return f"attention {config.attention_backend}: SDPA {kernel}"

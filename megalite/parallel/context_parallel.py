@@ -30,10 +30,12 @@ How the K/V shards reach every rank (``comm_type``, Megatron's ``--cp-comm-type`
 - ``all_gather``: K/V gathered once per layer (forward, and again in backward rather than kept
   for it), the gradients of the gathered K/V reduce-scattered back. Cheap with GQA's few K/V heads.
 
+K/V gradients are summed in fp32, as dq is (over blocks, and over ranks: they travel in fp32).
 Both send the same bytes per rank (:func:`context_parallel_comm_bytes`). The kernels are
 PyTorch's SDPA kernels that return the log-sum-exp (``_scaled_dot_product_flash_attention_for_cpu``
-on CPU, ``_scaled_dot_product_efficient_attention`` on CUDA), with their backward ops; GQA K/V
-heads are expanded after the transfer, so only the few K/V heads travel.
+on CPU, ``_scaled_dot_product_efficient_attention`` on CUDA), with their backward ops, all behind
+one seam (:func:`_kernels`); GQA K/V heads are expanded after the transfer, so only the few K/V
+heads travel. The CUDA backward reads ``out`` in [b, s, h, d] memory (:class:`_EfficientKernels`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite.errors import ArgumentError
 from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
@@ -100,33 +103,80 @@ def _reduce_kv_grad(g: torch.Tensor, hkv: int) -> torch.Tensor:
     return g if hq == hkv else g.view(b, hkv, hq // hkv, s, d).sum(dim=2)
 
 
-def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [b, hq, sq, d] over k, v [b, hkv, sk, d] -> (out [b, hq, sq, d], lse [b, hq, sq] fp32)."""
-    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
-    if q.is_cuda:
+class _EfficientKernels:
+    """CUDA: the memory-efficient kernels (they return the log-sum-exp and take it back).
+
+    Their layout contract (torch 2.11 ``attention_backward.cu`` / ``kernel_backward.h``, PyTorch
+    issue #138772 and PR #138879): ``out`` is read with its batch and head strides but an IMPLIED
+    row stride ``o_strideM = head_dim * num_heads``, i.e. in [b, s, h, d] memory (the fp32 path
+    computes its delta term on the host with the real strides and hides a wrong layout; half types
+    on sm80+ compute it in the kernel); ``grad_out`` is made contiguous in [b, s, h, d] order by
+    the op (a copy unless it already is); q, k, v need a contiguous last dim. The log-sum-exp is
+    [b, h, s rounded up to 32] fp32, the padded rows +inf (the backward reads them)."""
+
+    lse_align = 32
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
         )
-        return out, lse[..., : q.size(2)]  # the kernel pads the lse to a multiple of 32 rows
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
 
-
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the MERGED out and lse
-    of the rows of q: the block's exact share of the full attention's gradients."""
-    hkv = k.size(1)
-    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
-    if q.is_cuda:
-        rows = lse.size(-1)
-        lse = torch.nn.functional.pad(lse, (0, -rows % 32))  # back to the kernel's padded layout
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
         )
-    else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return dq, dk, dv
+
+
+class _CpuFlashKernels:
+    """CPU: the flash kernel for the CPU (log-sum-exp [b, h, s] fp32, no padding)."""
+
+    lse_align = 1
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
+
+
+def _kernels(q: torch.Tensor):
+    """The one seam between this module and the attention kernels (tests put a recorder here)."""
+    return _EfficientKernels if q.is_cuda else _CpuFlashKernels
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """t [b, h, s, d] with the same values in [b, s, h, d] memory (rows h*d apart, heads d apart):
+    the layout SDPA returns and the CUDA backward reads ``out`` in. No copy when it already is."""
+    b, h, s, d = t.shape
+    if t.stride(3) == 1 and (h == 1 or t.stride(1) == d) and (s == 1 or t.stride(2) == h * d):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, hq, sq, d] over k, v [b, hkv, sk, d] -> (out [b, hq, sq, d], lse [b, hq, sq] fp32)."""
+    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
+    out, lse = _kernels(q).forward(q, k, v, causal, scale)
+    return out, lse[..., : q.size(2)]  # the CUDA kernel pads the lse to a multiple of 32 rows
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the MERGED out and lse
+    of the rows of q: the block's exact share of the full attention's gradients. ``out`` and
+    ``dout`` go to the kernel in [b, s, h, d] memory, the lse padded as the kernel pads it (+inf)."""
+    hkv, kernels = k.size(1), _kernels(q)
+    k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
+    lse = F.pad(lse, (0, -lse.size(-1) % kernels.lse_align), value=math.inf).contiguous()
+    dq, dk, dv = kernels.backward(kernel_layout(dout), q, k, v, kernel_layout(out), lse, causal, scale)
     return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
 
 
@@ -167,6 +217,12 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v])
 
 
+def _grad_buffer(kv: torch.Tensor) -> torch.Tensor:
+    """A zero fp32 buffer shaped like ``kv``: K/V grads are summed over blocks and ring hops in fp32,
+    as dq is (and travel in fp32), and rounded to the activations' dtype once, at the end."""
+    return torch.zeros_like(kv, dtype=torch.float32)
+
+
 class _Local:
     """CP size 1: this rank's own K/V, no communication."""
 
@@ -176,7 +232,7 @@ class _Local:
         yield 0, kv
 
     def backward_blocks(self, kv):
-        self.dkv = torch.zeros_like(kv)
+        self.dkv = _grad_buffer(kv)
         yield 0, kv, self.dkv
 
     def grads(self) -> torch.Tensor:
@@ -220,9 +276,9 @@ class _Ring:
         remote shard travels on with the shard's K/V: once the caller has filled it (the generator
         resumes), the sum that came from r-1 for the same shard is added and the whole sent to r+1;
         after cp-1 hops the sum reaches its owner, which adds its own share (step 0)."""
-        self.dkv, travelling = torch.zeros_like(kv), None
+        self.dkv, travelling = _grad_buffer(kv), None
         for step, (j, kv_j) in enumerate(self.forward_blocks(kv)):
-            dkv_j = self.dkv if step == 0 else torch.zeros_like(kv)
+            dkv_j = self.dkv if step == 0 else _grad_buffer(kv)
             yield j, kv_j, dkv_j
             if step > 0:
                 if travelling is not None:
@@ -269,7 +325,7 @@ class _AllGather:
 
     def backward_blocks(self, kv):
         every = self._gather(kv)  # gathered again, not kept from the forward: s-long K/V per layer
-        self.dkv_every = torch.zeros_like(every)
+        self.dkv_every = _grad_buffer(every)
         for j in self._order():
             yield j, every[j], self.dkv_every[j]
 
@@ -306,18 +362,19 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, exchange, scale: float) -> tuple[
 
 
 def _attend_backward(dout, q, kv, out, lse, exchange, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward over every K/V shard: (dq [b, hq, 2c, d], packed dkv [2, b, hkv, 2c, d])."""
+    """Backward over every K/V shard: (dq [b, hq, 2c, d], packed dkv [2, b, hkv, 2c, d]), in q's dtype;
+    both summed in fp32 over the blocks (and, for dkv, over the ranks)."""
     c, r = q.size(2) // 2, exchange.rank
     dq = torch.zeros_like(q, dtype=torch.float32)
     for j, kv_j, dkv_j in exchange.backward_blocks(kv):
         qs, ks, causal = _block_plan(j, r)
-        rows = [_rows(t, qs, c).contiguous() for t in (dout, q, out, lse)]
+        rows = [_rows(t, qs, c) for t in (dout, q, out, lse)]  # _block_backward lays them out
         k, v = _rows(kv_j[0], ks, c), _rows(kv_j[1], ks, c)
         dq_j, dk_j, dv_j = _block_backward(rows[0], rows[1], k, v, rows[2], rows[3], causal, scale)
         _rows(dq, qs, c).add_(dq_j)
         _rows(dkv_j[0], ks, c).add_(dk_j)
         _rows(dkv_j[1], ks, c).add_(dv_j)
-    return dq.to(q.dtype), exchange.grads()
+    return dq.to(q.dtype), exchange.grads().to(q.dtype)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -358,6 +415,28 @@ def context_parallel_attention(
     return _ContextParallelAttention.apply(q, k, v, group, comm_type, scale)
 
 
+def probe_kernels(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Run the CP kernels once as a CP run calls them (the model's heads, K/V groups, head dim and
+    dtype; a causal and an unmasked block, forward and backward, under torch's current
+    deterministic setting) and name them; one-line ArgumentError when they cannot run."""
+    q = torch.zeros(1, heads, 8, head_dim, device=device, dtype=dtype)
+    k = v = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)
+    kernels = _kernels(q)
+    name = "memory-efficient" if kernels is _EfficientKernels else "CPU flash"
+    try:
+        for causal in (True, False):
+            out, lse = _block_forward(q, k, v, causal, 1.0)
+            _block_backward(torch.zeros_like(out), q, k, v, out, lse.float(), causal, 1.0)
+    except RuntimeError as e:
+        raise ArgumentError(
+            f"--context-parallel-size: the {name} attention kernel CP runs on cannot run this model's "
+            f"attention here ({device.type}, {dtype}, {heads} heads x {kv_heads} K/V heads of {head_dim}"
+            f"{', deterministic mode' if torch.are_deterministic_algorithms_enabled() else ''}): "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; use --context-parallel-size 1"
+        ) from None
+    return f"SDPA's {name} kernel"
+
+
 def context_parallel_comm_bytes(
     *,
     comm_type: str,
@@ -371,16 +450,18 @@ def context_parallel_comm_bytes(
     """Bytes one CP rank sends for ONE attention layer and ONE microbatch, as
     ``megalite.planning.comm_meter`` counts them (ring volumes): ``{"forward", "backward"}``.
 
-    With N = micro_batch_size x kv_heads x (seq_length / cp_size) x head_dim x bytes_per_element,
-    the bytes of this rank's K (or V) shard (``kv_heads``: the K/V heads on this rank, i.e.
-    num_query_groups / tp; ``bytes_per_element``: the activations' dtype)::
+    With E = micro_batch_size x kv_heads x (seq_length / cp_size) x head_dim, the elements of this
+    rank's K (or V) shard (``kv_heads``: the K/V heads on this rank, i.e. num_query_groups / tp),
+    N = E x ``bytes_per_element`` (the activations' dtype) and G = 4E (the K/V grads are summed in
+    fp32 across the ranks)::
 
-        forward  = 2N (cp-1)   p2p: cp-1 sends of K+V;  all_gather: gather K+V
-        backward = 4N (cp-1)   p2p: cp-1 sends of K+V and cp-1 of their grads;
-                               all_gather: gather K+V again, reduce-scatter their grads
+        forward  = 2N (cp-1)          p2p: cp-1 sends of K+V;  all_gather: gather K+V
+        backward = (2N + 2G) (cp-1)   p2p: cp-1 sends of K+V and cp-1 of their fp32 grads;
+                                      all_gather: gather K+V again, reduce-scatter their fp32 grads
 
     A layer whose attention is recomputed (selective or full recompute) sends its forward bytes twice."""
     if comm_type not in COMM_TYPES:
         _exchange(None, comm_type)  # the one-line error
-    n = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim * bytes_per_element
-    return {"forward": 2 * n * (cp_size - 1), "backward": 4 * n * (cp_size - 1)}
+    elements = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim
+    n, g = elements * bytes_per_element, elements * 4
+    return {"forward": 2 * n * (cp_size - 1), "backward": (2 * n + 2 * g) * (cp_size - 1)}

@@ -31,15 +31,17 @@ import torch
 from megalite.errors import ArgumentError
 
 ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-# NCCL algorithms that sum in a fixed order (Megatron's list: Tree's order may vary between runs).
-NCCL_ALGOS = frozenset({"Ring", "CollnetDirect", "CollnetChain", "^NVLS"})
+# NCCL algorithms that sum in a fixed order. Megatron's list also admits Tree and "^NVLS" (every
+# algorithm but NVLS, so Tree again); Tree's order follows the topology NCCL detects, so neither is
+# admitted here: a setting that names only these can choose nothing else.
+NCCL_ALGOS = frozenset({"Ring", "CollnetDirect", "CollnetChain"})
 CUBLAS_WORKSPACES = frozenset({":4096:8", ":16:8"})  # NVIDIA's two reproducible settings
 
 
 def check_environment(env: MutableMapping[str, str]) -> None:
     """One-line ArgumentError when ``env`` already holds a nondeterministic NCCL / cuBLAS setting."""
     algo = env.get("NCCL_ALGO")
-    tokens = [t.strip() for t in (algo or "").split(",") if t.strip()]
+    tokens = [t.strip() for t in (algo or "").split(",") if t.strip()]  # "^..." excludes: Tree stays
     if algo is not None and not (tokens and set(tokens) <= NCCL_ALGOS):
         raise ArgumentError(
             f"--deterministic-mode: NCCL_ALGO={algo} may sum in another order each run; unset it "

@@ -23,6 +23,7 @@ HF conversion all rely on that.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -97,18 +98,46 @@ def _divide(n: int, tp: int, what: str) -> int:
 
 # ---- the weight-gradient GEMM (--gradient-accumulation-fusion) -----------------------------------
 
-_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()  # torch >= 2.8, CUDA kernels only
+
+@functools.cache
+def mixed_dtype_gemm(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch adds a ``dtype`` (bf16, fp16) GEMM straight into an fp32 buffer on ``device`` in one call
+    (``torch.addmm(..., out_dtype=torch.float32, out=buffer)``; PyTorch PR #167931, CUDA, torch
+    >= 2.10; torch 2.8 / 2.9 have the overload but raise at the call). Decided once per device by
+    doing it on a tiny exact case, not from the version string."""
+    try:
+        target = torch.ones(16, 16, device=device)
+        a = torch.full((16, 32), 0.5, device=device, dtype=dtype)
+        torch.addmm(target, a, a.t(), out_dtype=torch.float32, out=target)
+        return bool((target == 9.0).all())  # 1 + 32 x 0.25: exact in half inputs and fp32 sums
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def describe_fusion(enabled: bool, device: torch.device, params_dtype: torch.dtype) -> str:
+    """The start-up log's words for the weight-gradient path that runs."""
+    if not enabled:
+        return "gradient accumulation fusion off (weight grads in the model's dtype, then added)"
+    if params_dtype == torch.float32:
+        return "gradient accumulation fusion: one GEMM into the fp32 grad (addmm_)"
+    if mixed_dtype_gemm(torch.device(device), params_dtype):
+        return f"gradient accumulation fusion: one {params_dtype} GEMM into the fp32 grad (addmm out_dtype)"
+    return (
+        f"gradient accumulation fusion: {params_dtype} GEMM, product added into the fp32 grad "
+        f"(this torch {torch.__version__} has no mixed-dtype GEMM on {torch.device(device).type})"
+    )
 
 
 def add_matmul_into(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``target += a @ b``, the product accumulated in ``target``'s dtype (fp32) by the GEMM itself.
 
-    One GEMM with beta = 1 when the dtypes match, or cuBLAS's fp32 output from bf16 inputs; a device
-    without that mixed-dtype GEMM (the CPU) materialises the product, then adds it.
+    One GEMM with beta = 1 when the dtypes match, or the mixed-dtype GEMM's fp32 output from bf16
+    inputs where this torch has it on the device (:func:`mixed_dtype_gemm`); elsewhere (the CPU,
+    older torch) the product is materialised, then added.
     """
     if a.dtype == target.dtype:
         target.addmm_(a, b)
-    elif target.is_cuda and _ADDMM_OUT_DTYPE:
+    elif mixed_dtype_gemm(target.device, a.dtype):
         torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
     else:
         target.add_(a.matmul(b))
