@@ -157,7 +157,9 @@ class AllGatherDispatcher(_Dispatcher):
         self.num_tokens = tokens.shape[0]
         group = self.etp_ep_group
         with torch.no_grad():
-            routing_map = gather_counts(routing_map.to(torch.uint8).reshape(-1), group).view(-1, self.num_experts)
+            routing_map = gather_counts(routing_map.to(torch.uint8).reshape(-1), group).view(
+                -1, self.num_experts
+            )
         probs, tokens = gather_rows(probs, group), gather_rows(tokens, group)
         self.local_map = routing_map[:, self.local_experts].bool()
         local_probs = probs[:, self.local_experts]
@@ -198,7 +200,7 @@ class AllToAllDispatcher(_Dispatcher):
         row_probs = gather_rows(row_probs, self.etp_group, self.output_splits_tp)
         if self.num_local_experts > 1:  # chunks arrive [source rank][local expert]: regroup by expert
             sizes, r = self.chunk_sizes.view(-1).tolist(), self.chunk_sizes.shape[0]
-            order = [i * self.num_local_experts + l for l in range(self.num_local_experts) for i in range(r)]
+            order = [i * self.num_local_experts + x for x in range(self.num_local_experts) for i in range(r)]
             rows, row_probs = sort_chunks(rows, sizes, order), sort_chunks(row_probs, sizes, order)
         return rows, self.tokens_per_expert, row_probs
 
@@ -207,7 +209,7 @@ class AllToAllDispatcher(_Dispatcher):
         if self.num_local_experts > 1:
             sizes = self.chunk_sizes.T.reshape(-1).tolist()  # [expert][source rank]
             r = self.chunk_sizes.shape[0]
-            order = [l * r + i for i in range(r) for l in range(self.num_local_experts)]
+            order = [x * r + i for i in range(r) for x in range(self.num_local_experts)]
             rows = sort_chunks(rows, sizes, order)
         rows = reduce_scatter_rows(rows, self.etp_group, self.output_splits_tp)
         rows = all_to_all(rows, self.ep_group, self.input_splits, self.output_splits)

@@ -66,7 +66,10 @@ class MoEConfig:
         """Megatron's checks, one line each naming the flag; returns self."""
         e, k, ep = self.num_experts, self.moe_router_topk, expert_model_parallel_size
         need(e >= 1, f"--num-experts must be >= 1, got {e}")
-        need(self.moe_ffn_hidden_size >= 1, f"--moe-ffn-hidden-size must be >= 1, got {self.moe_ffn_hidden_size}")
+        need(
+            self.moe_ffn_hidden_size >= 1,
+            f"--moe-ffn-hidden-size must be >= 1, got {self.moe_ffn_hidden_size}",
+        )
         need(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
         need(
             e % ep == 0,
@@ -132,7 +135,8 @@ def _check_router(c: MoEConfig) -> None:
 def _check_dropping(c: MoEConfig) -> None:
     cf = c.capacity_factor
     need(
-        cf is None or c.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        cf is None
+        or c.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
         "--moe-expert-capacity-factor works with --moe-router-load-balancing-type "
         "aux_loss, seq_aux_loss, global_aux_loss or none (not sinkhorn)",
     )

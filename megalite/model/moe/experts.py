@@ -133,7 +133,9 @@ class SharedExpertMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             pairs = [(self.fc1_gate.weight, None), (self.fc1_up.weight, None)]
-            gate, up = column_parallel_linears(x, pairs, self.fc1_gate.tp_group, self.fc1_gate.sequence_parallel)
+            gate, up = column_parallel_linears(
+                x, pairs, self.fc1_gate.tp_group, self.fc1_gate.sequence_parallel
+            )
             y = F.silu(gate) * up
         else:
             y = F.gelu(self.fc1(x))

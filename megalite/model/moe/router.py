@@ -70,7 +70,9 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
     group_mask = torch.zeros_like(group_scores)
     group_mask.scatter_(1, group_idx, 1)
     score_mask = (
-        group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+        group_mask.unsqueeze(-1)
+        .expand(num_tokens, num_groups, num_experts // num_groups)
+        .reshape(num_tokens, -1)
     )
     masked_scores = scores.masked_fill(~score_mask.bool(), float("-inf"))
     return torch.topk(masked_scores, k=topk, dim=-1)
@@ -210,7 +212,9 @@ class TopKRouter(nn.Module):
         if ctx.sequence_parallel:
             param_attributes.mark_sequence_parallel(self.weight)
         mesh = ctx.mesh
-        self.token_groups = [g for g, on in ((mesh.tp_group, ctx.sequence_parallel), (mesh.cp_group, mesh.cp_size > 1)) if on]
+        self.token_groups = [
+            g for g, on in ((mesh.tp_group, ctx.sequence_parallel), (mesh.cp_group, mesh.cp_size > 1)) if on
+        ]
         self.stage_groups = self.token_groups + ([mesh.dp_group] if mesh.dp_size > 1 else [])
         dev = ctx.param_device
         self.register_buffer("expert_bias", torch.zeros(e, device=dev), persistent=True)
@@ -255,7 +259,12 @@ class TopKRouter(nn.Module):
                 self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity,
             )  # fmt: skip
         lb = self.config.moe_router_load_balancing_type
-        if self.training and torch.is_grad_enabled() and self.config.moe_aux_loss_coeff > 0 and lb.endswith("aux_loss"):
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and self.config.moe_aux_loss_coeff > 0
+            and lb.endswith("aux_loss")
+        ):
             probs = self._load_balancing_loss(probs, logits, b, s)
         if self.expert_bias is not None and torch.is_grad_enabled():
             with torch.no_grad():
@@ -273,7 +282,11 @@ class TopKRouter(nn.Module):
 
     def sinkhorn_load_balancing(self, logits: torch.Tensor):
         def activation(x):
-            return torch.sigmoid(x) if self.topk == 1 else torch.softmax(x, dim=-1, dtype=torch.float32).type_as(x)
+            return (
+                torch.sigmoid(x)
+                if self.topk == 1
+                else torch.softmax(x, dim=-1, dtype=torch.float32).type_as(x)
+            )
 
         if self.training:
             with torch.no_grad():
