@@ -253,11 +253,16 @@ class TopKRouter(nn.Module):
         logits = self.gating(self.apply_input_jitter(x)).reshape(b * s, -1)
         logits = self.apply_z_loss(logits)
         probs, routing_map = self.routing(logits)
-        if self.config.capacity_factor is not None:
+        if self.config.capacity_factor is not None:  # ranks tokens in Megatron's [s, b] order
+
+            def sb(t, n1, n2):
+                return t.view(n1, n2, -1).transpose(0, 1).reshape(b * s, -1)
+
             probs, routing_map = apply_router_token_dropping(
-                probs, routing_map, self.topk, self.config.capacity_factor,
+                sb(probs, b, s), sb(routing_map, b, s), self.topk, self.config.capacity_factor,
                 self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity,
             )  # fmt: skip
+            probs, routing_map = sb(probs, s, b), sb(routing_map, s, b)
         lb = self.config.moe_router_load_balancing_type
         if (
             self.training
