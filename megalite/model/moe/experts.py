@@ -31,10 +31,10 @@ from megalite.parallel.layers import (
 
 
 def grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> dict:
-    """What :func:`grouped_gemm` hands ``torch._grouped_mm``: ``mat_a [N, k]`` (row-major),
-    ``mat_b [G, k, n]``, ``offs`` int32 ``[G]`` the cumulative row ends (the last = N)."""
+    """What :func:`grouped_gemm` hands ``torch._grouped_mm(input, mat2, offs=...)``: ``input [N, k]``
+    (row-major), ``mat2 [G, k, n]``, ``offs`` int32 ``[G]`` the cumulative row ends (the last = N)."""
     offs = torch.tensor(tokens_per_expert, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)
-    return {"mat_a": x.contiguous(), "mat_b": weight, "offs": offs}
+    return {"input": x.contiguous(), "mat2": weight, "offs": offs}
 
 
 def has_grouped_mm(x: torch.Tensor) -> bool:
