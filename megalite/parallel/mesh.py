@@ -357,7 +357,9 @@ def _build_groups(
 def _expert_groups(expert: ExpertLayout, roles: dict, mine: dict, build) -> dict:
     """The expert roles' groups: None for groups of one rank, the attention's group object where
     the same ranks already form one (ep 1 and etp = tp: no ``new_group`` at all), else new ones."""
-    same = {frozenset(map(tuple, groups)): role for role, groups in roles.items()}
+    same: dict = {}
+    for role, groups in roles.items():  # the first role of each set of groups (tp before mp)
+        same.setdefault(frozenset(map(tuple, groups)), role)
     expert_roles = {
         "ep": expert.ep_groups, "etp": expert.etp_groups, "edp": expert.edp_groups,
         "etp_ep": expert.etp_ep_groups,
