@@ -127,3 +127,26 @@ def test_input_jitter_bounds():
     x = torch.ones(1, 4, 16)
     seen = layer.router.apply_input_jitter(x)
     assert ((seen >= 0.9) & (seen <= 1.1)).all() and not torch.equal(seen, x)
+
+
+@pytest.mark.parametrize("model", ["deepseek", "global"])
+def test_recompute_counts_tokens_and_losses_once(model):
+    """Under megalite's recompute (non-reentrant checkpoint) the router's forward runs again in
+    backward: the grads are the same, the token counts and recorded losses are not doubled."""
+    from megalite.parallel.random import recompute
+
+    base = (
+        DEEPSEEK if model == "deepseek" else dict(MIXTRAL, moe_router_load_balancing_type="global_aux_loss")
+    )
+    outs = []
+    for checkpointed in (False, True):
+        layer = _layer(base, "alltoall")
+        x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = recompute(layer, None, x) if checkpointed else layer(x)
+        y.square().sum().backward()
+        r = layer.router
+        counts = r.local_tokens_per_expert if r.expert_bias is not None else r.global_tokens_per_expert
+        outs.append((x.grad, counts.clone(), r.pop_aux_losses(), r.ga_steps))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+    assert outs[1][2] == outs[0][2] and outs[1][3] == outs[0][3]

@@ -177,6 +177,15 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
+def _recomputing() -> bool:
+    """Inside a backward pass: a non-reentrant checkpoint's recompute (megalite's recompute), whose
+    forward must not count tokens or record losses a second time."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # a torch without it: count as Megatron does (grad enabled)
+        return False
+
+
 def _sum_over(t: torch.Tensor, groups: list) -> torch.Tensor:
     """``t`` summed over each group in turn (together: over their product of ranks); no autograd."""
     for g in groups:
@@ -238,7 +247,8 @@ class TopKRouter(nn.Module):
         return x * noise
 
     def _attach(self, activation, loss, name, coeff):
-        self.aux_losses[name] = self.aux_losses.get(name, 0) + (loss / coeff).detach()
+        if not _recomputing():
+            self.aux_losses[name] = self.aux_losses.get(name, 0) + (loss / coeff).detach()
         return MoEAuxLossAutoScaler.apply(activation, loss, self.scale)
 
     def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
@@ -271,7 +281,7 @@ class TopKRouter(nn.Module):
             and lb.endswith("aux_loss")
         ):
             probs = self._load_balancing_loss(probs, logits, b, s)
-        if self.expert_bias is not None and torch.is_grad_enabled():
+        if self.expert_bias is not None and torch.is_grad_enabled() and not _recomputing():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
@@ -314,8 +324,9 @@ class TopKRouter(nn.Module):
         tokens_per_expert = _sum_over(routing_map.sum(dim=0).to(scores.dtype), groups)
         total = routing_map.shape[0] * _size(groups)
         if kind == "global_aux_loss":
-            self.global_tokens_per_expert += tokens_per_expert.to(self.global_tokens_per_expert.dtype)
-            self.ga_steps += 1
+            if not _recomputing():  # the recompute sees the counts its first forward saw
+                self.global_tokens_per_expert += tokens_per_expert.to(self.global_tokens_per_expert.dtype)
+                self.ga_steps += 1
             tokens_per_expert = (self.global_tokens_per_expert / self.ga_steps).to(scores.dtype)
         loss = switch_load_balancing_loss_func(scores, tokens_per_expert, total, k, e, coeff)
         if kind == "seq_aux_loss":
