@@ -57,6 +57,17 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None  # uneven stages
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_schedule: str = "1f1b"  # the non-interleaved schedule: "1f1b" or "gpipe"
+    # Expert layers (MoE): within each pipeline stage the tp x cp x dp ranks are re-cut as
+    # etp x ep x edp (Megatron's "MoE parallel folding"); None = the attention's tp, as Megatron.
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The expert tensor-parallel size that runs: ``--expert-tensor-parallel-size``, else tp."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
     @property
     def schedule(self) -> str:

@@ -1419,4 +1419,37 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_faults_guards.py",),
         "a --ckpt-step rollback into the same --save would overwrite published iterations",
     ),
+    # ---- MoE (model/moe/, parallel/expert_parallel.py, the expert groups) --------------------
+    Mutant(
+        "moe-a2a-backward-same-splits",
+        "megalite/parallel/expert_parallel.py",
+        "        ctx.args = (group, in_splits, out_splits)\n",
+        "        ctx.args = (group, out_splits, in_splits)\n",
+        ("tests/test_moe_parallel.py::test_every_layout_equals_one_process",),
+        "the all-to-all's backward must send the grads back along the reversed splits",
+    ),
+    Mutant(
+        "moe-seq-aux-batch-major",
+        "megalite/model/moe/router.py",
+        "            scores = scores.view(b, s, e).transpose(0, 1).reshape(s, b * e)\n",
+        "            scores = scores.reshape(s, b * e)\n",
+        ("tests/test_moe_router.py",),
+        "megalite's tokens are [b, s]: seq_aux_loss must regroup them per sequence as Megatron's [s, b]",
+    ),
+    Mutant(
+        "moe-expert-grid-ep-fastest",
+        "megalite/parallel/mesh.py",
+        "        return ((p * edp + d) * ep + e) * etp + t\n",
+        "        return ((p * edp + d) * etp + t) * ep + e\n",
+        ("tests/test_moe_parallel.py::test_expert_layout_matches_megatron_generator",),
+        "Megatron's expert grid is etp fastest, then ep (order tp-cp-ep-dp-pp)",
+    ),
+    Mutant(
+        "moe-probs-not-applied",
+        "megalite/model/moe/experts.py",
+        "        act = (act * row_probs.unsqueeze(-1)).to(act.dtype)\n",
+        "        act = act.to(act.dtype)\n",
+        ("tests/test_moe_layer.py",),
+        "each routed token's expert output must be weighted by its routing prob",
+    ),
 ]

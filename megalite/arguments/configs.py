@@ -29,7 +29,9 @@ def build_configs(args: argparse.Namespace) -> RunConfig:
     strategy = ShardingStrategy(args.data_parallel_sharding_strategy)
     dtype = params_dtype(args)
     return RunConfig(
-        parallel=from_flags(ParallelConfig, args),
+        parallel=from_flags(
+            ParallelConfig, args, expert_model_parallel_size=1, expert_tensor_parallel_size=None
+        ),
         recompute=recompute_config(args),
         data_parallel=from_flags(
             DataParallelConfig,

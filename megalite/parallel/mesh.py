@@ -99,6 +99,57 @@ def rank_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> RankLayout:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The expert layers' groups: each pipeline stage's tp x cp x dp ranks re-cut as etp x ep x edp.
+
+    Megatron's "MoE parallel folding" (``RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1,
+    order="tp-cp-ep-dp-pp")``): expert-tensor rank fastest, then expert, then expert-data, then
+    pipeline, ``rank = ((pp_rank * edp + edp_rank) * ep + ep_rank) * etp + etp_rank``. The
+    pipeline groups are the attention's: a stage holds the same ranks in both grids.
+    """
+
+    world_size: int
+    etp: int
+    ep: int
+    edp: int
+    pp: int
+    etp_groups: list[list[int]]  # the experts' tensor-parallel shards
+    ep_groups: list[list[int]]  # the ranks that hold different experts (the token exchange)
+    edp_groups: list[list[int]]  # the ranks that hold the same expert shard (grads reduced over)
+    etp_ep_groups: list[list[int]]  # etp x ep, etp fastest (the allgather dispatcher's group)
+
+
+def expert_rank_layout(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: int | None = None):
+    """The :class:`ExpertLayout` of a job (pure; Megatron's generator, checked in tests against it)."""
+    check_parallel_sizes(world_size, tp, pp, cp)
+    etp = tp if etp is None else etp
+    if ep < 1:
+        raise ParallelConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if etp < 1:
+        raise ParallelConfigError(f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+    stage = world_size // pp  # tp x cp x dp ranks per stage
+    if stage % (etp * ep) != 0:
+        raise ParallelConfigError(
+            f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) = {etp * ep} does "
+            f"not divide the {stage} ranks of a pipeline stage (world {world_size} / "
+            f"--pipeline-model-parallel-size {pp}); pick sizes whose product divides {stage}"
+        )
+    edp = stage // (etp * ep)
+
+    def rank(p: int, d: int, e: int, t: int) -> int:
+        return ((p * edp + d) * ep + e) * etp + t
+
+    P, D, E, T = range(pp), range(edp), range(ep), range(etp)
+    return ExpertLayout(
+        world_size, etp, ep, edp, pp,
+        etp_groups=[[rank(p, d, e, t) for t in T] for p in P for d in D for e in E],
+        ep_groups=[[rank(p, d, e, t) for e in E] for p in P for d in D for t in T],
+        edp_groups=[[rank(p, d, e, t) for d in D] for p in P for e in E for t in T],
+        etp_ep_groups=[[rank(p, d, e, t) for e in E for t in T] for p in P for d in D],
+    )  # fmt: skip
+
+
 def _group_of(groups: list[list[int]], rank: int) -> list[int]:
     for g in groups:
         if rank in g:
@@ -141,6 +192,22 @@ class Mesh:
     cp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_cp_group: object = None  # None when cp is 1: dp_group is the same ranks
     dp_cp_ranks: list[int] = field(default_factory=lambda: [0])
+    # Expert layers (ExpertLayout): ep shards the experts, etp each expert's matrices, edp holds
+    # copies of the same expert shard. A group is None where its size is 1.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
+    ep_ranks: list[int] = field(default_factory=lambda: [0])
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: object = None
+    etp_ranks: list[int] = field(default_factory=lambda: [0])
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: object = None
+    edp_ranks: list[int] = field(default_factory=lambda: [0])
+    etp_ep_group: object = None  # etp x ep, etp fastest: the allgather dispatcher's group
+    etp_ep_ranks: list[int] = field(default_factory=lambda: [0])
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Mesh:
@@ -257,7 +324,9 @@ def _unique(groups: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def _build_groups(layout: RankLayout, rank: int, timeout: datetime.timedelta | None) -> dict:
+def _build_groups(
+    layout: RankLayout, rank: int, timeout: datetime.timedelta | None, expert: ExpertLayout | None = None
+) -> dict:
     """Collective: every group of ``layout`` (cached per world), ``{role: this rank's group}``."""
     made = _groups_of_this_world()
 
@@ -279,7 +348,31 @@ def _build_groups(layout: RankLayout, rank: int, timeout: datetime.timedelta | N
     if layout.cp > 1:  # a cp-1 job creates exactly the groups it did before context parallelism
         # (tp x cp is in the layout, not built: megalite has no collective over it; Megatron's MoE has.)
         roles.update(cp=layout.cp_groups, dp_cp=layout.dp_cp_groups)
-    return {role: build(role, groups) for role, groups in roles.items()}
+    mine = {role: build(role, groups) for role, groups in roles.items()}
+    if expert is not None:
+        mine.update(_expert_groups(expert, roles, mine, build))
+    return mine
+
+
+def _expert_groups(expert: ExpertLayout, roles: dict, mine: dict, build) -> dict:
+    """The expert roles' groups: None for groups of one rank, the attention's group object where
+    the same ranks already form one (ep 1 and etp = tp: no ``new_group`` at all), else new ones."""
+    same: dict = {}
+    for role, groups in roles.items():  # the first role of each set of groups (tp before mp)
+        same.setdefault(frozenset(map(tuple, groups)), role)
+    expert_roles = {
+        "ep": expert.ep_groups, "etp": expert.etp_groups, "edp": expert.edp_groups,
+        "etp_ep": expert.etp_ep_groups,
+    }  # fmt: skip
+    out = {}
+    for role, groups in expert_roles.items():
+        if len(groups[0]) == 1:
+            out[role] = None
+        elif frozenset(map(tuple, groups)) in same:
+            out[role] = mine[same[frozenset(map(tuple, groups))]]
+        else:
+            out[role] = build(role, groups)
+    return out
 
 
 def initialize_model_parallel(
@@ -288,6 +381,8 @@ def initialize_model_parallel(
     device: torch.device | str | None = None,
     timeout: datetime.timedelta | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> Mesh:
     """Build this rank's :class:`Mesh` from the initialised default process group.
 
@@ -301,16 +396,19 @@ def initialize_model_parallel(
     others that long.)
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
     if not (dist.is_available() and dist.is_initialized()):
         check_parallel_sizes(1, tp, pp, cp)
+        expert_rank_layout(1, tp, pp, cp, ep, etp)
         return Mesh.single(device or "cpu")
 
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world, tp, pp, cp)
+    expert = expert_rank_layout(world, tp, pp, cp, ep, etp)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
-    groups = _build_groups(layout, rank, timeout or default_group_timeout())
+    groups = _build_groups(layout, rank, timeout or default_group_timeout(), expert)
     unique_emb = _unique(layout.embedding_groups)
     tp_ranks = _group_of(layout.tp_groups, rank)
     dp_ranks = _group_of(layout.dp_groups, rank)
@@ -342,4 +440,19 @@ def initialize_model_parallel(
         cp_ranks=cp_ranks,
         dp_cp_group=groups.get("dp_cp"),
         dp_cp_ranks=_group_of(layout.dp_cp_groups, rank),
+        **_expert_fields(expert, groups, rank),
     )
+
+
+def _expert_fields(expert: ExpertLayout, groups: dict, rank: int) -> dict:
+    """The :class:`Mesh` fields of the expert grid for ``rank``."""
+    out = {}
+    for role, ranks_list in (
+        ("ep", expert.ep_groups), ("etp", expert.etp_groups), ("edp", expert.edp_groups),
+        ("etp_ep", expert.etp_ep_groups),
+    ):  # fmt: skip
+        ranks = _group_of(ranks_list, rank)
+        out.update({f"{role}_group": groups[role], f"{role}_ranks": ranks})
+        if role != "etp_ep":
+            out.update({f"{role}_size": len(ranks), f"{role}_rank": ranks.index(rank)})
+    return out

@@ -22,6 +22,12 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
     ``finalize_model_grads`` sums these grads over TP.
 ``is_embedding_or_output_parameter`` (bool, Megatron's name)
     The word embedding or the output layer's weight (marked by the model): the params of ``--decoupled-lr``.
+``allreduce`` (bool, Megatron's name)
+    False on the routed experts' weights (``mark_expert_parallel``): each expert-parallel rank
+    holds other experts, so their grads are reduced over the expert-data-parallel group
+    (``Mesh.edp_group``), not the data-parallel one, and they are sharded over the expert
+    tensor-parallel group (``Mesh.etp_size``, their ``tensor_model_parallel`` / ``partition_dim``
+    tags refer to it) with the expert dim 0 split over ``Mesh.ep_size``.
 ``main_grad`` (Tensor)
     Set by DDP on the model params (no_shard, ZeRO-1): a view of the flat fp32 grad buffer that
     backward accumulates into. Set by the optimizer on its offloaded main params: a host tensor
@@ -43,7 +49,9 @@ from __future__ import annotations
 
 import torch
 
-_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "shared_embedding", "sequence_parallel")
+_PARALLEL_ATTRIBUTES = (
+    "tensor_model_parallel", "partition_dim", "shared_embedding", "sequence_parallel", "allreduce",
+)  # fmt: skip
 
 
 # ---- tensor parallelism -------------------------------------------------------------------------
@@ -84,6 +92,17 @@ def mark_sequence_parallel(param: torch.Tensor) -> None:
 
 def is_sequence_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "sequence_parallel", False)
+
+
+# ---- expert parallelism (MoE) --------------------------------------------------------------------
+def mark_expert_parallel(param: torch.Tensor) -> None:
+    """``param`` is a routed expert's weight: reduced over the expert-data-parallel group."""
+    param.allreduce = False
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """True for the routed experts' weights (Megatron: ``not param.allreduce``)."""
+    return not getattr(param, "allreduce", True)
 
 
 # ---- the tied embedding across pipeline stages -------------------------------------------------
