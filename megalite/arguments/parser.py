@@ -168,11 +168,15 @@ def value_rules() -> dict[str, Rule]:
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check the flags against ``world_size`` and complete ``args`` with the derived values.
+    """The flags checked against ``world_size``, completed with the derived values: a new namespace.
 
+    One pass, every check of the flags in it: the value rules, then each concern's checks and
+    derivations in their order. ``args`` itself is not changed (the derivations fill a copy).
     Raises ArgumentError (or ModelConfigError) naming the flag; prints nothing: the notes are in
-    ``args.notes`` (:func:`start_up_lines`). May run twice on one namespace.
+    ``.notes`` of the result (:func:`start_up_lines`). :func:`megalite.arguments.resolve` makes the
+    ``RunConfig`` of the result.
     """
+    args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
     check_rules(args, value_rules())  # every number in its range before any check computes with it
     args.data_parallel_size = parallel.data_parallel_size(args, world_size)
     notes = schedule.check(args) + model.check(args) + optimizer.check(args)

@@ -59,7 +59,7 @@ def by_samples(args: argparse.Namespace) -> bool:
 def check(args: argparse.Namespace) -> list[str]:
     """The schedule flags as given (before :func:`derive`)."""
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    # validate_args may run twice on one Namespace: a train_iters we derived is not the user's.
+    # A namespace validate_args returned may be validated again: a train_iters we derived is not the user's.
     by_iters = args.train_iters is not None and not getattr(args, "train_iters_from_samples", False)
     need(
         by_iters or by_samples(args),
