@@ -202,9 +202,9 @@ class TrainingConfig:
     global_batch_size: int = 1
     seq_length: int = 128
     num_microbatches: int = 1  # of the full global batch
-    batch_schedule: Any = None  # megalite.batch_schedule.BatchSizeSchedule
+    batch_schedule: Any = None  # megalite.batch_schedule.BatchSizeSchedule (None: global_batch_size)
     train_iters: int = 0
-    train_samples_total: int = 0  # samples the batch schedule consumes over train_iters
+    train_samples_total: int = 0  # samples the batch schedule consumes over train_iters (0: iters x gbs)
     eval_interval: int | None = None
     eval_iters: int = 0
     log_interval: int = 1

@@ -173,7 +173,8 @@ def build_datasets(run: RunConfig, state: TrainState) -> tuple[Dataset | None, .
         split=data.split,
         seq_length=train.seq_length,
         seed=train.seed,
-        train_samples=train.train_samples_total,  # the batch schedule's samples over --train-iters
+        # the batch schedule's samples over --train-iters (a config built without one: iters x batch)
+        train_samples=train.train_samples_total or train.train_iters * gbs,
         valid_samples=eval_samples,
         test_samples=train.eval_iters * gbs,
         cache_dir=data.data_cache_path,
@@ -326,7 +327,8 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
     train, mesh = state.configs.training, state.mesh
     # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
-    gbs = train.batch_schedule.global_batch_size_at(state.consumed_train_samples)
+    schedule = train.batch_schedule
+    gbs = schedule.global_batch_size_at(state.consumed_train_samples) if schedule else train.global_batch_size
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
     with named_range("batch-generator"):
         microbatches = next_microbatches(
