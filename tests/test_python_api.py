@@ -163,3 +163,27 @@ def test_from_flags_and_the_package_api():
         RunConfig.from_flags([*one, "--global-batch-size", "6"], world_size=2)
     with pytest.raises(AttributeError):
         megalite.no_such_name  # noqa: B018
+
+
+def test_pretrain_checks_the_flags_once(monkeypatch, tmp_path):
+    """parse -> resolve -> guard -> setup -> train: the value rules and the flag checks run once per
+    start (they ran twice, and at three moments, before the resolution), and ``setup`` takes the run."""
+    from megalite.arguments import parser, spec
+    from megalite.training import pretrain
+
+    calls = {"check_rules": 0, "validate_args": 0}
+    rules, validate = spec.check_rules, parser.validate_args
+
+    def counted_rules(*a, **k):
+        calls["check_rules"] += 1
+        return rules(*a, **k)
+
+    def counted_validate(*a, **k):
+        calls["validate_args"] += 1
+        return validate(*a, **k)
+
+    monkeypatch.setattr(parser, "check_rules", counted_rules)
+    monkeypatch.setattr("megalite.arguments.configs.validate_args", counted_validate)
+    one = [*FLAGS[5:], "--train-iters", "2", "--save", str(tmp_path / "ckpt")]
+    assert pretrain(one)["loss"] is not None
+    assert calls == {"check_rules": 1, "validate_args": 1}, calls
