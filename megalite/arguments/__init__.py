@@ -15,7 +15,7 @@ One module per concern, each with its flags (as data) and its checks next to the
 ``parse_args(argv)`` returns an ``argparse.Namespace`` (``parser``); ``resolve(args, world_size)``
 (``configs``) is the one pure pass ``flags -> RunConfig``: ``validate_args`` runs every check (a
 one-line ArgumentError naming the flag, or notes that start-up prints: ``start_up_lines``) and the
-derivations (dp size, microbatches, the LR schedule in samples, ...) on a copy of the namespace, the
+derivations (dp size, microbatches, the LR schedule in samples, ...), each a pure ``derived()``, the
 vocabulary is resolved (the tokenizer's), and ``build_configs`` makes the typed configs, the
 ``ModelConfig`` among them. ``RunConfig.from_flags(argv)`` is parse + resolve. docs/flags.md is
 generated from ``build_parser()``.

@@ -1,7 +1,7 @@
 """The resolution ``flags -> RunConfig``: one pure pass, and the one place the flags become typed configs.
 
 ``resolve(args, world_size)`` checks and derives the flags (:func:`~megalite.arguments.validate_args`,
-on a copy: nothing is changed), resolves the vocabulary (the tokenizer's size), then builds the
+each derivation pure: nothing is changed), resolves the vocabulary (the tokenizer's size), then builds the
 ``ModelConfig`` and every other config of the run (:func:`build_configs`). ``RunConfig.from_flags(argv)``
 parses first. Everything below the training setup takes these objects, never the namespace.
 """
