@@ -12,8 +12,6 @@ prints its memory beside the memory model's (docs/parallelism.md, "Check a layou
 import sys
 
 from megalite.arguments import parse_args
-from megalite.arguments.parser import value_rules
-from megalite.arguments.spec import check_rules
 from megalite.cli import run_main
 from megalite.planning.fake_rank import fake_rank_main
 from megalite.planning.planner import memory_fit_warning
@@ -25,9 +23,7 @@ def _pretrain(argv: list[str] | None) -> int:
     if any(
         a.split("=")[0] == "--fake-world-size" for a in argv
     ):  # check a layout: play one rank (docs/parallelism.md)
-        args = parse_args(argv)
-        check_rules(args, value_rules())
-        fake_rank_main(args)
+        fake_rank_main(parse_args(argv))  # resolved for --fake-world-size
         return 0
     # The planner's start-up check: does this layout fit the device's memory? (one warning line)
     pretrain(argv, preflight=memory_fit_warning)

@@ -51,12 +51,11 @@ def _measure(argv: list[str], folder: str, repeats: int) -> dict:
 def _measure_quietly(argv: list[str], folder: str, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.checkpoint import files, load_checkpoint, save_checkpoint
     from megalite.training import count_parameters, setup
 
-    args = parse_args(argv + ["--save", folder, "--load", folder])
-    state = setup(args)
+    state = setup(RunConfig.from_flags(argv + ["--save", folder, "--load", folder]))
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     saves, loads = [], []
     for i in range(repeats):

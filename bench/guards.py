@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.arguments import RunConfig  # noqa: E402
 from megalite.optim.clip_grads import _poisoned, get_grad_norm  # noqa: E402
 from megalite.training import loss_not_finite, microbatch_iterator, run_schedule, setup, train_step  # noqa: E402
 
@@ -84,7 +84,7 @@ def guard_ops_ms(state, data) -> tuple[float, float]:
 
 def measure(a, clip: float) -> tuple[float, float]:
     """(median ms per step with the guard off, with it on), alternating blocks of ``a.iters`` steps."""
-    state = setup(parse_args(flags(a, clip)))
+    state = setup(RunConfig.from_flags(flags(a, clip)))
     data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh)
     for _ in range(3):  # warm-up
         train_step(state, data)

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.arguments import RunConfig  # noqa: E402
 from megalite.data.integrity import check_batch, scan_token_range  # noqa: E402
 from megalite.training import microbatch_iterator, setup, train_step  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
     a = p.parse_args()
     gbs = a.micro_batch_size * a.microbatches
     steps = 2 * a.iters + 8
-    args = parse_args(
+    run = RunConfig.from_flags(
         [
             "--mock-data",
             "--tokenizer-type",
@@ -72,7 +72,7 @@ def main() -> None:
             str(steps),
         ]  # fmt: skip
     )
-    state = setup(args)
+    state = setup(run)
     vocab = state.tokenizer.vocab_size
     checked = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, vocab)
     plain = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, None)

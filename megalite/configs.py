@@ -1,25 +1,23 @@
 """Typed, frozen configs: what each component needs of the run, built once from the flags.
 
 In the spirit of Megatron-Core's ``ModelParallelConfig`` / ``DistributedDataParallelConfig`` /
-``OptimizerConfig``: ``megalite.arguments.build_configs(args)`` turns the validated flag namespace
-into a :class:`RunConfig`; builders below the training setup take these objects, never the
-namespace. Field names are Megatron-LM's flag names (``--ddp-bucket-size`` -> ``bucket_size`` where
-Megatron-Core's config renames it). The model's shape is :class:`megalite.model.config.ModelConfig`.
-Only ``errors``-level imports here: every layer may import this module.
+``OptimizerConfig``: ``megalite.arguments.resolve`` (``megalite.RunConfig.from_flags``) turns the
+flags into a :class:`RunConfig` in one pure pass; builders below the training setup take these
+objects, never the namespace. Field names are Megatron-LM's flag names (``--ddp-bucket-size`` ->
+``bucket_size`` where Megatron-Core's config renames it). The model's shape is
+:class:`megalite.model.config.ModelConfig`, held by ``RunConfig.model``. Only ``errors``-level
+imports here (type-only ones included): every layer may import this module.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megalite.errors import ArgumentError, need
-
-if TYPE_CHECKING:  # the checkpoint package sits above configs: a type only
-    from megalite.checkpoint import CheckpointConfig
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -215,9 +213,9 @@ class TrainingConfig:
     global_batch_size: int = 1
     seq_length: int = 128
     num_microbatches: int = 1  # of the full global batch
-    batch_schedule: Any = None  # megalite.batch_schedule.BatchSizeSchedule
+    batch_schedule: Any = None  # megalite.batch_schedule.BatchSizeSchedule (None: global_batch_size)
     train_iters: int = 0
-    train_samples_total: int = 0  # samples the batch schedule consumes over train_iters
+    train_samples_total: int = 0  # samples the batch schedule consumes over train_iters (0: iters x gbs)
     eval_interval: int | None = None
     eval_iters: int = 0
     log_interval: int = 1
@@ -230,6 +228,8 @@ class TrainingConfig:
     torch_compile_mode: str = "default"
     cross_entropy_loss_fusion: bool = False
     peak_tflops: float | None = None
+    distributed_backend: str | None = None  # None: nccl with CUDA, else gloo (initialize_distributed)
+    distributed_timeout_minutes: float = 10  # every collective's timeout
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,7 @@ class LoggingConfig:
     flags: dict = field(default_factory=dict)  # the run's flags: wandb's run config, as Megatron's
     timing_log_level: int = 0
     timing_log_option: str = "minmax"
+    logging_level: int | None = None  # Megatron's --logging-level (None: INFO)
 
 
 @dataclass(frozen=True)
@@ -294,9 +295,37 @@ class ProfilingConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Every config of one run, built once by ``megalite.arguments.build_configs``."""
+class CheckpointConfig:
+    """The run's checkpoint flags (Megatron-LM's names), all that ``megalite.checkpoint`` reads of
+    them (a run's is ``RunConfig.checkpoint``, ``state.configs.checkpoint``)."""
 
+    save: str | None = None  # --save DIR
+    save_interval: int | None = None
+    load: str | None = None
+    ckpt_step: int | None = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    # Every flag of the run, resolved (JSON-able values): the checkpoint's record of the run that wrote
+    # it (its metadata's "args"), which the resume policy compares with the next run's.
+    flags: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every config of one run: what ``megalite.pretrain(run)`` trains.
+
+    Built in one pure pass from the flags (``megalite.RunConfig.from_flags(argv)``,
+    ``megalite.arguments.resolve``), or directly from these dataclasses; a field changes with
+    ``dataclasses.replace``. ``model`` is a :class:`megalite.model.config.ModelConfig` (that layer sits
+    above this module, so the field is not annotated with it); ``notes`` are the lines start-up prints
+    once (the resolution's notes, the ignored Megatron-LM flags).
+    """
+
+    model: Any  # megalite.model.config.ModelConfig, its vocabulary resolved (the tokenizer's)
     parallel: ParallelConfig
     recompute: RecomputeConfig
     data_parallel: DataParallelConfig
@@ -304,6 +333,18 @@ class RunConfig:
     scheduler: SchedulerConfig
     training: TrainingConfig
     data: DataConfig
-    checkpoint: CheckpointConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks this run is laid out for: tp x cp x pp x dp."""
+        p = self.parallel
+        return (
+            p.tensor_model_parallel_size
+            * p.context_parallel_size
+            * p.pipeline_model_parallel_size
+            * p.data_parallel_size
+        )

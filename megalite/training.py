@@ -1,14 +1,15 @@
 """The training loop: batches -> pipeline schedule -> optimizer step -> log / eval / save.
 
-``pretrain(argv)`` is what ``pretrain_gpt.py`` calls. It is split into small
-steps a reader can follow: ``setup()`` builds the mesh, model chunks, optimizer
-and data; ``train_step()`` runs one global batch; ``evaluate()`` runs the
-validation batches; ``train()`` loops and logs.
+``pretrain(argv | run)`` is what ``pretrain_gpt.py`` calls: parse -> resolve (``RunConfig``) ->
+``guard()`` (what needs the checkpoint: the published-checkpoint guard, the resume policy) ->
+``setup()`` -> ``train()``, each step taking the result of the one before. ``setup()`` builds the
+mesh, model chunks, optimizer and data from the ``RunConfig``; ``train_step()`` runs one global
+batch; ``evaluate()`` runs the validation batches; ``train()`` loops and logs.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -21,23 +22,15 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite import log
-from megalite.arguments import (
-    build_configs,
-    checkpoint_config,
-    model_config,
-    parse_args,
-    start_up_lines,
-    validate_args,
-)
-from megalite.arguments.parser import value_rules
+from megalite.arguments import parse_args, resolve
 from megalite.arguments.resume import resume_policy
-from megalite.arguments.spec import check_rules
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import guard_published, recorded_flags, resume_iteration
 from megalite.configs import RunConfig
 from megalite.data import build_pretraining_data_loader, build_train_valid_test_datasets
 from megalite.data.integrity import checked_batches, tokenizer_flags
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.errors import ArgumentError
 from megalite.memory import MemoryProbe
 from megalite.metrics import (
     MetricSinks,
@@ -69,8 +62,7 @@ logger = log.get_logger(__name__)
 class TrainState:
     """Everything a checkpoint must hold to resume exactly, plus the live objects."""
 
-    args: argparse.Namespace  # the flags, kept for the checkpoint's record
-    configs: RunConfig  # what every component was built from (megalite.arguments.build_configs)
+    configs: RunConfig  # what every component was built from (its checkpoint.flags: the record of flags)
     mesh: Mesh
     config: ModelConfig
     model: list[DistributedDataParallel]  # this rank's model chunks, one per virtual pipeline stage
@@ -87,30 +79,34 @@ class TrainState:
 
 
 # ---------------------------------------------------------------------------- setup
-def initialize_distributed(args: argparse.Namespace) -> Mesh:
-    """Join torchrun's process group (if launched by it) and build the mesh."""
+def initialize_distributed(run: RunConfig) -> Mesh:
+    """Join torchrun's process group (if launched by it) and build the mesh ``run`` is laid out for."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    train, par = run.training, run.parallel
+    backend = train.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
-    if args.distributed_backend == "nccl":
+    if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     # Every group gets the job's timeout: a frozen or dead rank stops the others, it never hangs them.
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    if args.deterministic_mode:  # NCCL and cuBLAS read their settings when they start: before both
+    timeout = datetime.timedelta(minutes=train.distributed_timeout_minutes)
+    if train.deterministic_mode:  # NCCL and cuBLAS read their settings when they start: before both
         enable_deterministic_mode()
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(args.distributed_backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    validate_args(args, world_size)
+    if world_size != run.world_size:
+        raise ArgumentError(
+            f"the run is resolved for {run.world_size} ranks (tp x cp x pp x dp) but this job has {world_size}: "
+            "resolve it for this world (RunConfig.from_flags(argv, world_size=...), default WORLD_SIZE)"
+        )
     return initialize_model_parallel(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
         device=device,
         timeout=timeout,
-        context_parallel_size=args.context_parallel_size,
+        context_parallel_size=par.context_parallel_size,
     )
 
 
@@ -132,16 +128,15 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
     return mine, int(total.item())
 
 
-def setup(args: argparse.Namespace, with_data: bool = True) -> TrainState:
-    """Flags -> configs (once) -> mesh, model chunks, optimizer, LR schedule and datasets
-    (``with_data`` False: none, for a fake rank's mock tokens)."""
-    mesh = initialize_distributed(args)  # validates the flags against the world size
-    run = build_configs(args)
+def setup(run: RunConfig, with_data: bool = True) -> TrainState:
+    """A resolved run -> mesh, model chunks, optimizer, LR schedule and datasets (``with_data``
+    False: none, for a fake rank's mock tokens)."""
+    mesh = initialize_distributed(run)
     start_memory_history(run.profiling, mesh.rank)  # before the model: the history sees every allocation
     train = run.training
     rng = set_random_seed(train.seed, mesh, mesh.device)
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
-    config = model_config(args, vocab_size=tokenizer.vocab_size).validate(mesh.tp_size)
+    config = run.model  # its vocabulary is the tokenizer's (the resolution read it)
     ctx = ParallelContext(mesh, run.parallel, run.recompute, rng, train.params_dtype)
     chunks = build_model_chunks(config, ctx)
     if train.torch_compile:
@@ -158,7 +153,7 @@ def setup(args: argparse.Namespace, with_data: bool = True) -> TrainState:
     # Megatron counts the schedule in samples (validate_args converts --*-iters flags), so a
     # batch-size ramp-up advances it by the samples actually consumed.
     scheduler = OptimizerParamScheduler(optimizer, run.scheduler)
-    state = TrainState(args, run, mesh, config, model, optimizer, scheduler, rng, tokenizer)
+    state = TrainState(run, mesh, config, model, optimizer, scheduler, rng, tokenizer)
     state.datasets = build_datasets(run, state) if with_data else (None, None, None)
     return state
 
@@ -178,7 +173,8 @@ def build_datasets(run: RunConfig, state: TrainState) -> tuple[Dataset | None, .
         split=data.split,
         seq_length=train.seq_length,
         seed=train.seed,
-        train_samples=train.train_samples_total,  # the batch schedule's samples over --train-iters
+        # the batch schedule's samples over --train-iters (a config built without one: iters x batch)
+        train_samples=train.train_samples_total or train.train_iters * gbs,
         valid_samples=eval_samples,
         test_samples=train.eval_iters * gbs,
         cache_dir=data.data_cache_path,
@@ -331,7 +327,8 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
     train, mesh = state.configs.training, state.mesh
     # --rampup-batch-size / --step-batch-size-schedule: this step's batch follows from the
     # samples consumed so far (constant otherwise), so a resumed run takes the same steps.
-    gbs = train.batch_schedule.global_batch_size_at(state.consumed_train_samples)
+    schedule = train.batch_schedule
+    gbs = schedule.global_batch_size_at(state.consumed_train_samples) if schedule else train.global_batch_size
     state.optimizer.zero_grad()  # zeroes every chunk's DP grad buffer
     with named_range("batch-generator"):
         microbatches = next_microbatches(
@@ -579,53 +576,69 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
     return " | ".join(parts)
 
 
+def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
+    """The checks that need the checkpoint, before anything is built: ``run`` as it resumes, or None
+    when ``--load`` already holds a finished run (nothing to do).
+
+    A published iteration is never overwritten: a rollback or --finetune into a --save holding a later
+    or another run stops; this command's own earlier progress in --save is resumed (SLURM requeue).
+    Resume policy: a changed identity flag (data order, tokenizer) stops here; changed free flags and
+    the schedule's decisions are noted (on ``rank0``).
+    """
+    ckpt, resume_note = guard_published(run.checkpoint)
+    if resume_note and rank0:
+        logger.warning(f" note: {resume_note}")
+    done, flags = resume_iteration(ckpt), ckpt.flags
+    # A --train-samples run's iteration count is derived: such a finished run's loop ends at once.
+    iters = run.training.train_iters if flags.get("train_samples") is None else None
+    if done is not None and iters is not None and done >= iters:
+        if rank0:
+            logger.info(
+                f" --load {ckpt.load} is at iteration {done} and --train-iters is {iters}: "
+                "this run is finished, nothing to do (raise --train-iters to train further)"
+            )
+        return None
+    recorded = recorded_flags(ckpt)
+    notes, kept = resume_policy(recorded, flags) if recorded is not None else ([], {})
+    if notes and rank0:
+        logger.warning("\n".join(f" note: {n}" for n in notes))
+    # --use-checkpoint-opt_param-scheduler: the checkpoint's own LRs (and the record says so).
+    optimizer = dataclasses.replace(run.optimizer, **kept)
+    ckpt = dataclasses.replace(ckpt, flags={**flags, **kept})
+    return dataclasses.replace(run, checkpoint=ckpt, optimizer=optimizer)
+
+
 def pretrain(
-    argv: list[str] | None = None, preflight: Callable[[TrainState], str | None] | None = None
+    run: RunConfig | list[str] | None = None, preflight: Callable[[TrainState], str | None] | None = None
 ) -> dict:
-    """Entry point of pretrain_gpt.py; returns the last logged metrics (on the logging rank).
+    """Train ``run``: a :class:`RunConfig`, or the command line's flags (default ``sys.argv[1:]``),
+    resolved for this job's world (``RunConfig.from_flags``). Returns the last logged metrics (on the
+    logging rank). One process, or every rank under torchrun.
 
     ``preflight(state)``: a start-up check run on rank 0 once the model is built, whose line (if
     any) is printed with the warnings; pretrain_gpt.py passes the planner's memory-fit check, which
     sits above training in the layers.
     """
-    args = parse_args(argv)
-    check_rules(args, value_rules())  # before any flag is used, even to find the checkpoint
-    log.configure(args.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
+    if not isinstance(run, RunConfig):
+        run = resolve(parse_args(run))  # parse -> resolve: every flag checked, once
+    log.configure(run.logging.logging_level, "stdout")  # Megatron's --logging-level; the log on stdout
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    # A published iteration is never overwritten: a rollback or --finetune into a --save holding a later
-    # or another run stops; this command's own earlier progress in --save is resumed (SLURM requeue).
-    ckpt, resume_note = guard_published(checkpoint_config(args))
-    if resume_note and rank0:
-        logger.warning(f" note: {resume_note}")
-    done = resume_iteration(ckpt)  # before any setup: a finished run has nothing to build
-    # (--train-samples runs know their iteration count only after validate_args: their loop ends at once)
-    if done is not None and args.train_iters is not None and done >= args.train_iters:
-        if rank0:
-            logger.info(
-                f" --load {ckpt.load} is at iteration {done} and --train-iters is {args.train_iters}: "
-                "this run is finished, nothing to do (raise --train-iters to train further)"
-            )
+    run = guard(run, rank0)
+    if run is None:
         return {}
-    recorded = recorded_flags(ckpt)
-    # Resume policy: a changed identity flag (data order, tokenizer) stops here, before anything is built.
-    resume_notes = resume_policy(recorded, args) if recorded is not None else []
-    if resume_notes and rank0:
-        logger.warning("\n".join(f" note: {n}" for n in resume_notes))
-    state = setup(args)
-    monitor = TrainingMonitor(state.configs.logging, state.configs.profiling, state.mesh.rank)
+    state = setup(run)
+    monitor = TrainingMonitor(run.logging, run.profiling, state.mesh.rank)
     # Every path this run writes, checked on the ranks that write it before any step (the save dir: hooks).
-    check_output_paths(
-        state.configs.logging, state.configs.profiling, state.mesh, is_logging_rank(state.mesh)
-    )
-    load_checkpoint(state, ckpt)  # --load: weights, optimizer, schedule, iteration, samples, RNG
-    hooks = CheckpointHooks(state, ckpt)  # also checks --save is writable and locks it for this job
+    check_output_paths(run.logging, run.profiling, state.mesh, is_logging_rank(state.mesh))
+    load_checkpoint(state, run.checkpoint)  # --load: weights, optimizer, schedule, iteration, samples, RNG
+    hooks = CheckpointHooks(state, run.checkpoint)  # also checks --save is writable and locks it for this job
     mesh = state.mesh
     log_here = is_logging_rank(mesh)
-    sinks = MetricSinks.open(state.configs.logging, log_here, mesh)
+    sinks = MetricSinks.open(run.logging, log_here, mesh)
     layout = describe_layout(state)
     if mesh.rank == 0 or log_here:
         logger.info(layout)
-    warning = "\n".join(start_up_lines(args))  # validate_args' notes, the ignored Megatron flags
+    warning = "\n".join(run.notes)  # the resolution's notes, the ignored Megatron flags
     if mesh.rank == 0:
         warning = "\n".join(w for w in (warning, preflight and preflight(state)) if w)
     if warning and mesh.rank == 0:

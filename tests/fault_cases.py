@@ -595,10 +595,12 @@ def _resume() -> list[Case]:
         Case("changed --lr without a schedule flag", "resume", resume("--lr", 2e-3), ("--lr 0.002 (checkpoint 0.001)",)),
         Case("changed --clip-grad (free, noted)", "resume", resume("--clip-grad", 0.5),
              ("changed since the checkpoint: ", "--clip-grad 0.5 (checkpoint 1.0)"), rc=0),
+        # (with the files the new tokenizer needs: the resolution reads the vocabulary before the resume guard)
         Case("changed --tokenizer-type", "resume",
-             lambda fx: call("pretrain_gpt.py", TINY[0], "--tokenizer-type", "TikTokenizer", *TINY[3:],
+             lambda fx: call("pretrain_gpt.py", TINY[0], "--tokenizer-type", "GPT2BPETokenizer", *TINY[3:],
+                             "--vocab-file", fx.vocab_file, "--merge-file", fx.merge_file,
                              "--train-iters", 3, "--load", fx.run),
-             ("--tokenizer-type TikTokenizer (checkpoint NullTokenizer)",)),
+             ("--tokenizer-type GPT2BPETokenizer (checkpoint NullTokenizer)",)),
     ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megalite.arguments import ArgumentError, build_parser, model_config, parse_args, validate_args
+from megalite.arguments import ArgumentError, RunConfig, build_parser, model_config, parse_args, validate_args
 from megalite.model.config import ModelConfigError
 
 BASE = ["--mock-data", "--vocab-size", "100", "--train-iters", "10"]
@@ -170,10 +170,10 @@ def test_weight_decay_schedule_flags_reach_the_optimizer():
         "--end-weight-decay",
         "0.1",
     ]
-    state = setup(parse_args([*BASE, "--train-iters", "10", *flags]))
+    state = setup(RunConfig.from_flags([*BASE, "--train-iters", "10", *flags]))
     decay, no_decay = state.optimizer.param_groups
     assert decay["weight_decay"] == 0.0 and no_decay["weight_decay"] == 0.0
-    gbs = state.args.global_batch_size  # the schedule counts samples, as Megatron's
+    gbs = state.configs.training.global_batch_size  # the schedule counts samples, as Megatron's
     state.scheduler.step(4 * gbs)
     assert decay["weight_decay"] == pytest.approx(0.04) and no_decay["weight_decay"] == 0.0
     state.scheduler.step(6 * gbs)
@@ -186,7 +186,7 @@ def test_eod_mask_loss_reaches_the_samples():
 
     flags = [*BASE, "--train-iters", "4", "--seq-length", "64", "--global-batch-size", "4"]
     for masked in (False, True):
-        state = setup(parse_args(flags + (["--eod-mask-loss"] if masked else [])))
+        state = setup(RunConfig.from_flags(flags + (["--eod-mask-loss"] if masked else [])))
         eod = state.tokenizer.eod
         samples = [state.datasets[0][i] for i in range(8)]
         tokens = torch.stack([s["tokens"] for s in samples])

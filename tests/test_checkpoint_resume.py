@@ -28,12 +28,12 @@ def _training_vs_load_model_logits(argv, ckpt):
     """Logits of the model as training holds it (this layout, pipelined) vs load_model(ckpt)."""
     import torch.distributed as dist
 
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.checkpoint import load_checkpoint, load_model
     from megalite.parallel.p2p import P2PCommunicator
     from megalite.training import setup
 
-    state = setup(parse_args(argv))
+    state = setup(RunConfig.from_flags(argv))
     assert load_checkpoint(state)
     mesh, chunk = state.mesh, state.model[0]
     chunk.eval()

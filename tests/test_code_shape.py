@@ -2,6 +2,8 @@
 
 * No function in ``megalite/`` longer than 80 lines (``ast``: first to last line, docstring
   included): a longer one is doing several jobs.
+* The training core has a line budget (``CORE_BUDGET``): growth there is a decision (raise the
+  number in the same commit, and say why), not a drift.
 * Every top-level module and package of ``megalite`` has its place in the import-linter layers
   contract (``pyproject.toml``), so a new module cannot slip outside the layering. The contracts
   themselves run in ``scripts/test.sh`` (``lint-imports``).
@@ -17,6 +19,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megalite"
 MAX_FUNCTION_LINES = 80
+
+# The training core, in lines (every line of its .py files, blank and comment lines included): the
+# size of 18e38cb (issue 34) plus about 5%, rounded up to 50. Conversions (checkpoint/hf.py, the
+# Megatron-LM formats), the memory model, planning, arguments and tools are not core.
+CHECKPOINT_CORE = (
+    "__init__", "checkpointing", "files", "storage", "logical", "optimizer_state", "rng_state", "hooks",
+    "single",
+)  # fmt: skip
+CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099, 1796, 643
+    "parallel": ("megalite/parallel/**/*.py", 3750),
+    "model": ("megalite/model/**/*.py", 1200),
+    "optim": ("megalite/optim/**/*.py", 1550),
+    "data": ("megalite/data/**/*.py", 3250),
+    "checkpoint core": (tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE), 1900),
+    "training": ("megalite/training.py", 700),
+}
 
 
 def _functions(path: Path):
@@ -86,3 +104,49 @@ def test_the_seam_check_finds_a_layout_argument():
     assert len(_seam_violations(mixed, "x")) == 1
     good = "class C:\n    def __init__(self, config, ctx): pass\n"
     assert _seam_violations(good, "x") == []
+
+
+def core_files(root: Path = REPO) -> dict[str, list[Path]]:
+    """The files of each area of the training core."""
+    return {
+        area: [root / f for f in files] if isinstance(files, tuple) else sorted(root.glob(files))
+        for area, (files, _) in CORE_BUDGET.items()
+    }
+
+
+def core_sizes(root: Path = REPO) -> dict[str, int]:
+    """Lines of each area of the training core."""
+    return {
+        area: sum(len(p.read_text().splitlines()) for p in paths) for area, paths in core_files(root).items()
+    }
+
+
+def over_budget(sizes: dict[str, int], budget: dict[str, int]) -> list[str]:
+    return [f"{a}: {n} lines, budget {budget[a]}" for a, n in sizes.items() if n > budget[a]]
+
+
+def test_training_core_stays_within_its_line_budget():
+    sizes = core_sizes()
+    budget = {area: b for area, (_, b) in CORE_BUDGET.items()}
+    assert all(sizes.values()), sizes  # every area found its files
+    over = over_budget(sizes, budget)
+    assert not over, (
+        "the training core grew past its budget; shrink it, or raise CORE_BUDGET in this file in the "
+        "same commit and say why:\n" + "\n".join(over)
+    )
+
+
+def test_the_budget_check_fails_when_an_area_grows(tmp_path):
+    """The checker on a copy of the core with 1,000 lines added to training.py: it must fail."""
+    for paths in core_files().values():
+        for p in paths:
+            dst = tmp_path / p.relative_to(REPO)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_text(p.read_text())
+    grown = tmp_path / "megalite" / "training.py"
+    grown.write_text(grown.read_text() + "\n" * 1000)
+    budget = {area: b for area, (_, b) in CORE_BUDGET.items()}
+    assert over_budget(core_sizes(tmp_path), budget) == [
+        f"training: {core_sizes(tmp_path)['training']} lines, budget {budget['training']}"
+    ]
+    assert not over_budget(core_sizes(), budget)

@@ -194,7 +194,7 @@ def test_megatron_llama3_script_at_cp2(runs, tmp_path):
     got = rows(d / "llama3-cp2.jsonl")
     assert [r["iteration"] for r in got] == [1, 2]
     args = validate_args(parse_args(llama3_8b_cp2(tmp_path)), 2)
-    par = build_configs(args).parallel
+    par = build_configs(args, vocab_size=args.vocab_size).parallel
     assert (par.context_parallel_size, par.cp_comm_type, args.data_parallel_size) == (2, "p2p", 1)
 
 
@@ -206,7 +206,7 @@ def _args(*extra, world=4):
 
 def test_flags_and_their_checks():
     args = _args("--context-parallel-size", "2", "--cp-comm-type", "all_gather")
-    par = build_configs(args).parallel
+    par = build_configs(args, vocab_size=args.vocab_size).parallel
     assert (par.context_parallel_size, par.cp_comm_type, par.data_parallel_size) == (2, "all_gather", 2)
     # Megatron's per-layer list, one type for every layer: accepted; the default is Megatron's p2p.
     assert _args("--context-parallel-size", "2", "--cp-comm-type", *["p2p"] * 2).cp_comm_type == "p2p"

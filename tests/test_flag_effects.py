@@ -59,6 +59,7 @@ def _wd(style: str, start: float, end: float) -> list[str]:
 # fields that change besides the flag's own (``section.field``; a ``*`` entry: any field may).
 NEEDS = {
     "--hidden-size": (["--hidden-size", "64"], {}),
+    "--distributed-timeout-minutes": (["--distributed-timeout-minutes", "0.5"], {}),
     "--num-attention-heads": (["--num-attention-heads", "8"], {}),
     "--group-query-attention": (
         ["--group-query-attention", "--num-query-groups", "2"],
@@ -263,12 +264,9 @@ NOT_IN_CONFIGS = {
     "--pipeline-model-parallel-size": "as above",
     "--num-layers-per-virtual-pipeline-stage": "as above",
     "--sequence-parallel": "a no-op at tp = 1 (as Megatron); as above",
-    "--distributed-backend": "read by initialize_distributed (gloo on CPU)",
-    "--distributed-timeout-minutes": "read by initialize_distributed",
     "--accumulate-allreduce-grads-in-fp32": "the default (fp32 grad buffer); its opposite is --grad-reduce-in-bf16",
     "--check-for-nan-in-loss-and-grad": "the default (on); its opposite is --no-check-for-nan-in-loss-and-grad",
     "--mock-data": "in BASE; the alternative, --data-path, turns it off",
-    "--logging-level": "configures megalite.log at start-up",
     "--fake-world-size": "read by pretrain_gpt.py: plays one rank (megalite.planning.fake_rank, tests/test_fake_rank.py)",
     "--fake-rank": "as above",
     "--fake-tensors": "as above",
@@ -302,9 +300,11 @@ def _argv(extra: list) -> list[str]:
 
 def _fields(args: argparse.Namespace) -> dict:
     """Every typed config field of the run (``section.field``) and of its ModelConfig."""
-    run, out = build_configs(args), {}
+    run, out = build_configs(args, V), {}
     for section in dataclasses.fields(run):
         obj = getattr(run, section.name)
+        if section.name == "notes":  # what start-up prints (tested in test_arguments.py)
+            continue
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if f.name == "flags":  # wandb's record of every flag: changes with each, by design
@@ -312,8 +312,6 @@ def _fields(args: argparse.Namespace) -> dict:
             if f.name == "batch_schedule":
                 value = [value.global_batch_size_at(n) for n in range(0, 48, 2)]
             out[f"{section.name}.{f.name}"] = value
-    for f in dataclasses.fields(model_config(args, vocab_size=V)):
-        out[f"model.{f.name}"] = getattr(model_config(args, vocab_size=V), f.name)
     return out
 
 
@@ -499,7 +497,7 @@ class _Groups:
 
 def _lrs(extra: list, steps: list[int]) -> list[float]:
     args = validate_args(parse_args(_argv(extra)), 1)
-    sched = OptimizerParamScheduler(_Groups(), build_configs(args).scheduler)
+    sched = OptimizerParamScheduler(_Groups(), build_configs(args, V).scheduler)
     out, done = [], 0
     for s in steps:  # steps in samples: the schedule counts samples
         sched.step(s - done)
@@ -546,7 +544,7 @@ MEMORY_FLAGS = [  # (flags, world, the categories that must change; every other 
 def test_memory_flags_change_their_category_and_no_other(flags, world, changed):
     def categories(extra):
         args = validate_args(parse_args(_argv(NO_DROPOUT + extra)), world)
-        layout = MemoryLayout.from_configs(build_configs(args), "cpu")
+        layout = MemoryLayout.from_configs(build_configs(args, V), "cpu")
         return predict_rank(model_config(args, vocab_size=V), layout, 0).categories()
 
     base, got = categories([]), categories(flags)

@@ -52,12 +52,12 @@ def fusion_argv(flavour: str, zero: str) -> list[str]:
 def train_run(argv: list[str], iters: int = ITERS) -> tuple[list[float | None], list[torch.Tensor]]:
     """pretrain's own setup and train_step for ``iters`` steps: (losses, this rank's whole params);
     torch's deterministic switches are put back afterwards."""
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.parallel.data_parallel import gathered_params
     from megalite.training import microbatch_iterator, setup, train_step
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
-    state = setup(parse_args(argv))
+    state = setup(RunConfig.from_flags(argv))
     SWITCHES[tuple(argv)] = deterministic_switches()
     torch.backends.cudnn.deterministic = before[1]
     data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
@@ -335,11 +335,11 @@ def test_training_step_reads_the_device_once(flags, per_step):
     until the log line. Without clipping and guard, none. (Before: 2 and 1, the loss every step.)"""
     from device_discipline import device_discipline
 
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.training import microbatch_iterator, setup, train_step
 
     with device_discipline() as tracker:
-        state = setup(parse_args([a for a in COMMON] + flags))
+        state = setup(RunConfig.from_flags([a for a in COMMON] + flags))
         data = microbatch_iterator(
             state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size
         )

@@ -168,11 +168,10 @@ def test_megatron_tags_norms_and_profile_across_layouts(tmp_path, monkeypatch):
 
 def test_params_norm_and_zero_count_match_direct_computation():
     """One process: the optimizer's params norm and zero count are the plain ones over the model."""
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.training import setup, train_step
 
-    args = parse_args(COMMON + ["--log-num-zeros-in-grad", "--bf16"])
-    state = setup(args)
+    state = setup(RunConfig.from_flags(COMMON + ["--log-num-zeros-in-grad", "--bf16"]))
     params = [p for chunk in state.model for p in chunk.parameters()]
     direct = math.sqrt(sum(p.detach().double().pow(2).sum().item() for p in params))
     assert state.optimizer.params_norm() == pytest.approx(direct, rel=1e-3)  # bf16 model vs fp32 main
@@ -193,10 +192,10 @@ def iter_microbatches(state):
 
 def _monitor(argv):
     """A TrainingMonitor built from flags as pretrain builds it (rank 0 of one process)."""
-    from megalite.arguments import build_configs, parse_args, validate_args
+    from megalite.arguments import RunConfig
     from megalite.metrics import TrainingMonitor
 
-    run = build_configs(validate_args(parse_args(argv), 1))
+    run = RunConfig.from_flags(argv, 1)
     return TrainingMonitor(run.logging, run.profiling, rank=0)
 
 

@@ -461,14 +461,14 @@ def _megalite_continues(converted: str, config, flags: list[str]) -> dict:
     megatron_core_run's tokens -> labels; the logical weights after it."""
     import megatron_core_run as mcr
 
-    from megalite.arguments import parse_args
+    from megalite.arguments import RunConfig
     from megalite.checkpoint import load_checkpoint
     from megalite.training import setup, train_step
 
     argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1),
             "--seq-length", str(mcr.SEQ), "--train-iters", str(mcr.DECAY_ITERS), "--load", converted,
             "--hidden-dropout", "0", "--attention-dropout", "0", *flags, *mg.model_flags(config)]  # fmt: skip
-    state = setup(parse_args(argv))
+    state = setup(RunConfig.from_flags(argv))
     assert load_checkpoint(state)
     batch = {"tokens": mcr.tokens(), "labels": mcr.labels(), "loss_mask": torch.ones(mcr.BATCH, mcr.SEQ),
              "position_ids": torch.arange(mcr.SEQ).expand(mcr.BATCH, mcr.SEQ)}  # fmt: skip

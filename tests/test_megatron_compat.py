@@ -18,6 +18,7 @@ import torch
 from megalite.arguments import (
     ArgumentError,
     RefusedFlagError,
+    RunConfig,
     UnknownFlagError,
     build_configs,
     build_parser,
@@ -285,7 +286,7 @@ def test_lr_and_batch_trajectories_by_samples(tmp_path):
     ]  # exact: same float operations
 
     # Decoupled groups, iteration-based flags and --lr-warmup-fraction, in samples.
-    state = setup(parse_args(TINY + RAMP))
+    state = setup(RunConfig.from_flags(TINY + RAMP))
     main, _, decoupled = state.optimizer.param_groups
     for n in (3, 7, 29):
         state.scheduler.step(n)
@@ -306,7 +307,7 @@ def test_decoupled_lr_groups_the_embedding_and_output_layer():
     from megalite.training import setup
 
     flags = TINY + ["--train-iters", "4", "--untie-embeddings-and-output-weights", "--decoupled-lr", "5e-3"]
-    state = setup(parse_args(flags))
+    state = setup(RunConfig.from_flags(flags))
     decoupled = state.optimizer.param_groups[2]
     owners = {m.model for m in state.optimizer.main_params if any(m.main is p for p in decoupled["params"])}
     gpt = state.model[0].module
@@ -388,8 +389,8 @@ def _per_token_and_overlap(flags_list, masks):
 
     out = []
     for flags in flags_list:
-        state = setup(parse_args(flags))
-        mesh, a = state.mesh, state.args
+        state = setup(RunConfig.from_flags(flags))
+        mesh, a = state.mesh, state.configs.training
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 64, (8, 8), generator=gen)
         rank_rows = [
@@ -427,7 +428,7 @@ def test_per_token_loss_and_overlap_grad_reduce_match_one_process():
     # The per-token loss is the token-weighted mean (independent formula)...
     from megalite.training import setup
 
-    ref = setup(parse_args(per_token)).model[0].module
+    ref = setup(RunConfig.from_flags(per_token)).model[0].module
     tokens = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
     tok_loss = ref(input_ids=tokens, labels=tokens.roll(-1, 1)).detach()
     assert loss_pt == pytest.approx(float((tok_loss * masks).sum() / masks.sum()), rel=1e-5)
@@ -554,7 +555,7 @@ def test_transformer_engine_is_one_warning_and_refused_features_are_never_typos(
     lines = [line for line in start_up_lines(args) if "warning" in line]
     assert len(lines) == 1 and "no fused Transformer Engine kernels" in lines[0] and "no fp8" in lines[0]
     local = validate_args(parse_args(base), 1)
-    ours, theirs = build_configs(args), build_configs(local)
+    ours, theirs = build_configs(args, 128), build_configs(local, 128)
     assert model_config(args, 128) == model_config(local, 128)  # the same model, layout, optimizer
     assert (ours.parallel, ours.optimizer, ours.recompute) == (
         theirs.parallel,

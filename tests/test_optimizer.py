@@ -461,7 +461,7 @@ def test_resume_refusal_gives_lengths_in_the_unit_of_the_flags(run, saved, chang
     with values in that flag's unit, as typed: iterations for --*-iters, samples for --*-samples."""
     from conftest import COMMON
 
-    from megalite.arguments import build_configs, parse_args, validate_args
+    from megalite.arguments import RunConfig
 
     dropped = {
         i + k for i, a in enumerate(COMMON) if a in ("--train-iters", "--lr-warmup-iters") for k in (0, 1)
@@ -471,9 +471,7 @@ def test_resume_refusal_gives_lengths_in_the_unit_of_the_flags(run, saved, chang
     _, opt = toy(torch.float32)
 
     def scheduler(flags):
-        return OptimizerParamScheduler(
-            opt, build_configs(validate_args(parse_args(argv + flags), 1)).scheduler
-        )
+        return OptimizerParamScheduler(opt, RunConfig.from_flags(argv + flags, 1).scheduler)
 
     with pytest.raises(ValueError) as e:
         scheduler(changed).load_state_dict(scheduler(saved).state_dict())

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import COMMON, LLAMA, layout, pretrain_runs
 
-from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.arguments import ArgumentError, RunConfig, parse_args, validate_args
 from megalite.spawn import run_distributed
 
 ITERS = 10
@@ -60,8 +60,7 @@ def _inside_one_step(argv: list[str]) -> dict:
     from megalite.parallel.data_parallel import finish_param_sync
     from megalite.training import microbatch_iterator, next_microbatches, run_schedule, setup, train_step
 
-    args = validate_args(parse_args(argv), torch.distributed.get_world_size())
-    state = setup(args)
+    state = setup(RunConfig.from_flags(argv))
     chunk = state.model[0]
     gather = chunk.param_gather
     data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
@@ -176,7 +175,7 @@ def test_split_buckets_split_modules():
 
     def split_modules(argv):
         args = validate_args(parse_args(argv), 2)
-        cfg, lay = model_config(args, vocab_size=101), MemoryLayout.from_configs(build_configs(args))
+        cfg, lay = model_config(args, vocab_size=101), MemoryLayout.from_configs(build_configs(args, 101))
         (chunk,) = stage_chunks(cfg, lay)[0]
         names = [s.name for s in reversed(chunk_param_shapes(cfg, 1, chunk))]  # bucket order
         index = [i for i, (bucket, _) in enumerate(_unit_buckets(cfg, lay, chunk)) for _ in bucket.params]

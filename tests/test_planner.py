@@ -112,8 +112,10 @@ def test_planner_peak_matches_the_measured_report(spawned):  # noqa: F811 (the s
 def test_planner_memory_is_the_reports_prediction(name, flags):
     args = _args(flags)
     p, c = _problem(args), _candidate(args)
-    assert planner.memory_layout(p, c) == MemoryLayout.from_configs(build_configs(args), "cpu")
-    layout = MemoryLayout.from_configs(build_configs(args), "cpu")
+    assert planner.memory_layout(p, c) == MemoryLayout.from_configs(
+        build_configs(args, args.vocab_size + 1), "cpu"
+    )
+    layout = MemoryLayout.from_configs(build_configs(args, args.vocab_size + 1), "cpu")
     worst = max(
         (predict_rank(p.config, layout, r) for r in range(c.pp)),
         key=lambda m: sum(m.categories().values()),
@@ -387,7 +389,7 @@ def _startup_state():
     mesh = types.SimpleNamespace(device=torch.device("cpu"), world_size=4)
     return types.SimpleNamespace(
         args=args,
-        configs=build_configs(args),
+        configs=build_configs(args, args.vocab_size + 1),
         mesh=mesh,
         config=model_config(args, vocab_size=args.vocab_size + 1),
     )

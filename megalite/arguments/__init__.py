@@ -12,16 +12,18 @@ One module per concern, each with its flags (as data) and its checks next to the
 - ``checkpointing``  save / resume / exit, fault tolerance; ``checkpoint_config(args)``
 - ``compat``         Megatron-LM flags accepted-and-ignored or refused (:mod:`megalite.megatron_compat`)
 
-``parse_args(argv)`` returns an ``argparse.Namespace`` (``parser``); ``validate_args(args,
-world_size)`` runs the checks, which are pure (a one-line ArgumentError naming the flag, or notes
-that start-up prints: ``start_up_lines``), and the derivations, which complete the namespace
-(dp size, microbatches, the LR schedule in samples, ...); ``build_configs(args)`` (``configs``)
-makes the typed configs. docs/flags.md is generated from ``build_parser()``.
+``parse_args(argv)`` returns an ``argparse.Namespace`` (``parser``); ``resolve(args, world_size)``
+(``configs``) is the one pure pass ``flags -> RunConfig``: ``validate_args`` runs every check (a
+one-line ArgumentError naming the flag, or notes that start-up prints: ``start_up_lines``) and the
+derivations (dp size, microbatches, the LR schedule in samples, ...), each a pure ``derived()``, the
+vocabulary is resolved (the tokenizer's), and ``build_configs`` makes the typed configs, the
+``ModelConfig`` among them. ``RunConfig.from_flags(argv)`` is parse + resolve. docs/flags.md is
+generated from ``build_parser()``.
 """
 
 from megalite.arguments.checkpointing import checkpoint_config
 from megalite.arguments.compat import RefusedFlagError, ignored_flags_warning
-from megalite.arguments.configs import build_configs
+from megalite.arguments.configs import RunConfig, build_configs, default_world_size, resolve
 from megalite.arguments.data import add_tokenizer_args, tokenizer_kwargs
 from megalite.arguments.model import model_config
 from megalite.arguments.parser import (
@@ -36,14 +38,17 @@ from megalite.errors import ArgumentError
 __all__ = [
     "ArgumentError",
     "RefusedFlagError",
+    "RunConfig",
     "UnknownFlagError",
     "add_tokenizer_args",
     "build_configs",
     "build_parser",
     "checkpoint_config",
+    "default_world_size",
     "ignored_flags_warning",
     "model_config",
     "parse_args",
+    "resolve",
     "start_up_lines",
     "tokenizer_kwargs",
     "validate_args",

@@ -79,7 +79,9 @@ def check(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def derive(args: argparse.Namespace) -> None:
+def derived(args: argparse.Namespace) -> dict:
     """SP off at TP size 1; ``--recompute-activations`` as the granularity it means."""
-    args.sequence_parallel = sequence_parallel(args)
-    args.recompute_granularity = recompute_config(args).granularity
+    return {
+        "sequence_parallel": sequence_parallel(args),
+        "recompute_granularity": recompute_config(args).granularity,
+    }

@@ -14,7 +14,7 @@ from megalite.arguments.spec import (
     switch,
     value,
 )
-from megalite.checkpoint import CheckpointConfig
+from megalite.configs import CheckpointConfig
 
 
 def _positive_minutes(text: str) -> float:

@@ -100,17 +100,25 @@ def check(args: argparse.Namespace) -> list[str]:
         "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",
     )
     notes = []
+    kind = tokenizer_type(args)
+    if kind != args.tokenizer_type:
+        notes.append(
+            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (as Megatron-LM)"
+        )
+    if kind == "NullTokenizer":
+        need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    return notes
+
+
+def tokenizer_type(args: argparse.Namespace) -> str:
+    """``--tokenizer-type`` as it resolves: Megatron's pretrain_gpt.py defaults it to GPT2BPETokenizer,
+    which its GPT configs rely on, so ``--vocab-file`` and ``--merge-file`` without a type and without
+    ``--vocab-size`` mean that tokenizer."""
     if (
         args.tokenizer_type == "NullTokenizer"
         and args.vocab_size is None
         and args.vocab_file
         and args.merge_file
     ):
-        # Megatron's pretrain_gpt.py defaults --tokenizer-type to GPT2BPETokenizer; its GPT configs rely on it.
-        args.tokenizer_type = "GPT2BPETokenizer"
-        notes.append(
-            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (as Megatron-LM)"
-        )
-    if args.tokenizer_type == "NullTokenizer":
-        need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-    return notes
+        return "GPT2BPETokenizer"
+    return args.tokenizer_type

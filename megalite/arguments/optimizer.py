@@ -214,26 +214,31 @@ def check(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def derive(args: argparse.Namespace) -> None:
-    """After :func:`megalite.arguments.schedule.derive`: ``args.lr_warmup_steps``,
-    ``args.lr_decay_steps`` and ``args.wd_incr_steps`` in SAMPLES, as Megatron counts them."""
+def derived(args: argparse.Namespace) -> dict:
+    """After :func:`megalite.arguments.schedule.derived`: ``lr_warmup_steps``, ``lr_decay_steps`` and
+    ``wd_incr_steps`` in SAMPLES, as Megatron counts them (and ``--lr-decay-iters``' default)."""
     frac = args.lr_warmup_fraction
     if by_samples(args):
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        args.lr_decay_steps, args.wd_incr_steps = decay, args.train_samples
-        args.lr_warmup_steps = frac * decay if frac is not None else args.lr_warmup_samples
+        lr_decay_steps, wd_incr_steps = decay, args.train_samples
+        lr_warmup_steps = frac * decay if frac is not None else args.lr_warmup_samples
+        out = {}
     else:
         gbs = args.global_batch_size
-        if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
-        args.lr_decay_steps, args.wd_incr_steps = args.lr_decay_iters * gbs, args.train_iters * gbs
-        args.lr_warmup_steps = frac * args.lr_decay_steps if frac is not None else args.lr_warmup_iters * gbs
-    args.lr_decay_steps = max(args.lr_decay_steps, 1)
-    args.wd_incr_steps = max(args.wd_incr_steps, 1)
+        decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        lr_decay_steps, wd_incr_steps = decay_iters * gbs, args.train_iters * gbs
+        lr_warmup_steps = frac * lr_decay_steps if frac is not None else args.lr_warmup_iters * gbs
+        out = {"lr_decay_iters": decay_iters}
+    return {
+        **out,
+        "lr_warmup_steps": lr_warmup_steps,
+        "lr_decay_steps": max(lr_decay_steps, 1),
+        "wd_incr_steps": max(wd_incr_steps, 1),
+    }
 
 
 def check_warmup(args: argparse.Namespace) -> list[str]:
-    """After :func:`derive`: the warm-up ends before the decay does."""
+    """After :func:`derived`: the warm-up ends before the decay does."""
     need(
         args.lr_warmup_steps < args.lr_decay_steps,
         f"the warm-up ({args.lr_warmup_steps} samples) must be shorter than the decay "

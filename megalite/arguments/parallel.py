@@ -310,14 +310,18 @@ def check_context_parallel(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def derive(args: argparse.Namespace) -> None:
+def derived(args: argparse.Namespace) -> dict:
     """The virtual pipeline size, the one CP comm type, and the sharding strategy resolved from its
     short forms (``use_distributed_optimizer`` then says whether the optimizer state is sharded)."""
-    args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(args)
+    comm = args.cp_comm_type
     if args.context_parallel_size > 1:
-        args.cp_comm_type = cp_comm_type(args)
-    elif isinstance(args.cp_comm_type, list):
-        args.cp_comm_type = args.cp_comm_type[0]
+        comm = cp_comm_type(args)
+    elif isinstance(comm, list):
+        comm = comm[0]
     strategy = sharding_strategy(args)
-    args.data_parallel_sharding_strategy = strategy.value
-    args.use_distributed_optimizer = strategy.shards_optimizer
+    return {
+        "virtual_pipeline_model_parallel_size": virtual_pipeline_size(args),
+        "cp_comm_type": comm,
+        "data_parallel_sharding_strategy": strategy.value,
+        "use_distributed_optimizer": strategy.shards_optimizer,
+    }

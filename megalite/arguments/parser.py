@@ -167,18 +167,27 @@ def value_rules() -> dict[str, Rule]:
     return {option: rule for module in MODULES for option, rule in module.RULES.items()}
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check the flags against ``world_size`` and complete ``args`` with the derived values.
+def _with(args: argparse.Namespace, **values) -> argparse.Namespace:
+    """A new namespace: ``args`` with ``values`` (``args`` is not changed)."""
+    return argparse.Namespace(**{**vars(args), **values})
 
-    Raises ArgumentError (or ModelConfigError) naming the flag; prints nothing: the notes are in
-    ``args.notes`` (:func:`start_up_lines`). May run twice on one namespace.
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """The flags checked against ``world_size``, completed with the derived values: a new namespace.
+
+    One pass, every check of the flags in it: the value rules first (every number in its range before
+    any check computes with it), then each concern's checks; the derivations (each a pure function
+    returning its values) come before the checks that read them. Nothing is changed in place: each
+    derivation makes a new namespace. Raises ArgumentError (or ModelConfigError) naming the flag;
+    prints nothing: the notes are in ``.notes`` of the result (:func:`start_up_lines`).
+    :func:`megalite.arguments.resolve` makes the ``RunConfig`` of the result.
     """
-    check_rules(args, value_rules())  # every number in its range before any check computes with it
-    args.data_parallel_size = parallel.data_parallel_size(args, world_size)
-    notes = schedule.check(args) + model.check(args) + optimizer.check(args)
-    schedule.derive(args)  # batches, microbatches, step count: the checks below read them
-    optimizer.derive(args)
-    args.max_position_embeddings = model.max_position_embeddings(args)
+    check_rules(args, value_rules())
+    flags = _with(args, data_parallel_size=parallel.data_parallel_size(args, world_size))
+    notes = schedule.check(flags) + model.check(flags) + optimizer.check(flags)
+    flags = _with(flags, **schedule.derived(flags))  # batches, microbatches, steps: read below
+    flags = _with(flags, **optimizer.derived(flags))
+    flags = _with(flags, max_position_embeddings=model.max_position_embeddings(flags))
     for check in (
         schedule.check_batches,
         optimizer.check_warmup,
@@ -190,12 +199,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         activation.check,
         parallel.check_data_parallel,
     ):
-        notes += check(args)
-    activation.derive(args)
-    parallel.derive(args)
-    model.model_config(args, vocab_size=args.vocab_size or 1).validate(args.tensor_model_parallel_size)
-    args.notes = notes
-    return args
+        notes += check(flags)
+    derived = {**activation.derived(flags), **parallel.derived(flags)}
+    flags = _with(flags, tokenizer_type=data.tokenizer_type(flags), **derived)
+    model.model_config(flags, vocab_size=flags.vocab_size or 1).validate(flags.tensor_model_parallel_size)
+    return _with(flags, notes=notes)
 
 
 def start_up_lines(args: argparse.Namespace) -> list[str]:

@@ -16,8 +16,6 @@
 tests/test_arguments.py walks the parser and fails on a flag without a class.
 """
 
-import argparse
-
 from megalite.errors import ArgumentError
 
 MODEL, IDENTITY, SCHEDULE, FREE, INVOCATION = "model", "identity", "schedule", "free", "invocation"
@@ -74,18 +72,19 @@ def _norm(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def resume_policy(recorded: dict, args: argparse.Namespace) -> list[str]:
-    """Compare this command line (``args``, as parsed) with the flags a checkpoint recorded.
+def resume_policy(recorded: dict, flags: dict) -> tuple[list[str], dict]:
+    """Compare this run's resolved flags (``flags``: ``RunConfig.checkpoint.flags``, dest -> value) with
+    the flags a checkpoint recorded (the same record, of the run that wrote it).
 
     Stops (ArgumentError naming the flag and both values) on a changed ``identity`` flag, or a changed
-    ``--decoupled-lr`` / ``--decoupled-min-lr`` without Megatron's override / keep flag; with
-    ``--use-checkpoint-opt_param-scheduler`` those take the checkpoint's values (``args`` is updated).
-    Returns the notes: the changed ``free`` flags (one line) and what the schedule flags decided.
+    ``--decoupled-lr`` / ``--decoupled-min-lr`` without Megatron's override / keep flag. Returns the notes
+    (the changed ``free`` flags in one line, what the schedule flags decided) and the values this run
+    takes from the checkpoint instead (``--use-checkpoint-opt_param-scheduler``: ``{dest: value}``).
     """
     changed = {
-        d: (recorded[d], getattr(args, d))
+        d: (recorded[d], flags[d])
         for d in POLICY
-        if d in recorded and hasattr(args, d) and _norm(recorded[d]) != _norm(getattr(args, d))
+        if d in recorded and d in flags and _norm(recorded[d]) != _norm(flags[d])
     }
     described = {d: f"{_flag(d)} {new} (checkpoint {old})" for d, (old, new) in changed.items()}
     identity = [described[d] for d in changed if POLICY[d] == IDENTITY]
@@ -95,13 +94,12 @@ def resume_policy(recorded: dict, args: argparse.Namespace) -> list[str]:
             + ", ".join(identity)
             + "; restore the checkpoint's values, or start a new run (--finetune, a new --save)"
         )
-    notes = []
+    notes, kept = [], {}
     own = [d for d in _OWN_SCHEDULE if d in changed]
-    if own and args.use_checkpoint_opt_param_scheduler:
-        for d in own:
-            setattr(args, d, changed[d][0])
+    if own and flags.get("use_checkpoint_opt_param_scheduler"):
+        kept = {d: changed[d][0] for d in own}
         notes.append("--use-checkpoint-opt_param-scheduler keeps " + ", ".join(described[d] for d in own))
-    elif own and args.override_opt_param_scheduler:
+    elif own and flags.get("override_opt_param_scheduler"):
         notes.append(
             "--override-opt_param-scheduler: this command line's " + ", ".join(described[d] for d in own)
         )
@@ -115,4 +113,4 @@ def resume_policy(recorded: dict, args: argparse.Namespace) -> list[str]:
     free = [described[d] for d in changed if POLICY[d] == FREE]
     if free:
         notes.append("changed since the checkpoint: " + ", ".join(free))
-    return notes
+    return notes, kept

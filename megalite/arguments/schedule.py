@@ -57,9 +57,9 @@ def by_samples(args: argparse.Namespace) -> bool:
 
 
 def check(args: argparse.Namespace) -> list[str]:
-    """The schedule flags as given (before :func:`derive`)."""
+    """The schedule flags as given (before :func:`derived`)."""
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    # validate_args may run twice on one Namespace: a train_iters we derived is not the user's.
+    # A namespace validate_args returned may be validated again: a train_iters we derived is not the user's.
     by_iters = args.train_iters is not None and not getattr(args, "train_iters_from_samples", False)
     need(
         by_iters or by_samples(args),
@@ -83,34 +83,33 @@ def check(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def derive(args: argparse.Namespace) -> None:
-    """Needs ``args.data_parallel_size``. Sets ``args.batch_schedule``
+def derived(args: argparse.Namespace) -> dict:
+    """Needs ``args.data_parallel_size``. The values it derives: ``batch_schedule``
     (:class:`~megalite.batch_schedule.BatchSizeSchedule`), the default ``--global-batch-size``,
-    ``args.num_microbatches`` (of the full global batch), ``args.train_iters`` of a
-    ``--train-samples`` run and ``args.train_samples_total`` (what the schedule consumes)."""
+    ``num_microbatches`` (of the full global batch), ``train_iters`` of a ``--train-samples`` run
+    and ``train_samples_total`` (what the schedule consumes)."""
     unit = args.micro_batch_size * args.data_parallel_size
     step = args.step_batch_size_schedule
     if isinstance(step, list):
         step = " ".join(step)
     try:
         parsed = parse_step_schedule(step, args.seq_length) if step is not None else None
-        if args.global_batch_size is None:
-            args.global_batch_size = parsed[-1][1] if parsed else unit
-        schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size, parsed)
+        gbs = args.global_batch_size
+        if gbs is None:
+            gbs = parsed[-1][1] if parsed else unit
+        schedule = BatchSizeSchedule(gbs, args.rampup_batch_size, parsed)
     except BatchScheduleError as e:
         raise ArgumentError(str(e)) from None
-    args.batch_schedule = schedule
-    args.num_microbatches = args.global_batch_size // unit
+    out = {"global_batch_size": gbs, "batch_schedule": schedule, "num_microbatches": gbs // unit}
     if by_samples(args):
-        args.train_iters = schedule.train_iters_for(args.train_samples)
-        args.train_iters_from_samples = True
-        args.train_samples_total = max(args.train_samples, schedule.samples_after(args.train_iters))
-    else:
-        args.train_samples_total = schedule.samples_after(args.train_iters)
+        iters = schedule.train_iters_for(args.train_samples)
+        total = max(args.train_samples, schedule.samples_after(iters))
+        return {**out, "train_iters": iters, "train_iters_from_samples": True, "train_samples_total": total}
+    return {**out, "train_samples_total": schedule.samples_after(args.train_iters)}
 
 
 def check_batches(args: argparse.Namespace) -> list[str]:
-    """Every batch size of the schedule splits into microbatches over DP (after :func:`derive`)."""
+    """Every batch size of the schedule splits into microbatches over DP (after :func:`derived`)."""
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     unit = mbs * dp
     for gbs in args.batch_schedule.batch_sizes():

@@ -39,29 +39,12 @@ from megalite.checkpoint.logical import (
     storage_name,
     vocab_padding,
 )
+from megalite.configs import CheckpointConfig
 from megalite.model.config import ModelConfig
 from megalite.parallel.data_parallel import finish_param_sync, gathered_params
 from megalite.parallel.mesh import Mesh
 
 logger = log.get_logger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """The run's checkpoint flags (Megatron-LM's names), all that this package reads of them
-    (``megalite.arguments.checkpoint_config(args)``; a run's is ``state.configs.checkpoint``)."""
-
-    save: str | None = None  # --save DIR
-    save_interval: int | None = None
-    load: str | None = None
-    ckpt_step: int | None = None
-    finetune: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False
-    flags: dict = dataclasses.field(default_factory=dict)  # every flag of the run, kept in the metadata
 
 
 def _log(mesh: Mesh, msg: str, level: int = logging.INFO) -> None:

@@ -26,9 +26,9 @@ import time
 import zlib
 from pathlib import Path
 
-from megalite import __version__
 from megalite.errors import MegaliteError
 from megalite.model.config import EFFECTIVE, ModelConfig, flag_of
+from megalite.version import __version__
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LOCK = ".megalite_save.lock"  # which job writes this --save directory: {"host", "pid", "job", "started"}

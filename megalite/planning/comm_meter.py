@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megalite.arguments import parse_args, validate_args
+from megalite.arguments import RunConfig, parse_args, validate_args
 from megalite.errors import MegaliteError
 from megalite.memory import MemoryProbe, rank_record
 from megalite.training import microbatch_iterator, setup, train_step
@@ -361,7 +361,7 @@ class MeasuredRun:
 
     def __init__(self, argv: list[str]):
 
-        self.state = state = setup(parse_args(argv))
+        self.state = state = setup(RunConfig.from_flags(argv))
         self.data_iter = microbatch_iterator(
             state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size
         )

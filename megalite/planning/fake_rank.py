@@ -18,6 +18,7 @@ memory model's prediction for the same rank.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 import weakref
@@ -28,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megalite.arguments import resolve
 from megalite.errors import ArgumentError
 from megalite.memory import MemoryProbe, format_memory_table, rank_record
 from megalite.training import context_parallel_batch, needs_data, setup, train_step
@@ -176,21 +178,24 @@ def _one_step(state, live: LiveStorageMeter) -> tuple[dict, MemoryProbe, float]:
 def run_fake_rank(args) -> dict:
     """Play rank ``args.fake_rank`` of ``args.fake_world_size`` for one step; its memory record
     (``rank_record``'s JSON shape) with a ``"fake"`` entry: how it ran and whether a loss was made."""
-    check_fake_flags(args)
     fake = uses_fake_tensors(args)
-    args.distributed_backend = "nccl" if torch.cuda.is_available() and not fake else "gloo"
-    if not fake:  # received activations and grads are uninitialised buffers: their values mean nothing
-        args.check_for_nan_in_loss_and_grad = False
+    backend = "nccl" if torch.cuda.is_available() and not fake else "gloo"
+    # Real tensors: received activations and grads are uninitialised buffers, their values mean nothing.
+    check_nan = args.check_for_nan_in_loss_and_grad and fake
+    given = {"distributed_backend": backend, "check_for_nan_in_loss_and_grad": check_nan}
+    flags = argparse.Namespace(**{**vars(args), **given})  # ``args`` itself stays as parsed
+    run = resolve(flags, world_size=args.fake_world_size)  # every flag checked, once
+    check_fake_flags(args)
     init_fake_process_group(args.fake_world_size, args.fake_rank)
     reads, live = HostReads(), LiveStorageMeter()
     try:
         if fake:
             with FakeTensorMode(allow_non_fake_inputs=True), reads, live:
-                state = setup(args, with_data=False)
+                state = setup(run, with_data=False)
                 step, probe, seconds = _one_step(state, live)
         else:
             with live:
-                state = setup(args, with_data=False)
+                state = setup(run, with_data=False)
                 step, probe, seconds = _one_step(state, live)
         record = rank_record(state, probe.meter)
     finally:
