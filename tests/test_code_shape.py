@@ -27,9 +27,12 @@ CHECKPOINT_CORE = (
     "__init__", "checkpointing", "files", "storage", "logical", "optimizer_state", "rng_state", "hooks",
     "single",
 )  # fmt: skip
+# Raised once, by decision: parallel 3750 -> 4300 and model 1200 -> 2100 for the MoE layer and the
+# expert-parallel token exchange (issue 35: model/moe/, parallel/expert_parallel.py, the expert groups
+# in mesh.py), the seam (parallel/context.py, grad_buffer.py) and the CP kernel seam and probes (issue 33).
 CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099, 1796, 643
-    "parallel": ("megalite/parallel/**/*.py", 3750),
-    "model": ("megalite/model/**/*.py", 1200),
+    "parallel": ("megalite/parallel/**/*.py", 4300),
+    "model": ("megalite/model/**/*.py", 2100),
     "optim": ("megalite/optim/**/*.py", 1550),
     "data": ("megalite/data/**/*.py", 3250),
     "checkpoint core": (tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE), 1900),
