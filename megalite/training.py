@@ -29,6 +29,7 @@ from megalite.arguments import (
     start_up_lines,
     validate_args,
 )
+from megalite.arguments.parallel import check_distributed_backend
 from megalite.arguments.parser import value_rules
 from megalite.arguments.resume import resume_policy
 from megalite.arguments.spec import check_rules
@@ -92,6 +93,7 @@ def initialize_distributed(args: argparse.Namespace) -> Mesh:
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
+    args.distributed_backend = check_distributed_backend(args.distributed_backend, torch.cuda.is_available())
     if args.distributed_backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
