@@ -249,3 +249,48 @@ def test_runnable_blocks_exit_zero(page, tmp_path):
     )
     if skipped:
         pytest.skip("; ".join(skipped))
+
+
+def _prose(page: str) -> str:
+    """A page's text with its line breaks folded, so a sentence is found whatever its wrapping."""
+    return " ".join((REPO / page).read_text(encoding="utf-8").split())
+
+
+def test_megatron_config_counts_are_the_benchs():
+    """docs/training.md's counts of Megatron-LM's configs are bench/megatron_configs.py's stored
+    output, and the count that trained is bench/megatron_configs_train.py's (a bench rerun against
+    a checkout named by MEGATRON_LM must still give the stored numbers)."""
+    import json
+
+    starts = json.loads((REPO / "bench" / "results" / "megatron_configs.json").read_text())
+    prose = _prose("docs/training.md")
+    reasons = {k.removeprefix("refused: ").split(" (")[0]: n for k, n in starts["by_reason"].items()}
+    kinds = starts["by_kind"]
+    sentence = (
+        f"At Megatron-LM {starts['megatron_lm_commit'][:7]}: {starts['start']} of {starts['total']} start; "
+        f"the rest are {kinds['RefusedFlagError']} refused features (MoE {reasons['MoE']}, squared ReLU "
+        f"{reasons['the squared-ReLU MLP activation']}, fp8 / fp4 {reasons['fp8 / fp4 training']}, ...) and "
+        f"{kinds['ArgumentError']} layouts"
+    )
+    assert sentence in prose, sentence
+    trained = json.loads((REPO / "bench" / "results" / "megatron_configs_train.json").read_text())
+    said = (
+        f"{trained['trained']} of the {trained['picked']} picked trained, every one with "
+        f"--distributed-backend nccl falling back to gloo in one warning line"
+    )
+    assert said in prose, said
+    assert trained["megatron_lm_commit"] == starts["megatron_lm_commit"]
+    megatron = os.environ.get("MEGATRON_LM")
+    if not megatron:
+        pytest.skip("MEGATRON_LM unset: the stored bench output was checked, the bench not rerun")
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "megatron_configs.py"), megatron],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    fresh = json.loads(out.stdout)
+    assert {k: fresh[k] for k in ("total", "start", "by_kind", "by_reason")} == {
+        k: starts[k] for k in ("total", "start", "by_kind", "by_reason")
+    }, "rerun bench/megatron_configs.py and store its output in bench/results/megatron_configs.json"
