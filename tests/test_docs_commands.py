@@ -274,9 +274,10 @@ def test_megatron_config_counts_are_the_benchs():
     )
     assert sentence in prose, sentence
     trained = json.loads((REPO / "bench" / "results" / "megatron_configs_train.json").read_text())
+    assert all(r["gloo_fallback"] for r in trained["runs"].values())
     said = (
         f"{trained['trained']} of the {trained['picked']} picked trained, every one with "
-        f"--distributed-backend nccl falling back to gloo in one warning line"
+        "`--distributed-backend nccl` falling back to gloo in one warning line"
     )
     assert said in prose, said
     assert trained["megatron_lm_commit"] == starts["megatron_lm_commit"]
