@@ -100,6 +100,9 @@ else
         echo "megalite${EXTRAS:+[$EXTRAS]} and its dependencies are already installed"
     else
         run python -m pip install --no-compile --progress-bar off -e ".${EXTRAS:+[$EXTRAS]}"
+        # One process writes the .pyc files of the modules a run imports (--no-compile left them
+        # out), so that the 8 ranks do not each compile them at the same time.
+        run python -c "import megalite.training, megalite.planning.planner, torch.distributed.run"
     fi
 fi
 if [[ "$DRY_RUN" != 1 ]]; then
