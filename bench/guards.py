@@ -7,7 +7,8 @@ with ``--table``, issue 25's fault table instead.
 ``--table`` runs every case of tests/fault_cases.py (the fault suite tests/test_faults_guards.py
 asserts) in this process and prints the table: case, class, exit, the one-line message, verdict
 ("ok", or what went wrong: a traceback, a wrong exit, a message not naming the flag, an input
-changed, a checkpoint lost), then the totals; ``--json`` prints the rows as one JSON object.
+changed, a checkpoint lost; "skipped" for a case whose optional extra, e.g. zstandard, is not
+installed), then the totals; ``--json`` prints the rows as one JSON object.
 
 One process builds the training state once (``megalite.training.setup``) and runs ``train_step``
 in alternating blocks with the guard on and off (``optimizer.check_for_nan``), so both see the
@@ -114,6 +115,7 @@ def fault_table(as_json: bool) -> None:
     summary = {
         "cases": len(rows),
         "ok": sum(r.verdict == "ok" for r in rows),
+        "skipped": sum(r.verdict == "skipped" for r in rows),  # an optional extra (zstandard) missing
         "tracebacks": sum(r.verdict == "traceback" or "traceback" in r.verdict for r in rows),
         "exit_0_expected": sum(c.rc == 0 for c in CASES),
         "fixture_resumes_bitwise": bitwise is None,

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from megalite import log
 from megalite.arguments import parse_args, resolve
+from megalite.arguments.parallel import check_distributed_backend
 from megalite.arguments.resume import resume_policy
 from megalite.checkpoint import CheckpointHooks, load_checkpoint
 from megalite.checkpoint.checkpointing import guard_published, recorded_flags, resume_iteration
@@ -83,7 +84,7 @@ def initialize_distributed(run: RunConfig) -> Mesh:
     """Join torchrun's process group (if launched by it) and build the mesh ``run`` is laid out for."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     train, par = run.training, run.parallel
-    backend = train.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = check_distributed_backend(train.distributed_backend, torch.cuda.is_available())
     device = torch.device("cpu")
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

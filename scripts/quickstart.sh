@@ -4,19 +4,21 @@
 #   bash scripts/quickstart.sh
 #
 #   1. environment: the active virtual environment, or .venv (created if missing), with torch
-#      and megalite (pip install -e '.[dev,hf]': what `bash scripts/test.sh` needs too)
-#      installed unless already importable
+#      and megalite (pip install -e '.[dev,hf]': what `bash scripts/test.sh` needs; tests of the
+#      other extras skip, naming them) installed unless already importable; pip's cache is reused
 #   2. data: a sentencepiece tokenizer and a Megatron .bin/.idx dataset built from this
 #      Python's standard library sources (no download)
 #   3. pretraining: a small GPT under torchrun with tp=2 x pp=2 x dp=2 = 8 processes on CPU
 #      (gloo); with GPUs, on them (NCCL, bf16, a layout that fits their number). Progress
-#      every 10 steps, evaluation on held-out files, a checkpoint at the end
+#      every 10 steps, evaluation on held-out files, a checkpoint at the end; right after the
+#      first iteration's memory table, the planner's pick for the same world (tools/plan.py)
 #   4. text generated from the checkpoint
 #
 # Everything it writes goes to QUICKSTART_DIR (default runs/quickstart). Each run trains from
 # scratch. Knobs are environment variables, all listed and explained in docs/quickstart.md:
 #   QUICKSTART_TORCH="torch==2.13.0"  pip spec for torch (any pip arguments; used only when
-#                                     torch is not importable yet)
+#                                     torch is not importable yet). The CPU build on a machine
+#                                     without a GPU: "torch --index-url https://download.pytorch.org/whl/cpu"
 #   QUICKSTART_VENV=.venv             virtual environment to create / reuse when none is active
 #   QUICKSTART_EXTRAS=dev,hf          megalite extras to install ("" for the bare package)
 #   QUICKSTART_SKIP_INSTALL=1         use the current python as it is (no venv, no pip)
@@ -29,16 +31,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 QS_DIR=${QUICKSTART_DIR:-runs/quickstart}
-MAX_MB=${QUICKSTART_MAX_MB:-all}       # MB of stdlib text ("all": the whole stdlib, ~33 MB)
+MAX_MB=${QUICKSTART_MAX_MB:-8}         # MB of stdlib text ("all": the whole stdlib, ~33 MB)
 VOCAB=${QUICKSTART_VOCAB:-4000}        # tokenizer size: an untrained model scores ln(4000) = 8.3
-ITERS=${QUICKSTART_ITERS:-300}
+ITERS=${QUICKSTART_ITERS:-100}
 LAYERS=${QUICKSTART_LAYERS:-4}
 HIDDEN=${QUICKSTART_HIDDEN:-128}
 HEADS=${QUICKSTART_HEADS:-4}
 SEQ=${QUICKSTART_SEQ:-128}
 MBS=${QUICKSTART_MBS:-8}
 LR=${QUICKSTART_LR:-3e-3}
-EVAL_INTERVAL=${QUICKSTART_EVAL_INTERVAL:-100}
+EVAL_INTERVAL=${QUICKSTART_EVAL_INTERVAL:-50}
 GEN_TOKENS=${QUICKSTART_GEN_TOKENS:-48}
 DRY_RUN=${QUICKSTART_DRY_RUN:-0}
 
@@ -72,7 +74,6 @@ else
             command -v "$PY" >/dev/null || die "no $PY found: install Python 3.10+ (or set PYTHON)"
             run "$PY" -m venv "$VENV" ||
                 die "could not create $VENV (on Debian/Ubuntu: apt install python3-venv)"
-            run "$VENV/bin/python" -m pip install --quiet --upgrade pip
         else
             echo "reusing the virtual environment $VENV"
         fi
@@ -83,10 +84,13 @@ else
         echo "torch $(python -c 'import torch; print(torch.__version__)') is already installed"
     else
         read -r -a torch_spec <<<"${QUICKSTART_TORCH:-torch==2.13.0}"
-        run python -m pip install "${torch_spec[@]}"
+        run python -m pip install --no-compile --progress-bar off "${torch_spec[@]}"
     fi
     # megalite with the extras the test suite needs (dev: pytest, ruff, tensorboard; hf:
-    # transformers), so `bash scripts/test.sh` works in this environment afterwards.
+    # transformers), so `bash scripts/test.sh` passes in this environment afterwards (the tests of
+    # the other extras, data and wandb, skip and name them). --no-compile: no .pyc for every file
+    # of every package at install (torch alone: 33 s -> 8 s on 2 cores); Python writes them for the
+    # modules it imports, once.
     EXTRAS=${QUICKSTART_EXTRAS-dev,hf}
     modules="megalite numpy sentencepiece yaml"
     [[ ",$EXTRAS," == *,dev,* ]] && modules+=" pytest pytest_timeout ruff tensorboard"
@@ -95,7 +99,10 @@ else
     if (cd / && python -c "import ${modules// /, }") 2>/dev/null; then
         echo "megalite${EXTRAS:+[$EXTRAS]} and its dependencies are already installed"
     else
-        run python -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
+        run python -m pip install --no-compile --progress-bar off -e ".${EXTRAS:+[$EXTRAS]}"
+        # One process writes the .pyc files of the modules a run imports (--no-compile left them
+        # out), so that the 8 ranks do not each compile them at the same time.
+        run python -c "import megalite.training, megalite.planning.planner, torch.distributed.run"
     fi
 fi
 if [[ "$DRY_RUN" != 1 ]]; then
@@ -136,6 +143,21 @@ fi
 DP=$((NPROC / (TP * PP)))
 GBS=${QUICKSTART_GBS:-$((MBS * DP * 2))}  # 2 microbatches per step and DP rank: the pipeline overlaps them
 
+# The planner's pick for this world (tools/plan.py, a few seconds), computed while the data is built
+# and printed right after the first iteration's memory table: what it would run on NPROC GPUs
+# and what this layout's pp / tp cost by its model (the quickstart keeps all three dimensions).
+MODEL_FLAGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --seq-length "$SEQ")
+mkdir -p "$QS_DIR"
+PLAN=$QS_DIR/plan.txt
+PLAN_CMD=(python tools/plan.py "${MODEL_FLAGS[@]}" --vocab-size "$VOCAB" --num-gpus "$NPROC"
+    --gpus-per-node "$NPROC" --global-batch-size "$GBS" --top 1)
+if [[ "$DRY_RUN" == 1 ]]; then
+    run "${PLAN_CMD[@]}"
+else
+    "${PLAN_CMD[@]}" >"$PLAN" 2>&1 &
+    PLAN_PID=$!
+fi
+
 # ---- 2. data -----------------------------------------------------------------------------------
 step 2/4 "Tokenizer and dataset from the Python standard library"
 DATA=$QS_DIR/data
@@ -165,15 +187,33 @@ TRAIN=(
     --use-distributed-optimizer "${PRECISION[@]}"
     --data-path "$DATA/corpus_text_document"
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model"
-    --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
-    --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
+    "${MODEL_FLAGS[@]}" --micro-batch-size "$MBS" --global-batch-size "$GBS"
     --train-iters "$ITERS" --lr "$LR" --min-lr "$(python -c "print(f'{$LR / 10:g}')")"
     --lr-warmup-iters $((ITERS / 15)) --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
     --hidden-dropout 0.0 --attention-dropout 0.0 --overlap-grad-reduce
-    --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 4
+    --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 2
     --metrics-file "$METRICS" --save "$SAVE"
 )
-run "${TRAIN[@]}"
+if [[ "$DRY_RUN" == 1 ]]; then
+    run "${TRAIN[@]}"
+else
+    wait "$PLAN_PID" || die "tools/plan.py failed: $(cat "$PLAN")"
+    {
+        echo " the planner's pick for this world ($NPROC ranks as $NPROC GPUs of one node; tools/plan.py):"
+        grep -E "^(best|pp=|tp=|recompute)" "$PLAN" | sed 's/^/   /'
+    } >"$PLAN.summary"
+    printf '$'
+    printf ' %q' "${TRAIN[@]}"
+    printf '\n'
+    # The memory table ends at the first line after it that is not one of its rows: the plan goes there.
+    PYTHONUNBUFFERED=1 "${TRAIN[@]}" | awk -v plan="$PLAN.summary" '
+        /memory per rank, iteration 1/ { table = 1; print; next }
+        table && !/^ (stage|[0-9]+) +\| / && !/^  *(temporaries|host memory|optimizer state)/ {
+            while ((getline line < plan) > 0) print line
+            table = 0
+        }
+        { print; fflush() }'
+fi
 
 if [[ "$DRY_RUN" != 1 ]]; then
     # The loss curve in two numbers, from the JSON lines pretrain_gpt.py wrote.

@@ -332,3 +332,26 @@ def test_every_flag_has_a_resume_class():
     for data_order in ("split", "seed", "data_path", "seq_length", "mock_data"):
         assert POLICY[data_order] == IDENTITY
     assert POLICY["decoupled_lr"] != FREE
+
+
+def test_distributed_backend_nccl_without_cuda_falls_back_to_gloo(caplog, monkeypatch):
+    """Megatron's configs write --distributed-backend nccl; without CUDA the run uses gloo (same math)
+    with one warning line naming the flag, instead of a traceback from torch.cuda.set_device."""
+    from megalite.arguments.parallel import check_distributed_backend
+
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level("WARNING", logger="megalite"):
+        assert check_distributed_backend("nccl", cuda_available=False) == "gloo"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "--distributed-backend nccl" in lines[0] and "--distributed-backend gloo" in lines[0]
+    caplog.clear()
+    monkeypatch.setenv("RANK", "3")  # one line per job, not one per rank
+    assert check_distributed_backend("nccl", cuda_available=False) == "gloo"
+    # Everything else is kept as given (or defaulted by CUDA), silently.
+    assert check_distributed_backend("nccl", cuda_available=True) == "nccl"
+    assert check_distributed_backend("gloo", cuda_available=True) == "gloo"
+    assert check_distributed_backend("gloo", cuda_available=False) == "gloo"
+    assert check_distributed_backend(None, cuda_available=True) == "nccl"
+    assert check_distributed_backend(None, cuda_available=False) == "gloo"
+    assert not caplog.records

@@ -136,7 +136,11 @@ def test_pretrain_gpt_prints_the_table_and_the_json_line(capsys):
     argv = _MODEL + _TP2_PP2 + ["--global-batch-size", "8", "--fake-world-size", "8", "--fake-rank", "7"]
     assert pretrain_gpt.main(argv) == 0
     out = capsys.readouterr().out
-    assert "fake rank 7 of 8 (tp 1, pp 1, dp 1), fake tensors" in out
+    # The layout's sizes and this rank's coordinates, each named (rank 7 of tp 2 x pp 2 x dp 2 is the last).
+    header = (
+        "fake rank 7 of 8: layout tp 2 x pp 2 x dp 2; this rank's coordinates tp_rank 1, pp_rank 1, dp_rank 1"
+    )
+    assert header + "; fake tensors" in out
     assert "memory per rank, iteration 1" in out and '"kind": "memory"' in out
     assert "temporaries MiB: measured" in out
 

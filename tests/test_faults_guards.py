@@ -22,6 +22,8 @@ def test_the_suite_covers_every_class():
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fault(case, fx):
     row = run_case(case, fx)
+    if row.verdict == "skipped":  # its optional extra is not installed (the case says which)
+        pytest.skip(row.message)
     assert row.verdict == "ok", (row.verdict, row.message)
 
 

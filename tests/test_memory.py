@@ -511,3 +511,30 @@ def test_context_parallel_divides_activations_by_cp():
         < predict_rank(config, ring, 0).extra["cp_kv_buffers"]
         < predict_rank(config, gathered, 0).extra["cp_kv_buffers"]
     )
+
+
+def test_fp16_skipped_first_step_reports_optimizer_state_not_allocated_yet(tmp_path):
+    """fp16's first step is skipped (the initial loss scale overflows), so AdamW has no moments at the
+    report: the table says the state is not allocated yet and leaves it out of the error, instead of
+    flagging the optimizer as 66.67% off. A record whose state exists keeps the optimizer in the error."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(repo / "pretrain_gpt.py"), "--mock-data", "--tokenizer-type", "NullTokenizer"]
+    argv += ["--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"]
+    argv += ["--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--fp16"]
+    argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    (record,) = [r for r in rows if r["kind"] == "memory"]
+    assert record["optimizer_state_allocated"] is False  # the step was skipped
+    assert "optimizer state not allocated yet on 1 of 1 ranks" in out.stdout
+    assert "66.67%" not in out.stdout
+    # The same record with its state allocated: the optimizer's shortfall is the error again.
+    from megalite.memory import format_memory_table
+
+    table = format_memory_table([dict(record, optimizer_state_allocated=True)])
+    err = relative_error(record["measured"]["optimizer"], record["predicted"]["optimizer"])
+    assert err > 0.5 and f"{100 * err:.2f}%" in table and "not allocated" not in table

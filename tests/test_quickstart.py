@@ -61,6 +61,15 @@ def test_quickstart_trains_saves_and_generates(tmp_path):
     # The real layout, on 8 processes.
     assert "world 8 = tp 2 x pp 2 x dp 2" in out, out[-3000:]
 
+    # The planner's pick for the same world, printed right after the first iteration's memory table.
+    lines = proc.stdout.splitlines()
+    at = lines.index(next(x for x in lines if "memory per rank, iteration 1" in x))
+    after = next(i for i in range(at + 1, len(lines)) if not re.match(r"^ (stage|\d+) +\| ", lines[i]))
+    assert "the planner's pick for this world (8 ranks" in lines[after], lines[at : after + 3]
+    assert re.match(r"^   best: tp=\d+ cp=\d+ pp=\d+ vp=\d+ dp=\d+ mbs=\d+", lines[after + 1]), lines[
+        after + 1
+    ]
+
     # The loss falls clearly (ln(1000) = 6.9 at the start) and evaluation ran twice.
     rows = [json.loads(line) for line in (qs / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -115,3 +124,26 @@ def test_quickstart_gpu_layouts_parse(tmp_path, gpus, nproc, tp, pp):
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert args.bf16, "GPUs train in bf16"
     assert args.num_microbatches == 2
+
+
+def readme_commands() -> list[str]:
+    """The README's two commands (its first ```bash block), comments stripped."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"^```bash\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_ci_runs_exactly_the_readmes_two_commands():
+    """CI cannot be greener than a new user: .ci/run's commands are the README's, verbatim, in order,
+    and nothing else installs or tests (no pip, no pytest of its own)."""
+    commands = readme_commands()
+    assert commands == ["bash scripts/quickstart.sh", ". .venv/bin/activate && bash scripts/test.sh"], (
+        commands
+    )
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    steps = [x for x in ci if x.strip() and not x.startswith(("#", "set ", "cd "))]
+    # After them, only the oldest-torch leg (issue 33): more tests on another torch, in a venv of its
+    # own, never a change to the README's environment.
+    assert steps == [*commands, "bash scripts/test_oldest_torch.sh"], steps
+    leg = (REPO / "scripts" / "test_oldest_torch.sh").read_text(encoding="utf-8")
+    assert ".venv/" not in leg.replace(".venv-torch211/", ""), "the oldest-torch leg must not touch .venv"

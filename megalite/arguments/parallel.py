@@ -1,10 +1,12 @@
 """The parallel layout (TP, CP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
 
 import argparse
+import os
 
 from megalite.arguments.spec import POSITIVE, at_least, choice, exclusive, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
+from megalite.log import get_logger
 from megalite.parallel.context_parallel import COMM_TYPES as CP_BUILT
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
@@ -51,9 +53,36 @@ LAYOUT_FLAGS = (
     value("--decoder-first-pipeline-num-layers", int, None, "Layers on the first stage (uneven split)."),
     value("--decoder-last-pipeline-num-layers", int, None, "Layers on the last stage (uneven split)."),
     choice(
-        "--distributed-backend", ["nccl", "gloo"], None, "Default: nccl when CUDA is available, else gloo."
+        "--distributed-backend",
+        ["nccl", "gloo"],
+        None,
+        "Default: nccl when CUDA is available, else gloo. nccl without CUDA falls back to gloo with one "
+        "warning line (the same math on the CPU), so Megatron's scripts run unchanged on a CPU box.",
     ),
 )
+
+
+def check_distributed_backend(backend: str | None, cuda_available: bool) -> str:
+    """The process-group backend a run uses: ``backend`` as given, or nccl / gloo by CUDA when None.
+
+    ``--distributed-backend nccl`` on a machine without CUDA (every Megatron-LM functional-test
+    config writes it out: it is Megatron's default) falls back to gloo with one warning line on
+    rank 0 instead of stopping: the backend moves the same tensors, the math is the same, and a
+    Megatron user moving a cluster script to a CPU box expects it to run as written. Deciding it
+    here, before ``torch.cuda.set_device``, keeps that call from ending the run in a traceback.
+    """
+    if backend is None:
+        return "nccl" if cuda_available else "gloo"
+    if backend == "nccl" and not cuda_available:
+        if int(os.environ.get("RANK", "0")) == 0:
+            get_logger(__name__).warning(
+                "megalite: warning: --distributed-backend nccl needs CUDA, which this machine does not "
+                "have: using gloo (the same math, on the CPU); pass --distributed-backend gloo to say so"
+            )
+        return "gloo"
+    return backend
+
+
 # Check a layout before launching it (docs/parallelism.md): one process plays one rank of the job.
 FAKE_RANK_FLAGS = (
     value(

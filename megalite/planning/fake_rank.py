@@ -221,9 +221,13 @@ def fake_rank_main(args) -> dict:
     """``pretrain_gpt.py --fake-world-size N``: run the rank, print the memory table and the JSON line."""
     record = run_fake_rank(args)
     f = record["fake"]
+    size = record["layout"]
+    cp = f" x cp {size['cp']}" if size["cp"] > 1 else ""
     print(
-        f" fake rank {record['rank']} of {f['world_size']} (tp {record['tp_rank']}, pp {record['pp_rank']}, "
-        f"dp {record['dp_rank']}), {f['tensors']} tensors, one step in {f['step_seconds']:.1f} s"
+        f" fake rank {record['rank']} of {f['world_size']}: layout tp {size['tp']}{cp} x pp {size['pp']} x "
+        f"dp {size['dp']}; this rank's coordinates tp_rank {record['tp_rank']}, pp_rank "
+        f"{record['pp_rank']}, dp_rank {record['dp_rank']}; {f['tensors']} tensors, one step in "
+        f"{f['step_seconds']:.1f} s"
     )
     print(format_memory_table([record]))
     print(json.dumps(record))
