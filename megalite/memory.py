@@ -851,8 +851,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}
-    adamw = state.optimizer.adamw  # AdamW creates its moments at the first step taken (fp16 may skip it)
-    state_allocated = any(adamw.state_of(m) for m in adamw.mains)
+    state_allocated = state.optimizer.state_allocated()  # fp16's first step may be skipped
     if mesh.device.type == "cuda":
         measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
     return {

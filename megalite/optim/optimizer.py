@@ -156,6 +156,10 @@ class MixedPrecisionOptimizer:
         """AdamW state and fp32 main copies of every main param, wherever they live."""
         return self.adamw.state_bytes()
 
+    def state_allocated(self) -> bool:
+        """Whether AdamW's moments exist: made at the first step taken (an fp16 run may skip it)."""
+        return any(self.adamw.state_of(m) for m in self.adamw.mains)
+
     # Checkpoints (the job of ``state``: see megalite.optim.state) ----------------------------
     def state_dict(self) -> dict:
         return self.state.state_dict()
