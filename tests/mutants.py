@@ -1452,4 +1452,41 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_moe_layer.py",),
         "each routed token's expert output must be weighted by its routing prob",
     ),
+    Mutant(
+        "cp-cuda-backward-out-bhsd",
+        "megalite/parallel/context_parallel.py",
+        "kernels.backward(kernel_layout(dout), q, k, v, kernel_layout(out), lse, causal, scale)",
+        "kernels.backward(kernel_layout(dout), q, k, v, out.contiguous(), lse, causal, scale)",
+        (
+            "tests/test_context_parallel_attention.py::test_tensors_handed_to_the_cuda_kernels_keep_their_layout_contract",
+        ),
+        "the CUDA efficient backward reads out's rows h*d apart ([b, s, h, d]); a [b, h, s, d] copy gives wrong dq, dk",
+    ),
+    Mutant(
+        "cp-lse-padded-with-zero",
+        "megalite/parallel/context_parallel.py",
+        "value=math.inf).contiguous()",
+        "value=0.0).contiguous()",
+        (
+            "tests/test_context_parallel_attention.py::test_tensors_handed_to_the_cuda_kernels_keep_their_layout_contract",
+        ),
+        "the kernel pads the log-sum-exp rows with +inf; 0 makes the padded rows' probabilities exp(s) in backward",
+    ),
+    Mutant(
+        "deterministic-admits-not-nvls",
+        "megalite/parallel/determinism.py",
+        'NCCL_ALGOS = frozenset({"Ring", "CollnetDirect", "CollnetChain"})',
+        'NCCL_ALGOS = frozenset({"Ring", "CollnetDirect", "CollnetChain", "^NVLS"})',
+        ("tests/test_gpu_path.py::test_enable_deterministic_mode_keeps_good_settings_and_refuses_bad_ones",),
+        "NCCL_ALGO=^NVLS is every algorithm but NVLS: Tree included, whose sum order follows the topology",
+    ),
+    Mutant(
+        "fusion-probe-trusts-the-overload",
+        "megalite/parallel/layers.py",
+        "        torch.addmm(target, a, a.t(), out_dtype=torch.float32, out=target)\n"
+        "        return bool((target == 9.0).all())",
+        "        return True",
+        ("tests/test_fused.py::test_fusion_probe_on_this_torch",),
+        "torch 2.8 / 2.9 have the mixed-dtype addmm overload but raise at the call: decide by doing it",
+    ),
 ]
