@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from megalite.parallel.mappings import _rank, _world, all_gather_flat
 
 
 # ---- variable-size collectives along dim 0, with their adjoints --------------------------------------
 def _a2a(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # out of place under --torch-compile: see mappings._all_reduce
+        return funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out

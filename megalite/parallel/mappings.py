@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
@@ -60,6 +61,13 @@ def _rank(group) -> int:
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        # Traced (--torch-compile): the out-of-place functional all-reduce. The in-place one below
+        # mutates the tensor _ReduceFromRegion.forward returns, and torch 2.11's dynamo then routes
+        # that output's gradient to a phantom pre-mutation alias: zero grads for everything before
+        # a row-parallel linear (pytorch/pytorch#180642; upstream fix #180921,
+        # picked for release/2.12; torch 2.13 is right either way).
+        return funcol.all_reduce(x, "sum", group)
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
