@@ -218,7 +218,9 @@ def test_megatron_example_scripts(tmp_path, capsys):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "does not build" not in r.stderr and "--pipeline-model-parallel-size (2)" in r.stderr, r.stderr
     # resolved for its 16 ranks: the MoE model and the expert layout Megatron builds
-    run = RunConfig.from_flags(mixtral_8x7b(tmp_path), world_size=16, vocab_size=32000)
+    run = RunConfig.from_flags(
+        mixtral_8x7b(tmp_path) + ["--global-batch-size", "8"], world_size=16, vocab_size=32000
+    )
     assert run.model.moe.num_experts == 8 and run.model.moe.moe_router_topk == 2
     assert run.model.moe.moe_token_dispatcher_type == "alltoall" and run.model.moe.moe_aux_loss_coeff == 1e-2
     assert run.parallel.expert_model_parallel_size == 8 and run.parallel.data_parallel_size == 8
