@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import COMMON, LLAMA, layout, one_thread, pretrain_runs
 
+from megalite.arguments import ArgumentError, RunConfig
 from megalite.spawn import run_distributed
 
 ITERS, SAVE_AT = 10, 5
@@ -52,6 +53,10 @@ LAYOUTS = {
         ep(2, "allgather") + layout(2, 1) + ["--sequence-parallel"],
     ),
     "mixtral-ep2-cp2": ("mixtral", ep(2) + ["--context-parallel-size", "2"]),
+    "mixtral-tp2-etp1-ep2-sp": (
+        "mixtral",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ),
 }
 SAVED = "deepseek-ep2-dp4"
 
@@ -96,6 +101,29 @@ def test_matches_one_process(runs, name):
         )
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains
     assert all(r[k] > 0 for r in ref for k in AUX[model])  # the aux losses are there
+
+
+def test_flags_and_their_checks():
+    """The flags reach the configs; a wrong value stops in one line naming the flag."""
+    run = RunConfig.from_flags(BASE + DEEPSEEK + ep(2), world_size=4)
+    moe = run.model.moe
+    assert run.parallel.expert_model_parallel_size == 2 and run.parallel.expert_tensor_parallel_size is None
+    assert moe.moe_layer_freq == (0, 1, 1, 1) and moe.moe_router_score_function == "sigmoid"
+    assert moe.moe_shared_expert_intermediate_size == 32 and moe.moe_ffn_hidden_size == 16
+    assert RunConfig.from_flags(BASE, world_size=1).model.moe is None
+    for extra, world, flag in (
+        (["--moe-router-topk", "4"], 1, "--num-experts"),  # a MoE flag on a dense model
+        (MIXTRAL + ["--moe-token-dispatcher-type", "flex"], 1, "DeepEP"),
+        (MIXTRAL + ep(3), 4, "--expert-model-parallel-size"),
+        (MIXTRAL + ep(2) + ["--use-distributed-optimizer"], 4, "--expert-model-parallel-size 2"),
+        (MIXTRAL + layout(2, 1), 2, "--sequence-parallel"),
+        (MIXTRAL + ["--moe-layer-freq", "([0]+[1])"], 1, "--moe-layer-freq"),
+        (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
+        (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
+    ):
+        with pytest.raises(ArgumentError) as e:
+            RunConfig.from_flags(BASE + extra, world_size=world)
+        assert flag in str(e.value) and "\n" not in str(e.value), (extra, str(e.value))
 
 
 @pytest.mark.xfail(
