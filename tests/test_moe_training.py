@@ -136,3 +136,16 @@ def test_resume_is_bitwise(runs):
     assert [r["iteration"] for r in got] == list(range(SAVE_AT + 1, ITERS + 1))
     for key in ("loss", "grad_norm", *AUX["deepseek"]):
         assert [r[key] for r in got] == [r[key] for r in saved], key
+
+
+def test_flops_count_active_parameters():
+    """MFU's FLOPs per token: a MoE layer counts its top-k routed experts and its shared expert (the
+    active parameters, Megatron's count), a dense layer its MLP."""
+    from megalite.metrics import model_flops_per_token
+
+    moe = RunConfig.from_flags(BASE + DEEPSEEK, world_size=1).model
+    dense = RunConfig.from_flags(BASE, world_size=1).model
+    h, gates, f = 32, 3, dense.ffn_size  # SwiGLU: 3 matrices
+    per_moe_layer = 2 * h * gates * (2 * 16 + 32)  # top-2 of ffn 16, shared 32
+    want = model_flops_per_token(dense, 16, 128) + 3.0 * 3 * (per_moe_layer - 2 * h * gates * f)
+    assert model_flops_per_token(moe, 16, 128) == pytest.approx(want, rel=1e-12)
