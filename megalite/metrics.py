@@ -14,6 +14,8 @@ from megalite import profiling
 from megalite.configs import LoggingConfig, ProfilingConfig
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
+from megalite.model.moe.config import parse_moe_layer_freq
+from megalite.model.moe.router import AUX_LOSS_NAMES
 from megalite.parallel.mappings import all_gather_flat
 from megalite.profiling import Profiler
 
@@ -59,11 +61,23 @@ def model_flops_per_token(config: ModelConfig, seq_length: int, padded_vocab_siz
     h = config.hidden_size
     hq = config.num_attention_heads * config.head_dim
     hkv = config.query_groups * config.head_dim
-    f = config.ffn_size
-    per_layer = (
-        2 * h * (hq + 2 * hkv) + 4 * seq_length * hq + 2 * hq * h + 2 * h * f * (3 if config.swiglu else 2)
+    gates = 3 if config.swiglu else 2
+    attention = 2 * h * (hq + 2 * hkv) + 4 * seq_length * hq + 2 * hq * h
+    dense_mlp = 2 * h * config.ffn_size * gates
+    moe = config.moe
+    moe_layers = sum(parse_moe_layer_freq(moe.moe_layer_freq, config.num_layers)) if moe else 0
+    # MoE (Megatron's count): each token's top-k routed experts and the shared experts (active params)
+    active = (
+        moe.moe_ffn_hidden_size * moe.moe_router_topk + (moe.moe_shared_expert_intermediate_size or 0)
+        if moe
+        else 0
     )
-    forward = config.num_layers * per_layer + 2 * h * padded_vocab_size
+    forward = (
+        config.num_layers * attention
+        + (config.num_layers - moe_layers) * dense_mlp
+        + moe_layers * 2 * h * active * gates
+        + 2 * h * padded_vocab_size
+    )
     return 3.0 * forward
 
 
@@ -346,6 +360,7 @@ class TrainingMonitor:
             "grad-norm": step.get("grad_norm"),
             "num-zeros": self._num_zeros,
             "params-norm": self._params_norm[1] if self._params_norm and self._params_norm[0] == it else None,
+            **{k: step.get(k) for k in AUX_LOSS_NAMES},  # MoE: Megatron's tags
         }
         self.sinks.scalars(it, tags, samples=state.consumed_train_samples)
         if self.sinks.wandb is not None:

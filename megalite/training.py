@@ -44,6 +44,9 @@ from megalite.metrics import (
 from megalite.model import ModelConfig, build_model_chunks
 from megalite.model.attention_backend import describe_attention
 from megalite.model.gpt import compile_layers, fuse_cross_entropy
+from megalite.model.moe.config import parse_moe_layer_freq
+from megalite.model.moe.layer import MoELayer
+from megalite.model.moe.router import AUX_LOSS_NAMES, update_expert_bias
 from megalite.optim import MixedPrecisionOptimizer, NonFiniteError, OptimizerParamScheduler, build_optimizer
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import shard_sequence
@@ -108,6 +111,8 @@ def initialize_distributed(run: RunConfig) -> Mesh:
         device=device,
         timeout=timeout,
         context_parallel_size=par.context_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
     )
 
 
@@ -336,9 +341,11 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
             data_iter, gbs // (train.micro_batch_size * mesh.dp_size), mesh.device
         )
     attach_loss_normalizer(microbatches, state.configs, mesh)
+    set_aux_loss_scale(state, len(microbatches))
     with named_range("forward-backward"):
         losses = run_schedule(state, microbatches, forward_only=False)
     finalize_model_grads(state.model, mesh)  # DP bucket waits + tied-embedding grad sum
+    aux_losses = moe_after_backward(state, len(microbatches))
     try:
         ok, grad_norm, num_zeros = state.optimizer.step(loss_not_finite(losses))
     except NonFiniteError as e:
@@ -367,7 +374,78 @@ def train_step(state: TrainState, data_iter, loss_on_host: bool = True) -> dict:
         "skipped": not ok,
         "num_zeros": num_zeros,
         "global_batch_size": gbs,
+        **aux_losses,
     }
+
+
+# ---- mixture of experts ------------------------------------------------------------------------
+def moe_layers(state: TrainState) -> list[MoELayer]:
+    """This rank's MoE layers, in the same (chunk, layer) order on every rank of a stage."""
+    return [m for chunk in state.model for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(state: TrainState, num_microbatches: int) -> None:
+    """The gradient each aux loss gets: ``loss_scale / num_microbatches``, as Megatron's forward_step
+    sets it (the main loss is divided by the microbatches in the schedule; the aux losses here)."""
+    # x cp: each CP rank's aux loss is a partial sum, averaged over dp x cp as the LM loss (which
+    # attach_loss_normalizer multiplies by cp for the same reason)
+    scale = state.optimizer.get_loss_scale() * state.mesh.cp_size / num_microbatches
+    for chunk in state.model:  # each chunk's block holds the one scale of its MoE layers
+        block = getattr(getattr(chunk, "module", chunk), "decoder", None)
+        if block is not None:
+            block.aux_loss_scale.set(scale)
+
+
+def moe_after_backward(state: TrainState, num_microbatches: int) -> dict:
+    """After backward: the expert-bias update (every rank of the stage, same order), the
+    global-aux-loss counts restarted, and the step's aux losses under Megatron's names: each the mean
+    over microbatches, summed over the ranks sharing the layer's tokens (z_loss: their mean), averaged
+    over the model's MoE layers (over pipeline stages too). Empty for a dense model."""
+    layers = moe_layers(state)
+    if state.config.moe is None:
+        return {}
+    routers = [m.router for m in layers]
+    update_expert_bias(routers)
+    totals: dict[str, torch.Tensor] = {}
+    for r in routers:
+        r.reset_global_aux_loss_tracker()
+        for name, value in r.pop_aux_losses().items():
+            value = value.detach().float().reshape(()) / num_microbatches
+            for g in r.token_groups:
+                dist.all_reduce(value, group=g)
+            if name == "z_loss":
+                value = value / max(1, math.prod(dist.get_world_size(g) for g in r.token_groups))
+            totals[name] = totals.get(name, 0) + value
+    return _mean_over_moe_layers(state, totals)
+
+
+def _mean_over_moe_layers(state: TrainState, totals: dict) -> dict:
+    """``{name: sum over this rank's MoE layers}`` -> the mean over the model's MoE layers and the
+    data-parallel replicas."""
+    moe = state.config.moe
+    n = sum(parse_moe_layer_freq(moe.moe_layer_freq, state.config.num_layers))
+    names = [k for k in AUX_LOSS_NAMES if _aux_on(moe, k)]
+    mesh = state.mesh
+    if not names:
+        return {}
+    flat = mesh.on_device(
+        torch.stack([mesh.on_device(torch.as_tensor(totals.get(k, 0.0))).float() for k in names])
+    )
+    if mesh.pp_size > 1:
+        dist.all_reduce(flat, group=mesh.pp_group)
+    if mesh.dp_size > 1:  # the mean over data-parallel replicas, as Megatron's tracker
+        dist.all_reduce(flat, group=mesh.dp_group)
+    return {k: float(v) / (n * mesh.dp_size) for k, v in zip(names, flat)}
+
+
+def _aux_on(moe, name: str) -> bool:
+    """Whether the run's flags make the aux loss ``name`` (every stage must list the same names)."""
+    if name == "z_loss":
+        return moe.moe_z_loss_coeff is not None
+    kind = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss"}.get(
+        name, "global_aux_loss"
+    )
+    return moe.moe_aux_loss_coeff > 0 and moe.moe_router_load_balancing_type == kind
 
 
 def first_step_suspects(state: TrainState) -> str:
@@ -468,12 +546,16 @@ class LogWindow:
 
     def reset(self) -> None:
         self.start, self.iters, self.losses, self.tokens = time.perf_counter(), 0, [], 0
+        self.aux: dict[str, list[float]] = {}  # MoE aux losses of the window's steps
 
     def add(self, step: dict, seq_length: int) -> None:
         self.iters += 1
         self.tokens += step["global_batch_size"] * seq_length
         if step["loss"] is not None:
             self.losses.append(step["loss"])
+        for k in AUX_LOSS_NAMES:
+            if k in step:
+                self.aux.setdefault(k, []).append(step[k])
 
     def values(self, state: TrainState, step: dict) -> dict:
         """The log line's metrics over the window; starts the next window."""
@@ -495,6 +577,7 @@ class LogWindow:
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "peak_memory_mb": peak_memory_mb(mesh.device),
+            **{k: sum(x) / len(x) for k, x in self.aux.items()},  # MoE: the window's mean, as Megatron
         }
         self.reset()
         return values
@@ -574,6 +657,7 @@ def format_train_line(iteration: int, train_iters: int, v: dict) -> str:
         parts.append(f"params norm {v['params_norm']:.3f}")
     if v.get("num_zeros") is not None:
         parts.append(f"num zeros {v['num_zeros']}")
+    parts += [f"{k} {v[k]:.6f}" for k in AUX_LOSS_NAMES if v.get(k) is not None]  # MoE: Megatron's names
     return " | ".join(parts)
 
 

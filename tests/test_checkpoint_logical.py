@@ -12,6 +12,7 @@ from megalite.checkpoint import files
 from megalite.checkpoint.logical import EMBEDDING, logical_piece
 from megalite.checkpoint.storage import Shard
 from megalite.model.config import ModelConfig
+from megalite.model.moe.config import MoEConfig
 from megalite.parallel.param_attributes import set_tensor_model_parallel
 
 
@@ -139,6 +140,7 @@ _OTHER = {
     "max_position_embeddings": 32, "ffn_hidden_size": 96, "num_query_groups": 2, "kv_channels": 16,
     "position_embedding_type": "rope", "normalization": "RMSNorm", "rotary_base": 500.0,
     "rotary_percent": 0.5, "norm_epsilon": 1e-6,
+    "moe": MoEConfig(num_experts=4, hidden_size=64, moe_ffn_hidden_size=32),
 }  # fmt: skip
 
 

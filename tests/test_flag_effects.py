@@ -15,6 +15,7 @@ import torch
 
 from megalite import megatron_compat
 from megalite.arguments import build_configs, build_parser, model_config, parse_args, validate_args
+from megalite.arguments import moe as moe_flags
 from megalite.generation import generate
 from megalite.memory import MemoryLayout, predict_rank
 from megalite.model.gpt import GPTModel
@@ -24,6 +25,11 @@ V = 300
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V), "--train-iters", "20"]
 BASE += ["--lr", "1e-3", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
 BASE += ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4"]
+
+# The MoE flags' effects are measured against a MoE run (8 experts; each flag reaches its MoEConfig
+# field, ``model.moe.<field>``, or the ParallelConfig's).
+MOE_BASE = BASE + ["--num-experts", "8"]
+MOE_FLAGS = {names[0] for names, _ in moe_flags.FLAGS} - {"--num-experts"}
 
 # A sample-based run of 40 samples (BASE: 20 iterations x 4 = 80): the decay and the weight-decay
 # ramp default to the run's length.
@@ -221,6 +227,30 @@ NEEDS = {
     "--tiktoken-num-special-tokens": (["--tiktoken-num-special-tokens", "10"], {"data.tokenizer"}),
     "--tiktoken-special-tokens": (["--tiktoken-special-tokens", "<a>"], {"data.tokenizer"}),
     "--data-path": (["--mock-data", None, "--data-path", "/tmp/x"], {"data.mock_data"}),
+    # MoE (against MOE_BASE): a dense run's model.moe is None, every field of it new
+    "--num-experts": (["--num-experts", "4"], {"*"}),
+    "--moe-layer-freq": (["--moe-layer-freq", "2"], {}),
+    "--moe-router-group-topk": (
+        ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+        {"model.moe.moe_router_num_groups"},
+    ),
+    "--moe-router-enable-expert-bias": (
+        ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+        {"model.moe.moe_router_score_function"},
+    ),
+    "--moe-shared-expert-gate": (
+        ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"],
+        {"model.moe.moe_shared_expert_intermediate_size"},
+    ),
+    "--moe-pad-expert-input-to-capacity": (
+        ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"],
+        {"model.moe.moe_expert_capacity_factor"},
+    ),
+    "--expert-model-parallel-size": (
+        ["--expert-model-parallel-size", "2"],
+        {"parallel.data_parallel_size", "training.num_microbatches"},
+    ),
+    "--expert-tensor-parallel-size": (["--expert-tensor-parallel-size", "1"], {}),
 }
 # Fields a flag must change (besides any field of its own name): the ones named otherwise.
 MUST = {
@@ -251,6 +281,10 @@ MUST = {
     "--fp16": {"optimizer.params_dtype", "training.params_dtype"},
     "--vocab-size": {"data.tokenizer"},
     "--micro-batch-size": {"training.micro_batch_size", "training.num_microbatches"},
+    "--num-experts": {"model.moe.num_experts", "model.moe.moe_router_topk"},
+    "--moe-layer-freq": {"model.moe.moe_layer_freq"},
+    "--expert-model-parallel-size": {"parallel.expert_model_parallel_size"},
+    "--expert-tensor-parallel-size": {"parallel.expert_tensor_parallel_size"},
     "--global-batch-size": {
         "training.global_batch_size",
         "training.num_microbatches",
@@ -289,9 +323,9 @@ def _generic(action: argparse.Action) -> list[str] | None:
     return None
 
 
-def _argv(extra: list) -> list[str]:
-    """BASE with ``extra``: a ``[flag, None]`` pair drops that flag (and its value) from BASE."""
-    argv, dropped = list(BASE), {extra[i] for i in range(len(extra) - 1) if extra[i + 1] is None}
+def _argv(extra: list, base: list[str] = BASE) -> list[str]:
+    """``base`` with ``extra``: a ``[flag, None]`` pair drops that flag (and its value) from it."""
+    argv, dropped = list(base), {extra[i] for i in range(len(extra) - 1) if extra[i + 1] is None}
     for flag in dropped:
         i = argv.index(flag)
         del argv[i : i + (1 if flag == "--mock-data" else 2)]
@@ -311,6 +345,9 @@ def _fields(args: argparse.Namespace) -> dict:
                 continue
             if f.name == "batch_schedule":
                 value = [value.global_batch_size_at(n) for n in range(0, 48, 2)]
+            if f.name == "moe" and value is not None:  # each MoEConfig field on its own
+                out.update({f"model.moe.{k}": v for k, v in dataclasses.asdict(value).items()})
+                continue
             out[f"{section.name}.{f.name}"] = value
     return out
 
@@ -332,7 +369,7 @@ def _sweep_flags() -> list[argparse.Action]:
 
 def sweep() -> list[tuple[str, list[str], list[str]]]:
     """(flag, fields it changed, fields it must leave) for every flag a config holds."""
-    base = _built(BASE)
+    bases = {False: _built(BASE), True: _built(MOE_BASE)}
     rows = []
     for action in _sweep_flags():
         flag = action.option_strings[0]
@@ -342,9 +379,12 @@ def sweep() -> list[tuple[str, list[str], list[str]]]:
             assert value is not None, f"{flag}: no generic value; add it to NEEDS or NOT_IN_CONFIGS"
             extra = [flag, *value]
         two_ranks = {"--pipeline-model-parallel-size", "--context-parallel-size"} & set(extra)
-        got = _built(_argv(extra), world=2 if two_ranks else 1)
-        changed = sorted(k for k in got if got[k] != base[k])
-        own = {k for k in got if k.split(".", 1)[1] == action.dest}
+        two_ranks |= {"--expert-model-parallel-size"} & set(extra)
+        moe = flag in MOE_FLAGS
+        got = _built(_argv(extra, MOE_BASE if moe else BASE), world=2 if two_ranks else 1)
+        base = bases[moe]
+        changed = sorted(k for k in got.keys() | base.keys() if got.get(k) != base.get(k))
+        own = {k for k in got if k.rsplit(".", 1)[1] == action.dest}
         rows.append((flag, changed, sorted(own | set(also)), got, action))
     return rows
 
@@ -354,7 +394,7 @@ def test_every_flag_reaches_its_field_and_nothing_else():
     of its name (``from_flags``' rule) and every other field of every typed config is the
     default run's, but for the derived ones the table names. A new flag must be in one of them."""
     for flag, changed, allowed, got, action in sweep():
-        own = [k for k in got if k.split(".", 1)[1] == action.dest]
+        own = [k for k in got if k.rsplit(".", 1)[1] == action.dest]
         assert changed, f"{flag} changed no config field"
         assert MUST.get(flag, set()) <= set(changed), f"{flag} left {sorted(MUST[flag] - set(changed))}"
         if own and flag not in MUST:  # (MUST names --vocab-size's: the model's comes from the tokenizer)

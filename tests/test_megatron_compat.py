@@ -197,8 +197,8 @@ def _train_scripts(runs):
 
 @pytest.mark.timeout(300)
 def test_megatron_example_scripts(tmp_path, capsys):
-    """The dense scripts train (GPT-3 at pp 2, Llama-3 on one process); fp8 and MoE stop in one
-    line naming the feature. (GPT-3's --fp16 starts at Megatron's loss scale 2^32: its first
+    """The dense scripts train (GPT-3 at pp 2, Llama-3 on one process); fp8 stops in one line naming
+    the feature, Mixtral's ep 8 on one process in one line naming the flag. (GPT-3's --fp16 starts at Megatron's loss scale 2^32: its first
     steps overflow and are skipped, as in Megatron-LM.)"""
     # Llama-3 8B as written: fp8 is refused, named, in one line (--overlap-param-gather is built).
     with pytest.raises(RefusedFlagError) as e:
@@ -206,7 +206,8 @@ def test_megatron_example_scripts(tmp_path, capsys):
     msg = str(e.value)
     assert "fp8" in msg and "--fp8-format hybrid" in msg and "--overlap-param-gather" not in msg, msg
     assert "\n" not in msg
-    # Mixtral: refused naming MoE, from the command line (exit 2, one line, no traceback).
+    # Mixtral (MoE, ep 8 x pp 2) on one process: stopped naming the layout, from the command line
+    # (exit 2, one line, no traceback).
     r = subprocess.run(
         [sys.executable, "pretrain_gpt.py", *mixtral_8x7b(tmp_path)],
         cwd=REPO,
@@ -215,9 +216,14 @@ def test_megatron_example_scripts(tmp_path, capsys):
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert (
-        "MoE" in r.stderr and "--num-experts 8" in r.stderr and "--expert-model-parallel-size 8" in r.stderr
+    assert "does not build" not in r.stderr and "--pipeline-model-parallel-size (2)" in r.stderr, r.stderr
+    # resolved for its 16 ranks: the MoE model and the expert layout Megatron builds
+    run = RunConfig.from_flags(
+        mixtral_8x7b(tmp_path) + ["--global-batch-size", "8"], world_size=16, vocab_size=32000
     )
+    assert run.model.moe.num_experts == 8 and run.model.moe.moe_router_topk == 2
+    assert run.model.moe.moe_token_dispatcher_type == "alltoall" and run.model.moe.moe_aux_loss_coeff == 1e-2
+    assert run.parallel.expert_model_parallel_size == 8 and run.parallel.data_parallel_size == 8
 
     # GPT-3 175B (pp 2) and Llama-3 8B without fp8 (with --overlap-param-gather) train 2 steps.
     gpt3 = runnable(gpt3_175b(tmp_path)) + ["--metrics-file", str(tmp_path / "gpt3.jsonl")]

@@ -79,9 +79,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
     dtype = params_dtype(args)
     return RunConfig(
         model=model_config(args, vocab_size=vocab_size).validate(args.tensor_model_parallel_size),
-        parallel=from_flags(
-            ParallelConfig, args, expert_model_parallel_size=1, expert_tensor_parallel_size=None
-        ),
+        parallel=from_flags(ParallelConfig, args),
         recompute=recompute_config(args),
         data_parallel=from_flags(
             DataParallelConfig,

@@ -1,7 +1,9 @@
 """The model's flags (GPT-2 / Llama flavours, Megatron-LM's names) and the ``ModelConfig`` they make."""
 
 import argparse
+import dataclasses
 
+from megalite.arguments import moe
 from megalite.arguments.spec import (
     NON_NEGATIVE,
     POSITIVE,
@@ -133,11 +135,13 @@ def check(args: argparse.Namespace) -> list[str]:
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """The ModelConfig these flags describe (vocab size comes from the tokenizer)."""
-    return from_flags(
+    dense = from_flags(
         ModelConfig,
         args,
+        moe=None,
         vocab_size=vocab_size,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         add_bias_linear=not args.disable_bias_linear,
     )
+    return dataclasses.replace(dense, moe=moe.moe_config(args, ffn_hidden_size=dense.ffn_size))

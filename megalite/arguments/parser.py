@@ -13,6 +13,7 @@ from megalite.arguments import (
     checkpointing,
     data,
     model,
+    moe,
     monitoring,
     optimizer,
     parallel,
@@ -24,7 +25,7 @@ from megalite.arguments.spec import Rule, add_group, check_rules
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
-MODULES = (model, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
+MODULES = (model, moe, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -198,6 +199,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         checkpointing.check,
         activation.check,
         parallel.check_data_parallel,
+        moe.check,
     ):
         notes += check(flags)
     derived = {**activation.derived(flags), **parallel.derived(flags)}

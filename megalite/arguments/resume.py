@@ -29,7 +29,10 @@ POLICY = _classes(
     model="apply_layernorm_1p disable_bias_linear ffn_hidden_size group_query_attention hidden_size "
     "kv_channels max_position_embeddings norm_epsilon normalization num_attention_heads num_layers "
     "num_query_groups openai_gelu position_embedding_type rotary_base rotary_percent swiglu "
-    "untie_embeddings_and_output_weights vocab_size",
+    "untie_embeddings_and_output_weights vocab_size num_experts moe_ffn_hidden_size moe_layer_freq moe_router_topk "
+    "moe_router_score_function moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups "
+    "moe_router_group_topk moe_router_dtype moe_router_enable_expert_bias moe_shared_expert_intermediate_size "
+    "moe_shared_expert_gate moe_expert_capacity_factor moe_token_drop_policy moe_pad_expert_input_to_capacity",
     identity="split seed data_path mock_data seq_length tokenizer_type tiktoken_pattern "
     "tiktoken_num_special_tokens tiktoken_special_tokens",
     schedule="lr min_lr lr_decay_style lr_warmup_iters lr_decay_iters lr_warmup_samples lr_decay_samples "
@@ -48,7 +51,9 @@ POLICY = _classes(
     "loss_scale_window min_loss_scale optimizer_cpu_offload optimizer_offload_fraction "
     "overlap_cpu_optimizer_d2h_h2d data_cache_path eod_mask_loss num_workers merge_file tokenizer_model "
     "vocab_file check_for_nan_in_loss_and_grad attention_backend context_parallel_size cp_comm_type "
-    "gradient_accumulation_fusion deterministic_mode",
+    "gradient_accumulation_fusion deterministic_mode moe_aux_loss_coeff moe_z_loss_coeff moe_router_bias_update_rate "
+    "moe_input_jitter_eps moe_grouped_gemm moe_token_dispatcher_type moe_router_load_balancing_type "
+    "expert_model_parallel_size expert_tensor_parallel_size",
     invocation="config override_opt_param_scheduler use_checkpoint_opt_param_scheduler eval_interval "
     "eval_iters log_interval logging_level metrics_file peak_tflops tensorboard_dir log_loss_scale_to_tensorboard "
     "log_memory_to_tensorboard log_num_zeros_in_grad log_params_norm log_throughput log_timers_to_tensorboard "

@@ -6,9 +6,10 @@ Field names follow Megatron-LM's flags (``--num-layers`` -> ``num_layers``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from megalite.errors import MegaliteError
+from megalite.model.moe.config import MoEConfig
 
 
 class ModelConfigError(MegaliteError, ValueError):
@@ -37,6 +38,9 @@ NOT_IDENTITY = {
     "make_vocab_size_divisible_by": "padding rows are zero, their logits masked, and not stored",
     "attention_backend": "which SDPA kernel computes attention; every backend computes the same function",
 }
+# The MoEConfig fields that are not identity: the same weights compute the same function.
+MOE_NOT_IDENTITY = {"init_method_std", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_bias_update_rate",
+                    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps"}  # fmt: skip
 # Fields whose default is derived from others: compared by the size they give.
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups"}
 # Fields that act only under one value of another field: (that field, that value).
@@ -50,6 +54,7 @@ FLAG_OF = {
     "vocab_size": "--vocab-size / the tokenizer (--tokenizer-type, --tokenizer-model, --vocab-file)",
     "num_query_groups": "--group-query-attention --num-query-groups",
     "add_bias_linear": "--disable-bias-linear",
+    "moe": "--num-experts / --moe-*",
 }
 
 
@@ -86,6 +91,16 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     seed: int = 1234
     attention_backend: str = "auto"  # SDPA kernels (--attention-backend; megalite.model.attention_backend)
+    # Mixture of experts (--num-experts, --moe-*): None = a dense model. A dict (a checkpoint's
+    # metadata) is read back as the MoEConfig it records.
+    moe: MoEConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):
+            moe = dict(self.moe)
+            if isinstance(moe.get("moe_layer_freq"), list):
+                moe["moe_layer_freq"] = tuple(moe["moe_layer_freq"])
+            object.__setattr__(self, "moe", MoEConfig(**moe))
 
     # ---- presets --------------------------------------------------------------
     @classmethod
@@ -153,6 +168,9 @@ class ModelConfig:
             if when is not None and getattr(self, when[0]) != when[1]:
                 continue
             out[f.name] = getattr(self, EFFECTIVE.get(f.name, f.name))
+        if self.moe is not None:  # the fields that do not change the function at their defaults
+            defaults = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_NOT_IDENTITY}
+            out["moe"] = replace(self.moe, **defaults)
         return out
 
     # ---- validation -----------------------------------------------------------

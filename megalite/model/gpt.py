@@ -55,6 +55,9 @@ from megalite.configs import RECOMPUTE_METHODS
 from megalite.errors import MegaliteError
 from megalite.model.attention_backend import attention_kernels
 from megalite.model.config import ModelConfig, ModelConfigError
+from megalite.model.moe.config import parse_moe_layer_freq
+from megalite.model.moe.layer import MoELayer
+from megalite.model.moe.router import AuxLossScale
 from megalite.parallel import random as tp_random
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention, shard_sequence
@@ -386,12 +389,24 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        layer_number: int = 0,
+        aux_loss_scale: AuxLossScale | None = None,
+    ):
         super().__init__()
         self.input_layernorm = build_norm(config, ctx)
         self.self_attention = SelfAttention(config, ctx)
         self.pre_mlp_layernorm = build_norm(config, ctx)
-        self.mlp = MLP(config, ctx)
+        moe = config.moe
+        if moe is not None and parse_moe_layer_freq(moe.moe_layer_freq, config.num_layers)[layer_number]:
+            # experts drawn from the layer's own (seed, global name) generator: every layout alike
+            gen = _generator_for(config.seed, f"decoder.layers.{layer_number}.mlp")
+            self.mlp = MoELayer(moe, ctx, aux_loss_scale, generator=gen)
+        else:
+            self.mlp = MLP(config, ctx)
         # Replicated residual stream: the default RNG stream, identical on every TP rank (the
         # activations must stay identical). Sequence-sharded: the TP stream (other tokens).
         self.dropout_rng = ctx.sequence_rng()
@@ -435,7 +450,11 @@ class TransformerBlock(nn.Module):
         self, config: ModelConfig, ctx: ParallelContext, layer_range: tuple[int, int], final_norm: bool
     ):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx) for i in range(*layer_range)})
+        # one aux-loss gradient scale for every MoE layer of the chunk (the training loop sets it)
+        self.aux_loss_scale = AuxLossScale()
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, ctx, i, self.aux_loss_scale) for i in range(*layer_range)}
+        )
         self.final_norm = build_norm(config, ctx) if final_norm else None
         self.rng = ctx.rng
         recompute = ctx.recompute
@@ -602,8 +621,12 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Layout-independent init: each parameter's full logical tensor from a (seed, name) generator."""
+        """Layout-independent init: each parameter's full logical tensor from a (seed, name) generator
+        (an MoE layer's parameters were drawn by the layer itself, from its layer's generator)."""
+        moe = {id(p) for m in self.modules() if isinstance(m, MoELayer) for p in m.parameters()}
         for name, param in self.named_parameters():
+            if id(param) in moe:
+                continue
             seed_name, init_fn = self._init_spec(name)
             init_param_from_full(
                 param, init_fn, _generator_for(seed, seed_name), self.mesh.tp_rank, self.mesh.tp_size

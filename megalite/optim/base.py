@@ -178,7 +178,7 @@ class ReplicatedMainParams(MainParams):
     """A full fp32 main copy (or view) of the model on every DP rank."""
 
     def __init__(self, model_chunks: list, mesh: Mesh, fraction: float, decoupled: bool):
-        params = [p for chunk in model_chunks for bucket in chunk.buckets for p in bucket.params]
+        params = [p for chunk in model_chunks for bucket in chunk.all_buckets() for p in bucket.params]
         offload = offload_split([(p, p.numel()) for p in params], fraction, decoupled)
         mains = [make_main_param(p, grad_of(p), 0, p.numel(), host) for p, host in zip(params, offload)]
         super().__init__(model_chunks, mesh, mains)

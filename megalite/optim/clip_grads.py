@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import counted_once, grad_of
+from megalite.parallel.param_attributes import counted_once, grad_of, is_expert_parallel, is_tensor_parallel
 
 
 def all_reduce_over(tensor: torch.Tensor, op, *groups) -> torch.Tensor:
@@ -42,6 +42,28 @@ def _summing_groups(mesh: Mesh, dp_sharded: bool) -> tuple:
     """The groups this rank's share of a whole-model sum is all-reduced over: TP x PP (the
     model-parallel group), and DP too when the tensors are ZeRO shards."""
     return (mesh.mp_group, mesh.dp_group) if dp_sharded else (mesh.mp_group,)
+
+
+def experts_apart(mesh: Mesh) -> bool:
+    """Whether the routed experts' weights are cut otherwise than the dense ones (ep > 1, or an
+    expert TP size other than tp): then their share of a whole-model sum is reduced over the
+    expert model-parallel ranks (etp x ep x pp, Megatron's), the dense share over tp x pp."""
+    return mesh.ep_size > 1 or mesh.etp_size != mesh.tp_size
+
+
+def _counts(p: torch.Tensor, mesh: Mesh) -> bool:
+    """``p`` counts once on this rank: :func:`counted_once`, with an expert's TP over etp."""
+    if is_expert_parallel(p) and experts_apart(mesh):
+        return is_tensor_parallel(p) or mesh.etp_rank == 0
+    return counted_once(p, mesh.tp_rank, mesh.is_first_stage)
+
+
+def _split(tensors: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> tuple[list, list]:
+    """(dense, expert) values of ``[(param, value)]`` (all dense unless :func:`experts_apart`)."""
+    apart = experts_apart(mesh)
+    dense = [v for p, v in tensors if not (apart and is_expert_parallel(p))]
+    expert = [v for p, v in tensors if apart and is_expert_parallel(p)]
+    return dense, expert
 
 
 def get_grad_norm(
@@ -63,46 +85,59 @@ def get_grad_norm(
             non-finite guard passes "this rank's loss is not finite" here, so the one
             all-reduce the norm needs anyway also tells every rank about the loss.
     """
-    grads = [
-        g
-        for p in params
-        if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
-    ]
+    grads = [(p, g) for p in params if _counts(p, mesh) and (g := grad_of(p)) is not None]
     return _global_norm(grads, mesh, norm_type, dp_sharded, poison)
 
 
 def get_params_norm(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool = False) -> float:
     """L2 norm of the whole model's parameters, each logical element counted once (as the grad norm)."""
-    values = [p.detach() for p in params if counted_once(p, mesh.tp_rank, mesh.is_first_stage)]
+    values = [(p, p.detach()) for p in params if _counts(p, mesh)]
     return _global_norm(values, mesh, 2.0, dp_sharded)
 
 
 def count_zeros(params: Iterable[torch.Tensor], mesh: Mesh, *, dp_sharded: bool = False) -> int:
     """Zero elements of the whole model's gradient, each logical element counted once (one host sync)."""
-    grads = [
-        g
-        for p in params
-        if counted_once(p, mesh.tp_rank, mesh.is_first_stage) and (g := grad_of(p)) is not None
-    ]
-    total = mesh.zeros(dtype=torch.float64)  # float64: exact up to 2**53 elements
-    for g in grads:
-        total += mesh.on_device(g.numel() - torch.count_nonzero(g))
-    groups = _summing_groups(mesh, dp_sharded)
-    # .to(mesh.device): offloaded (CPU) main grads still reduce over the job's backend.
-    return int(all_reduce_over(total.to(mesh.device), dist.ReduceOp.SUM, *groups).item())
+    grads = [(p, g) for p in params if _counts(p, mesh) and (g := grad_of(p)) is not None]
+    out = 0
+    for part, groups in zip(_split(grads, mesh), _groups(mesh, dp_sharded)):
+        total = mesh.zeros(dtype=torch.float64)  # float64: exact up to 2**53 elements
+        for g in part:
+            total += mesh.on_device(g.numel() - torch.count_nonzero(g))
+        # .to(mesh.device): offloaded (CPU) main grads still reduce over the job's backend.
+        out += int(all_reduce_over(total.to(mesh.device), dist.ReduceOp.SUM, *groups).item())
+    return out
+
+
+def _groups(mesh: Mesh, dp_sharded: bool) -> list[tuple]:
+    """The summing groups of the dense share, and of the experts' share when :func:`experts_apart`."""
+    dense = _summing_groups(mesh, dp_sharded)
+    if not experts_apart(mesh):
+        return [dense]
+    return [dense, (mesh.etp_ep_group, mesh.pp_group) + ((mesh.edp_group,) if dp_sharded else ())]
 
 
 def _global_norm(
-    tensors: list[torch.Tensor],
+    tensors: list[tuple[torch.Tensor, torch.Tensor]],
     mesh: Mesh,
     norm_type: float,
     dp_sharded: bool,
     poison: torch.Tensor | None = None,
 ) -> float:
-    """Norm over this rank's ``tensors`` (already filtered to count once) and the ranks that share them."""
+    """Norm over this rank's ``[(param, tensor)]`` (already filtered to count once) and the ranks that
+    share them: the dense share and the experts' (:func:`experts_apart`) each over its own ranks."""
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    groups = _summing_groups(mesh, dp_sharded)
+    parts = [
+        _part_norm(t, mesh, norm_type, g, poison)
+        for t, g in zip(_split(tensors, mesh), _groups(mesh, dp_sharded))
+    ]
+    if norm_type == math.inf:
+        return max(parts)
+    return sum(parts) ** 0.5
+
+
+def _part_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, groups: tuple, poison) -> float:
+    """max |x| (inf), or the sum of squares (2), over ``tensors`` and ``groups``."""
     if norm_type == math.inf:
         local = mesh.zeros()
         for t in tensors:
@@ -117,7 +152,7 @@ def _global_norm(
     else:  # a rank may own no tensors (e.g. its ZeRO shard is all padding); it still joins the all-reduce
         total = mesh.zeros()
     total = _poisoned(total, poison, math.nan)
-    return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups)) ** 0.5
+    return float(all_reduce_over(total, dist.ReduceOp.SUM, *groups))
 
 
 def _poisoned(value: torch.Tensor, poison: torch.Tensor | None, bad: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ Then :func:`finalize_model_grads` before the step, :meth:`zero_grad_buffer` befo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 
@@ -25,6 +26,7 @@ from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import (
     grad_of,
+    is_expert_parallel,
     is_sequence_parallel,
     is_shared_embedding,
     is_wgrad_fusable,
@@ -80,6 +82,13 @@ class DistributedDataParallel(nn.Module):
         self.dp_size, self.dp_rank, self.dp_group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
 
         params = [p for p in module.parameters() if p.requires_grad]
+        # Routed experts cut otherwise than the dense weights: their own buffer, reduced over the
+        # expert-data-parallel ranks (Megatron's expert DDP buffers).
+        # (not a registered submodule: the chunk's parameters and state stay the module's)
+        experts = [] if isinstance(module, _Params) else [p for p in params if is_expert_parallel(p)]
+        self.__dict__["experts"] = _expert_ddp(experts, mesh, config)
+        if self.experts is not None:
+            params = [p for p in params if not is_expert_parallel(p)]
         if not params:
             raise ValueError("DistributedDataParallel got a module without trainable parameters")
         devices = {p.device for p in params}
@@ -169,7 +178,8 @@ class DistributedDataParallel(nn.Module):
         previous = self._sync_enabled
         self._sync_enabled = False
         try:
-            yield
+            with self.experts.no_sync() if self.experts is not None else contextlib.nullcontext():
+                yield
         finally:
             self._sync_enabled = previous
 
@@ -179,6 +189,10 @@ class DistributedDataParallel(nn.Module):
         Afterwards ``main_grad`` holds the DP average: for every parameter with all-reduce; only
         this rank's shard of each bucket with reduce-scatter (ZeRO-2/3: ``shard_grad`` holds it).
         """
+        if self.experts is not None:  # averaged over edp, then scaled to 1 / (dp x cp) as Megatron
+            self.experts.finish_grad_sync()
+            if self.experts.dp_size != self.dp_size:
+                self.experts.grad_buffer.mul_(self.experts.dp_size / self.dp_size)
         if not self.strategy.begin_sync():
             return
         while self._next_bucket < len(self.buckets):
@@ -189,6 +203,8 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (call before each iteration's first microbatch)."""
+        if self.experts is not None:
+            self.experts.zero_grad_buffer()
         for bucket in self.buckets:
             bucket.wait()  # never zero memory a collective still writes
         self._reset_buckets()
@@ -204,16 +220,48 @@ class DistributedDataParallel(nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
+        if self.experts is not None:
+            self.experts.broadcast_params()
         self.strategy.broadcast_params()
 
     def local_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The part of ``param``'s reduced gradient this rank holds: its ``main_grad`` view (no_shard,
         ZeRO-1), or under ZeRO-2/3 the flat piece of it inside this rank's shard (maybe empty)."""
+        if param not in self._bucket_of and self.experts is not None:
+            return self.experts.local_grad(param)
         return self.strategy.local_grad(param, self._bucket_of[param])
+
+    def all_buckets(self) -> list[Bucket]:
+        """Every grad bucket of the chunk: the dense ones, then the routed experts' (no_shard)."""
+        return self.buckets + (self.experts.buckets if self.experts is not None else [])
 
     def num_buckets_launched(self) -> int:
         """How many buckets have started their collective since the last sync (for tests / logs)."""
         return sum(b.launched for b in self.buckets)
+
+
+class _Params(nn.Module):
+    """A module holding only ``params`` (the experts' buffer of a chunk's DDP)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
+def _expert_ddp(params: list[nn.Parameter], mesh: Mesh, config: DataParallelConfig):
+    """The DDP of a chunk's routed experts over ``mesh``'s expert-data-parallel ranks, or None
+    (no experts, or experts laid out as the dense weights: ep 1 and etp = tp)."""
+    if not params or (mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size):
+        return None
+    if config.sharding_strategy.shards_optimizer:
+        raise ArgumentError(
+            f"--data-parallel-sharding-strategy {config.sharding_strategy.value} (ZeRO) with "
+            "--expert-model-parallel-size > 1 is not built yet; use no_shard (plain DDP)"
+        )
+    edp = dataclasses.replace(
+        mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks
+    )
+    return DistributedDataParallel(_Params(params), edp, config)
 
 
 def finish_param_sync(model_chunks: Iterable[nn.Module]) -> None:

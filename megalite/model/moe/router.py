@@ -150,6 +150,10 @@ def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.
 
 
 # ---- the aux-loss gradient ----------------------------------------------------------------------
+# The aux losses' logged names (Megatron's TensorBoard tags), in the order they are logged.
+AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
 class AuxLossScale:
     """The gradient each auxiliary loss gets in backward (Megatron's ``main_loss_backward_scale``):
     one object per model, set by the training loop before backward (``loss_scale / num_microbatches``)."""

@@ -1,0 +1,151 @@
+"""Mixture of experts end to end: pretrain() with expert parallelism against one process.
+
+A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid router, group-limited
+routing, expert bias, a shared expert, seq aux loss, z-loss, first layer dense) tiny model, 10
+iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved, tp2 x ep2 (SP),
+ep2 x cp2; every loss, aux loss and grad norm equal one process's; a resume at the same layout is
+bitwise. One spawn (4 ranks); the references run in this process.
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import COMMON, LLAMA, layout, one_thread, pretrain_runs
+
+from megalite.arguments import ArgumentError, RunConfig
+from megalite.spawn import run_distributed
+
+ITERS, SAVE_AT = 10, 5
+TOL = dict(rtol=1e-5, atol=1e-6)
+BASE = list(COMMON) + LLAMA
+BASE[BASE.index("--num-layers") + 1] = "4"
+BASE[BASE.index("--train-iters") + 1] = str(ITERS)
+MIXTRAL = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-ffn-hidden-size", "16"]  # fmt: skip
+DEEPSEEK = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+            "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4",
+            "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+            "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)",
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+            "--moe-z-loss-coeff", "1e-3"]  # fmt: skip
+MODELS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
+AUX = {"mixtral": ["load_balancing_loss"], "deepseek": ["seq_load_balancing_loss", "z_loss"]}
+
+
+def ep(size: int, dispatcher: str = "alltoall") -> list[str]:
+    return ["--expert-model-parallel-size", str(size), "--moe-token-dispatcher-type", dispatcher]
+
+
+# name -> (model, flags), all on 4 ranks
+LAYOUTS = {
+    "mixtral-ep4": ("mixtral", ep(4)),
+    "mixtral-ep2-dp4-allgather": ("mixtral", ep(2, "allgather")),
+    "deepseek-ep2-dp4": ("deepseek", ep(2)),
+    "deepseek-ep2-pp2-interleaved": (
+        "deepseek",
+        ep(2) + layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1"],
+    ),
+    "mixtral-tp2-ep2-sp": ("mixtral", ep(2) + layout(2, 1) + ["--sequence-parallel"]),
+    "deepseek-tp2-ep2-sp-allgather": (
+        "deepseek",
+        ep(2, "allgather") + layout(2, 1) + ["--sequence-parallel"],
+    ),
+    "mixtral-ep2-cp2": ("mixtral", ep(2) + ["--context-parallel-size", "2"]),
+    "mixtral-tp2-etp1-ep2-sp": (
+        "mixtral",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ),
+}
+SAVED = "deepseek-ep2-dp4"
+
+
+def rows(path) -> list[dict]:
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+
+    def out(name):
+        return ["--metrics-file", str(d / f"{name}.jsonl")]
+
+    plan = []
+    for name, (model, flags) in LAYOUTS.items():
+        argv = BASE + MODELS[model] + flags + out(name)
+        if name == SAVED:
+            argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
+        plan.append(argv)
+    model, flags = LAYOUTS[SAVED]
+    plan.append(BASE + MODELS[model] + flags + ["--load", str(d / "saved"), "--ckpt-step", str(SAVE_AT)]
+                + out("resume"))  # fmt: skip
+    run_distributed(pretrain_runs, 4, plan, timeout=600)
+    with one_thread():
+        pretrain_runs([BASE + flags + out(f"{m}-reference") for m, flags in MODELS.items()])
+    return d
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_matches_one_process(runs, name):
+    """Every iteration's loss, aux losses and grad norm equal one process's."""
+    model = LAYOUTS[name][0]
+    ref, got = rows(runs / f"{model}-reference.jsonl"), rows(runs / f"{name}.jsonl")
+    assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
+    for key in ("loss", "grad_norm", *AUX[model]):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
+        )
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains
+    assert all(r[k] > 0 for r in ref for k in AUX[model])  # the aux losses are there
+
+
+def test_flags_and_their_checks():
+    """The flags reach the configs; a wrong value stops in one line naming the flag."""
+    run = RunConfig.from_flags(BASE + DEEPSEEK + ep(2), world_size=4)
+    moe = run.model.moe
+    assert run.parallel.expert_model_parallel_size == 2 and run.parallel.expert_tensor_parallel_size is None
+    assert moe.moe_layer_freq == (0, 1, 1, 1) and moe.moe_router_score_function == "sigmoid"
+    assert moe.moe_shared_expert_intermediate_size == 32 and moe.moe_ffn_hidden_size == 16
+    assert RunConfig.from_flags(BASE, world_size=1).model.moe is None
+    for extra, world, flag in (
+        (["--moe-router-topk", "4"], 1, "--num-experts"),  # a MoE flag on a dense model
+        (MIXTRAL + ["--moe-token-dispatcher-type", "flex"], 1, "DeepEP"),
+        (MIXTRAL + ep(3), 4, "--expert-model-parallel-size"),
+        (MIXTRAL + ep(2) + ["--use-distributed-optimizer"], 4, "--expert-model-parallel-size 2"),
+        (MIXTRAL + layout(2, 1), 2, "--sequence-parallel"),
+        (MIXTRAL + ["--moe-layer-freq", "([0]+[1])"], 1, "--moe-layer-freq"),
+        (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
+        (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
+    ):
+        with pytest.raises(ArgumentError) as e:
+            RunConfig.from_flags(BASE + extra, world_size=world)
+        assert flag in str(e.value) and "\n" not in str(e.value), (extra, str(e.value))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not built yet: the checkpoint of expert-parallel weights (dim 0 over ep), their optimizer "
+    "state and the expert bias is the next stop (issue 35)",
+)
+def test_resume_is_bitwise(runs):
+    saved, got = rows(runs / f"{SAVED}.jsonl")[SAVE_AT:], rows(runs / "resume.jsonl")
+    assert [r["iteration"] for r in got] == list(range(SAVE_AT + 1, ITERS + 1))
+    for key in ("loss", "grad_norm", *AUX["deepseek"]):
+        assert [r[key] for r in got] == [r[key] for r in saved], key
+
+
+def test_flops_count_active_parameters():
+    """MFU's FLOPs per token: a MoE layer counts its top-k routed experts and its shared expert (the
+    active parameters, Megatron's count), a dense layer its MLP."""
+    from megalite.metrics import model_flops_per_token
+
+    moe = RunConfig.from_flags(BASE + DEEPSEEK, world_size=1).model
+    dense = RunConfig.from_flags(BASE, world_size=1).model
+    h, gates, f = 32, 3, dense.ffn_size  # SwiGLU: 3 matrices
+    per_moe_layer = 2 * h * gates * (2 * 16 + 32)  # top-2 of ffn 16, shared 32
+    want = model_flops_per_token(dense, 16, 128) + 3.0 * 3 * (per_moe_layer - 2 * h * gates * f)
+    assert model_flops_per_token(moe, 16, 128) == pytest.approx(want, rel=1e-12)
