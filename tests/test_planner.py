@@ -592,3 +592,11 @@ def test_candidates_are_exactly_the_launches_validation_accepts(model, gpus, gbs
                             if vp <= 8 and _accepted(args, gpus, **flags):
                                 accepted.add((tp, pp, vp, mbs, sp, sharding))
     assert accepted == set(proposed), (sorted(accepted - set(proposed)), sorted(set(proposed) - accepted))
+
+
+def test_step_time_reads_for_a_toy_model_too():
+    """The pick's step time keeps three figures: a toy model's sub-millisecond step is not 0.000 s."""
+    from megalite.planning.planner import _step_time
+
+    assert _step_time(0.06) == "0.060 s" and _step_time(2.5) == "2.500 s"
+    assert _step_time(3.14e-4) == "0.314 ms" and _step_time(0.0042) == "4.2 ms"

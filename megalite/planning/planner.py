@@ -914,6 +914,11 @@ def _share(c: Candidate, part: str) -> float:
     return dict(c.parts)[part] / c.step_time_s
 
 
+def _step_time(seconds: float) -> str:
+    """``0.060 s``, or for steps under 10 ms (a toy model's) ``0.31 ms``, never ``0.000 s``."""
+    return f"{seconds:.3f} s" if seconds >= 0.01 else f"{seconds * 1e3:.3g} ms"
+
+
 def explain(p: Problem, cands: list[Candidate]) -> list[str]:
     """Why the best wins, and why the nearest alternative of each kind loses."""
     best = cands[0]
@@ -922,7 +927,7 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
     )
     lines = [
         f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} mbs={best.micro_batch_size}: "
-        f"{best.step_time_s:.3f} s/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
+        f"{_step_time(best.step_time_s)}/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
         f"{p.cluster.gpu.memory_gb:g} GB, {best.tflops_per_gpu:.0f} TFLOP/s per GPU (recompute counted)"
     ]
 
