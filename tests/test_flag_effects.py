@@ -367,8 +367,14 @@ def _sweep_flags() -> list[argparse.Action]:
     ]
 
 
-def sweep() -> list[tuple[str, list[str], list[str]]]:
-    """(flag, fields it changed, fields it must leave) for every flag a config holds."""
+def _needs_wandb(extra: list[str]) -> bool:
+    """The flags whose resolution needs the wandb extra (``--wandb-project`` is checked for it)."""
+    return "--wandb-project" in extra
+
+
+def sweep(wandb: bool = False) -> list[tuple[str, list[str], list[str]]]:
+    """(flag, fields it changed, fields it must leave) for every flag a config holds: those that
+    need the wandb extra (``wandb``) or the others."""
     bases = {False: _built(BASE), True: _built(MOE_BASE)}
     rows = []
     for action in _sweep_flags():
@@ -378,6 +384,8 @@ def sweep() -> list[tuple[str, list[str], list[str]]]:
             value = _generic(action)
             assert value is not None, f"{flag}: no generic value; add it to NEEDS or NOT_IN_CONFIGS"
             extra = [flag, *value]
+        if _needs_wandb(extra) != wandb:
+            continue
         two_ranks = {"--pipeline-model-parallel-size", "--context-parallel-size"} & set(extra)
         two_ranks |= {"--expert-model-parallel-size"} & set(extra)
         moe = flag in MOE_FLAGS
@@ -392,8 +400,22 @@ def sweep() -> list[tuple[str, list[str], list[str]]]:
 def test_every_flag_reaches_its_field_and_nothing_else():
     """For each flag (compat table's ignored ones exempt): its non-default value is in the field
     of its name (``from_flags``' rule) and every other field of every typed config is the
-    default run's, but for the derived ones the table names. A new flag must be in one of them."""
-    for flag, changed, allowed, got, action in sweep():
+    default run's, but for the derived ones the table names. A new flag must be in one of them.
+    The wandb flags are the next test's (they need the wandb extra)."""
+    _check_sweep(sweep())
+
+
+def test_every_wandb_flag_reaches_its_field_and_nothing_else():
+    """The same for the flags whose run needs the wandb package (the README's environment has it
+    only with the wandb extra)."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'megalite[wandb]'")
+    rows = sweep(wandb=True)
+    assert [r[0] for r in rows] == ["--wandb-project"]
+    _check_sweep(rows)
+
+
+def _check_sweep(rows) -> None:
+    for flag, changed, allowed, got, action in rows:
         own = [k for k in got if k.rsplit(".", 1)[1] == action.dest]
         assert changed, f"{flag} changed no config field"
         assert MUST.get(flag, set()) <= set(changed), f"{flag} left {sorted(MUST[flag] - set(changed))}"
