@@ -114,6 +114,11 @@ def test_flags_and_their_checks():
         (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
         (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
         (MIXTRAL + ["--save", "ckpts/x"], 1, "--save with --num-experts"),
+        (
+            MIXTRAL + ep(2) + layout(2, 1) + ["--sequence-parallel", "--moe-ffn-hidden-size", "15"],
+            4,
+            "--moe-ffn-hidden-size (15) is not divisible by --expert-tensor-parallel-size (2)",
+        ),
         (DEEPSEEK + ep(2) + ["--load", "ckpts/x"], 4, "--load with --num-experts"),
     ):
         with pytest.raises(ArgumentError) as e:

@@ -115,6 +115,12 @@ def check(args: argparse.Namespace) -> list[str]:
         f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide "
         f"tp x cp x dp ({stage}), the ranks of one pipeline stage",
     )
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    need(
+        ffn is None or ffn % etp == 0,
+        f"--moe-ffn-hidden-size ({ffn}) is not divisible by --expert-tensor-parallel-size ({etp}); "
+        f"use a multiple of {etp}",
+    )
     strategy = sharding_strategy(args)
     need(
         not strategy.shards_optimizer or (ep == 1 and etp == tp),

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.errors import ArgumentError
 from megalite.model.moe.config import MoEConfig
 from megalite.parallel import param_attributes
 from megalite.parallel.context import ParallelContext
@@ -74,8 +75,9 @@ class GroupedExperts(nn.Module):
         mesh, e, h, f = ctx.mesh, config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
         etp = mesh.etp_size
         if f % etp:
-            raise ValueError(
-                f"--moe-ffn-hidden-size ({f}) is not divisible by --expert-tensor-parallel-size ({etp})"
+            raise ArgumentError(
+                f"--moe-ffn-hidden-size ({f}) is not divisible by --expert-tensor-parallel-size ({etp}); "
+                f"use a multiple of {etp}"
             )
         self.swiglu, self.grouped = config.swiglu, config.moe_grouped_gemm
         nle = e // mesh.ep_size
