@@ -11,6 +11,10 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv-torch211
 .venv-torch211/bin/python -m pip install --quiet torch==2.11.0
 .venv-torch211/bin/python -m pip install --quiet -e . 'pytest>=7' 'pytest-timeout>=2.1'
+# -k leaves out test_gpu_path's three tests of one fixture (8 ranks training 9 runs, the costliest of the
+# leg), for time only: what in them depends on the torch version, whether this torch's addmm writes
+# fp32 into main_grad (the fusion GEMM) and the deterministic switches it has, is what
+# test_fused.py's fusion probe tests and test_gpu_path's probe tests check on this torch.
 # test_compiled_mappings: torch 2.11's dynamo zeroed the grads through a collective an autograd.Function
 # forward ran in place on the tensor it returns (pytorch#180642); the mappings trace funcol there.
 OMP_NUM_THREADS=1 .venv-torch211/bin/python -m pytest -q -p no:cacheprovider \
