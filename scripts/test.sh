@@ -7,7 +7,7 @@ export OMP_NUM_THREADS=1
 python -m ruff check .
 python -m ruff format --check .
 lint-imports
-# Two workers (pytest-xdist, the dev extra), one per core: a worker runs a whole test file (its one
-# spawn), or one docs page (tests/conftest.py groups them), so single-process tests and docs
-# commands on one core overlap the other's work. About a third less wall time than one worker.
-python -m pytest -q -n 2 --dist loadgroup "$@"
+# Two workers (pytest-xdist, the dev extra), one per core: a worker runs whole test files (a file's
+# one spawn runs once; tests/conftest.py puts the slowest first), so single-process tests and docs
+# commands on one core overlap the other's work.
+python -m pytest -q -n 2 --dist loadfile "$@"

@@ -137,28 +137,16 @@ def needs_cuda(test):
     return pytest.mark.cuda(skip(test))
 
 
-# ---- two workers (scripts/test.sh runs pytest -n 2 --dist loadgroup) ---------------------------
-# A worker runs whole groups: one group per test file, so a file's module-scoped spawn runs once
-# (the suite's rule: one spawn per file), except the docs pages, each a group of its own (the
-# docs file is the suite's longest, and its pages share nothing). The slowest groups go first so
-# that the two workers finish together rather than one waiting on the other's last long file.
+# ---- two workers (scripts/test.sh runs pytest -n 2 --dist loadfile) ----------------------------
+# A worker runs whole test files, so a file's module-scoped spawn runs once (the suite's rule: one
+# spawn per file). xdist hands out files in collection order: the slowest go first, so that the two
+# workers finish together rather than one waiting on the other's last long file. (--dist loadgroup
+# could split the docs file by page, but xdist 3.8 cannot rename pytest 9.2's node ids, so its
+# groups are silently ignored.)
 SLOW_FIRST = ("test_docs_commands.py", "test_compile.py", "test_zero.py", "test_context_parallel.py")
 
 
-def _xdist_group(item) -> str:
-    name = item.nodeid.split("::")[0]
-    if item.originalname == "test_runnable_blocks_exit_zero":
-        return f"{name}[{item.callspec.id}]"
-    return name
-
-
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
-    if config.pluginmanager.hasplugin("xdist"):  # the mark is xdist's (strict markers without it)
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-
     def weight(item):
         base = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         return SLOW_FIRST.index(base) if base in SLOW_FIRST else len(SLOW_FIRST)
