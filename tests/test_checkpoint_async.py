@@ -66,7 +66,9 @@ def _async_cases(tmp) -> dict:
         for it in (2, 4):
             a, s = files.iteration_dir(asyn, it), files.iteration_dir(sync, it)
             ta, ts = _tensors(a), _tensors(s)
-            out[f"same_tensors_{it}"] = sorted(ta) == sorted(ts) and all(torch.equal(ta[k], ts[k]) for k in ta)
+            out[f"same_tensors_{it}"] = sorted(ta) == sorted(ts) and all(
+                torch.equal(ta[k], ts[k]) for k in ta
+            )
             out[f"same_record_{it}"] = _record(a) == _record(s)
     # Resume at iteration 2: from the async checkpoint at the same layout, and from each at tp 2.
     runs = {
@@ -108,7 +110,9 @@ def _async_cases(tmp) -> dict:
 
     storage.write, error = failing, None
     try:
-        _pretrain([*BASE, "--train-iters", 8, "--save", tmp / "fail", "--async-save", "--metrics-file", tmp / "f"])
+        _pretrain(
+            [*BASE, "--train-iters", 8, "--save", tmp / "fail", "--async-save", "--metrics-file", tmp / "f"]
+        )
     except CheckpointError as e:
         error = str(e)
     finally:
@@ -163,7 +167,9 @@ def test_staging_copies_reuses_buffers_and_plans_the_cuda_copy():
 
     # What the CUDA path hands its copy: pinned buffers of the source's shape and dtype, async copies
     # for device tensors; the RNG states (host tensors on a GPU run too) a plain copy.
-    cuda = types.SimpleNamespace(shape=torch.Size([5, 2]), dtype=torch.bfloat16, device=torch.device("cuda", 1))
+    cuda = types.SimpleNamespace(
+        shape=torch.Size([5, 2]), dtype=torch.bfloat16, device=torch.device("cuda", 1)
+    )
     plan = {s.name: s for s in copy_plan({"p": cuda, "rng": pieces["rng"]})}
     assert (plan["p"].shape, plan["p"].dtype, plan["p"].pinned, plan["p"].non_blocking) == (
         (5, 2),
