@@ -124,6 +124,23 @@ def _async_cases(tmp) -> dict:
         "last_iteration": max(_losses(tmp / "f")) if rank0 else None,
     }
     logging.getLogger("megalite").removeHandler(handler)
+
+    # The memory report's staging bytes against what a save stages (every rank: its own pieces).
+    import dataclasses
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint.checkpointing import capture_save
+    from megalite.memory import MemoryLayout, async_save_staging_bytes
+    from megalite.training import setup
+
+    run = RunConfig.from_flags(
+        [str(a) for a in BASE + ["--tensor-model-parallel-size", 2, "--save", tmp / "m"]]
+    )
+    state = setup(run, with_data=False)
+    pieces = capture_save(state, dataclasses.replace(run.checkpoint, save=str(tmp / "m"))).pieces
+    staged = sum(getattr(v, "tensor", v).nbytes for v in pieces.values())
+    layout = MemoryLayout.from_configs(run)
+    out["staging_bytes"] = (staged, async_save_staging_bytes(state.config, layout, state.mesh.pp_rank))
     return out
 
 
@@ -144,6 +161,9 @@ def test_async_saves_equal_sync_resume_bitwise_and_fail_in_one_line(tmp_path):
         assert "Permission denied" in fail["error"] and "iteration 2 is still the latest" in fail["error"]
         assert fail["tracker"] == 2 and fail["folders"] == ["iter_0000002"]
     assert r0["fail"]["last_iteration"] in (5, 6)  # stopped at the next step boundaries, not at the end
+    for r in out:  # predicted: every param of the rank once (padding rows too), within 5% of what it stages
+        staged, predicted = r["staging_bytes"]
+        assert 0.95 * predicted < staged < 1.05 * predicted, r["staging_bytes"]
 
 
 # ------------------------------------------------------------------------------- staging (no spawn)
