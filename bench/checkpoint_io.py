@@ -2,7 +2,7 @@
 ``--async-save`` against synchronous saves and the disk itself.
 
     python bench/checkpoint_io.py [--repeats 3]
-    python bench/checkpoint_io.py --async-save [--saves 10] [--iters 12]
+    python bench/checkpoint_io.py --async-save [--saves 10] [--iters 20]
 
 ``--async-save`` prints one JSON object, one process, a model whose synchronous save takes over a
 second here: the disk's own write speed (a plain sequential write of the checkpoint's bytes, fsync'd,

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from conftest import COMMON
+from conftest import COMMON, needs_cuda
 
 from megalite.spawn import run_distributed
 
@@ -198,3 +198,19 @@ def test_staging_copies_reuses_buffers_and_plans_the_cuda_copy():
         True,
     )
     assert not plan["rng"].pinned and not plan["rng"].non_blocking and plan["rng"].dtype == torch.int64
+
+
+@needs_cuda
+def test_cuda_staging_is_pinned_on_a_side_stream_and_ordered_before_the_next_update():
+    from megalite.checkpoint.async_save import HostStaging
+    from megalite.checkpoint.storage import Shard
+
+    w = torch.randn(1024, 1024, device="cuda")
+    expected = w.cpu()
+    staging = HostStaging()
+    staged, event = staging.stage({"w": Shard(w, (0, 0), (1024, 1024)), "rng": torch.arange(3)})
+    w.mul_(0.0)  # the next step's update, queued on the main stream behind the copy
+    event.synchronize()
+    assert staged["w"].tensor.is_pinned() and staged["w"].tensor.device.type == "cpu"
+    assert torch.equal(staged["w"].tensor, expected) and torch.equal(staged["rng"], torch.arange(3))
+    assert staging.stream is not None and staging.stream != torch.cuda.current_stream()
