@@ -355,18 +355,25 @@ def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     return sum(s.numel * b for c in chunks for s in chunk_param_shapes(config, layout.tp, c))
 
 
+# A rank's RNG states in a checkpoint (checkpoint/rng_state.py): python's and numpy's Mersenne twisters
+# (626 int64 each, + the cached gaussians) and three torch CPU generators (5056 bytes each; on a GPU two
+# of them are CUDA states of 16 bytes, plus the CPU one).
+RNG_STATE_BYTES = 626 * 8 + 16 + 626 * 8 + 8 + 3 * 5056
+
+
 def async_save_staging_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     """``--async-save``: host bytes of one rank's staging buffers, allocated at the first save and reused:
     what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded, gathered under ZeRO)
     at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16 params, the fp32 main copy
-    (the tied output copy and the vocab padding, not stored, are counted: an upper bound by a few rows)."""
+    (the tied output copy and the vocab padding, not stored, are counted: an upper bound by a few rows),
+    and its RNG states."""
     b = dtype_bytes(layout.params_dtype)
     numel = sum(
         s.numel
         for c in stage_chunks(config, layout)[pp_rank]
         for s in chunk_param_shapes(config, layout.tp, c)
     )
-    return numel * (b + 8 + (4 if b != 4 else 0))
+    return numel * (b + 8 + (4 if b != 4 else 0)) + RNG_STATE_BYTES
 
 
 def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
