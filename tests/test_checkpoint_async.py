@@ -200,6 +200,27 @@ def test_staging_copies_reuses_buffers_and_plans_the_cuda_copy():
     assert not plan["rng"].pinned and not plan["rng"].non_blocking and plan["rng"].dtype == torch.int64
 
 
+def test_a_failed_write_is_one_line_naming_save_the_cause_and_the_rank(tmp_path):
+    """DCP reports a rank's failure wrapped ({rank: (exception, traceback)}): the line names what is under it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megalite.checkpoint.checkpointing import SaveJob, save_failed
+
+    job = SaveJob(tmp_path, 4, 0, {}, {}, 1000)
+    (tmp_path / "iter_0000004.tmp").mkdir()
+    wrapped = CheckpointException(
+        "failed", {1: (OSError(errno.EIO, "Input/output error", "x/__1_0.distcp"), None)}
+    )
+    line = str(save_failed(wrapped, job))
+    assert line == (
+        f"--save {tmp_path}: saving iteration 4 failed on rank 1: OSError: Input/output error (x/__1_0.distcp); "
+        "no checkpoint yet: fix the cause (or pick another --save) and rerun the same command to resume"
+    )
+    assert not (tmp_path / "iter_0000004.tmp").exists()  # the partial folder is removed
+    full = str(save_failed(OSError(errno.ENOSPC, "No space left on device"), job))
+    assert "no space left on the device while saving iteration 4" in full and "1000 bytes needed" in full
+
+
 @needs_cuda
 def test_cuda_staging_is_pinned_on_a_side_stream_and_ordered_before_the_next_update():
     from megalite.checkpoint.async_save import HostStaging

@@ -355,13 +355,27 @@ def save_failed(e: BaseException, job: SaveJob) -> files.CheckpointError:
     if full is not None:
         return full
     shutil.rmtree(files.staging_dir(job.root, job.iteration), ignore_errors=True)
+    e, rank = _cause(e)
     cause = (
         f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
     )
+    where = f" on rank {rank}" if rank is not None else ""
     return files.CheckpointError(
-        f"--save {job.root}: saving iteration {job.iteration} failed: {type(e).__name__}: {cause}; "
+        f"--save {job.root}: saving iteration {job.iteration} failed{where}: {type(e).__name__}: {cause}; "
         f"{_kept(job.root)}: fix the cause (or pick another --save) and rerun the same command to resume"
     )
+
+
+def _cause(e: BaseException) -> tuple[BaseException, int | None]:
+    """The exception under DCP's ``CheckpointException`` (``failures``: {rank: (exception, traceback)}),
+    with the first failing rank; any other exception is its own cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            return inner, rank
+    return e, None
 
 
 def _kept(root: Path) -> str:
