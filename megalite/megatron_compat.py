@@ -164,11 +164,11 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", 0, _FSDP_BUFFERS),
     CompatFlag("--megatron-fsdp-max-pool-double-buffer", 0, _FSDP_BUFFERS),
     CompatFlag("--verify-integrity", 0, _CKPT + "; every load already checks each file's checksum"),
-    CompatFlag("--async-strategy", 1, _CKPT + "; --async-save has one writer (a thread per rank)"),
+    CompatFlag("--async-strategy", 1, _CKPT + ", whose --async-save has one writer, a thread per rank"),
     CompatFlag(
         "--async-ckpt-use-cpu-shm",
         0,
-        _CKPT + "; --async-save's writer thread reads the staged host copy itself",
+        _CKPT + ", whose --async-save writer thread reads the staged host copy itself",
     ),
     CompatFlag(
         "--save-retain-interval",

@@ -5,6 +5,7 @@ hands its copy) checked on the CPU. One spawn of 2 gloo ranks, tiny models."""
 
 import errno
 import logging
+import re
 import time
 import types
 
@@ -235,3 +236,17 @@ def test_cuda_staging_is_pinned_on_a_side_stream_and_ordered_before_the_next_upd
     assert staged["w"].tensor.is_pinned() and staged["w"].tensor.device.type == "cpu"
     assert torch.equal(staged["w"].tensor, expected) and torch.equal(staged["rng"], torch.arange(3))
     assert staging.stream is not None and staging.stream != torch.cuda.current_stream()
+
+
+def test_megatron_async_flags_are_honoured_without_the_old_warning(tmp_path):
+    from megalite.arguments import RunConfig
+
+    argv = [*COMMON, "--save", str(tmp_path), "--async-save", "--use-persistent-ckpt-worker"]
+    run = RunConfig.from_flags(
+        [*argv, "--ckpt-format", "torch_dist", "--async-strategy", "nvrx"], world_size=1
+    )
+    notes = "\n".join(run.notes)
+    assert run.checkpoint.async_save and "--ckpt-format" in notes and "--async-strategy" in notes
+    ignored = re.findall(r"(?:here: |\); )(--[\w-]+)", notes)  # the flags the warning lists
+    assert ignored == ["--ckpt-format", "--async-strategy"], ignored
+    assert "synchronous" not in notes
