@@ -100,6 +100,25 @@ def _async_cases(tmp) -> dict:
         storage.write = real
     out["waits"] = [m for m in records if "waited" in m]
 
+    # A non-finite loss stops the run while iteration 2's (slow) save is in flight: it is finished first.
+    import megalite.training as training
+    from megalite.optim import NonFiniteError
+
+    step = training.train_step
+
+    def nan_at_3(state, data_iter, **kwargs):
+        if state.iteration == 2:
+            raise NonFiniteError("iteration 3: the loss is NaN (injected)")
+        return step(state, data_iter, **kwargs)
+
+    storage.write, training.train_step = slow, nan_at_3
+    try:
+        _pretrain(BASE + ["--save", tmp / "nan", "--async-save"])
+    except NonFiniteError:
+        out["nan_tracker"] = files.read_tracker(tmp / "nan")  # at once: published before the error left
+    finally:
+        storage.write, training.train_step = real, step
+
     # A background write fails (permission lost) at iteration 4's save: the run stops in one line.
     calls = []
 
@@ -154,6 +173,7 @@ def test_async_saves_equal_sync_resume_bitwise_and_fail_in_one_line(tmp_path):
     assert losses["s"] == losses["a"] and len(losses["s"]) == 4
     assert losses["same"] == {3: losses["s"][3], 4: losses["s"][4]}  # bitwise: == on floats
     assert losses["tp2_async"] == losses["tp2_sync"] and set(losses["tp2_sync"]) == {3, 4}
+    assert all(r["nan_tracker"] == 2 for r in out)
     assert r0["waits"] and all("s for the background save of iteration" in m for m in r0["waits"])
     for r in out:  # every rank stops with the same line; iteration 2 stays the latest
         fail = r["fail"]
