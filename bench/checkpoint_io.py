@@ -1,6 +1,16 @@
-"""Checkpoint save / load time and size, for a tiny and a small model, at 1 and 8 ranks.
+"""Checkpoint save / load time and size, for a tiny and a small model, at 1 and 8 ranks; and
+``--async-save`` against synchronous saves and the disk itself.
 
     python bench/checkpoint_io.py [--repeats 3]
+    python bench/checkpoint_io.py --async-save [--saves 10] [--iters 20]
+
+``--async-save`` prints one JSON object, one process, a model whose synchronous save takes over a
+second here: the disk's own write speed (a plain sequential write of the checkpoint's bytes, fsync'd,
+in the same folder), the synchronous save's and the asynchronous save's throughput (GB/s: checkpoint
+bytes / time until published) and the time the training loop is blocked per save (median of
+``--saves``: staging into host buffers; for the sync save, the whole save), load throughput, and the
+training loop's time over ``--iters`` iterations with async saves every 2 iterations against none
+(the writes overlap the steps; the loop waits only if a save is still writing when the next is due).
 
 Prints one JSON object per (model, layout): save_s / load_s (median over repeats, the
 collective call on every rank, measured on rank 0 between barriers), bytes on disk,
@@ -85,11 +95,125 @@ def _measure_quietly(argv: list[str], folder: str, repeats: int) -> dict:
     }
 
 
+# A 47M-parameter GPT (a 0.56 GB checkpoint: fp32 weights + two Adam moments) with steps long enough
+# (micro batch 4 x 128 tokens) that a save every 2 iterations has time to finish in the background.
+ASYNC_MODEL = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000", "--num-layers", "3",
+    "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "128", "--micro-batch-size", "4",
+    "--lr", "1e-4", "--log-interval", "1000",
+]  # fmt: skip
+
+
+def _plain_write_s(folder: str, nbytes: int) -> float:
+    """One sequential write of ``nbytes`` into a new file of ``folder``, fsync'd: the disk's own speed."""
+    chunk = os.urandom(16 * 2**20)
+    path = os.path.join(folder, "plain_write.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(chunk[: min(left, len(chunk))])
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    os.unlink(path)
+    return elapsed
+
+
+def _train_s(argv: list[str]) -> tuple[float, list[float]]:
+    """The training loop's time (setup excluded) and, with --async-save, its blocked time per save."""
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import CheckpointHooks
+    from megalite.metrics import MetricSinks
+    from megalite.training import setup, train
+
+    run = RunConfig.from_flags(argv)
+    state = setup(run)
+    hooks = CheckpointHooks(state, run.checkpoint)
+    sinks = MetricSinks.open(run.logging, True, state.mesh)
+    start = time.perf_counter()
+    try:
+        train(state, sinks, hooks)
+        elapsed = time.perf_counter() - start
+        blocked = list(hooks.saver.blocked_s) if hooks.saver is not None else []
+    finally:
+        hooks.close()
+        sinks.close()
+    return elapsed, blocked
+
+
+def _async_measure(folder: str, saves: int, iters: int) -> dict:
+    import datetime
+
+    import torch
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import files, load_checkpoint, save_checkpoint
+    from megalite.checkpoint.async_save import AsyncSaver
+    from megalite.training import setup
+
+    torch.set_num_threads(1)
+    ckpt = os.path.join(folder, "ck")
+    state = setup(RunConfig.from_flags(ASYNC_MODEL + ["--train-iters", "1", "--save", ckpt, "--load", ckpt]))
+    sync, blocked, written = [], [], []
+    for i in range(saves):
+        state.iteration = i + 1
+        start = time.perf_counter()
+        path = save_checkpoint(state)
+        sync.append(time.perf_counter() - start)
+    nbytes = files.directory_bytes(path)
+    saver = AsyncSaver(0, datetime.timedelta(minutes=10))
+    for i in range(saves):
+        state.iteration = saves + i + 1
+        start = time.perf_counter()
+        saver.submit(state, state.configs.checkpoint)
+        blocked.append(time.perf_counter() - start)
+        saver.wait()  # here only to time the write alone; a run goes on training instead
+        written.append(time.perf_counter() - start)
+    saver.close()
+    loads = []
+    for _ in range(3):
+        start = time.perf_counter()
+        load_checkpoint(state)
+        loads.append(time.perf_counter() - start)
+    plain = statistics.median(_plain_write_s(folder, nbytes) for _ in range(3))
+    del state
+    run = ASYNC_MODEL + ["--train-iters", str(iters)]
+    no_saves, _ = _train_s(run)
+    saving = [*run, "--save", os.path.join(folder, "run"), "--save-interval", "2", "--async-save"]
+    with_saves, run_blocked = _train_s(saving)
+    med = statistics.median
+    return {
+        "checkpoint_bytes": nbytes,
+        "plain_write_GBps": round(nbytes / plain / 1e9, 3),
+        "sync_save_s": round(med(sync), 3),
+        "sync_save_GBps": round(nbytes / med(sync) / 1e9, 3),
+        "async_save_GBps": round(nbytes / med(written) / 1e9, 3),
+        "async_blocked_s": round(med(blocked), 4),
+        "async_blocked_over_sync_save": round(med(blocked) / med(sync), 4),
+        "load_GBps": round(nbytes / med(loads) / 1e9, 3),
+        "run_iters": iters,
+        "run_no_saves_s": round(no_saves, 2),
+        "run_async_saves_every_2_s": round(with_saves, 2),
+        "run_time_ratio": round(with_saves / no_saves, 4),
+        "run_blocked_s_per_save": [round(b, 4) for b in run_blocked],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--one-rank-only", action="store_true", help="skip the 8-rank layout")
+    p.add_argument("--async-save", action="store_true", help="sync vs async saves vs the disk (one JSON)")
+    p.add_argument("--saves", type=int, default=10, help="--async-save: saves of each kind (median)")
+    p.add_argument("--iters", type=int, default=20, help="--async-save: iterations of each timed run")
     a = p.parse_args()
+    if a.async_save:
+        bench_dir = os.environ.get("MEGALITE_BENCH_DIR")  # a folder on the disk to measure (default: tmp)
+        with tempfile.TemporaryDirectory(dir=bench_dir) as tmp, contextlib.redirect_stdout(io.StringIO()):
+            out = _async_measure(tmp, a.saves, a.iters)
+        print(json.dumps({"bench": "async_save", **out}), flush=True)
+        return
     common = [
         "--mock-data",
         "--tokenizer-type",

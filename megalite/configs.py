@@ -309,6 +309,8 @@ class CheckpointConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
+    async_save: bool = False  # --async-save: --save-interval saves written by a background thread
+    use_persistent_ckpt_worker: bool = False  # accepted; the --async-save writer is always persistent
     # Every flag of the run, resolved (JSON-able values): the checkpoint's record of the run that wrote
     # it (its metadata's "args"), which the resume policy compares with the next run's.
     flags: dict = field(default_factory=dict)

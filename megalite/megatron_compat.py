@@ -133,8 +133,6 @@ IGNORED: tuple[CompatFlag, ...] = (
             "ignore_all",
         ),
     ),
-    CompatFlag("--async-save", 0, _CKPT + "; saves are synchronous"),
-    CompatFlag("--use-persistent-ckpt-worker", 0, _CKPT),
     CompatFlag("--ckpt-fully-parallel-save", 0, _CKPT + "; every rank writes its own shards"),
     CompatFlag("--no-ckpt-fully-parallel-save", 0, _CKPT),
     CompatFlag("--ckpt-fully-parallel-load", 0, _CKPT),
@@ -166,8 +164,12 @@ IGNORED: tuple[CompatFlag, ...] = (
     CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", 0, _FSDP_BUFFERS),
     CompatFlag("--megatron-fsdp-max-pool-double-buffer", 0, _FSDP_BUFFERS),
     CompatFlag("--verify-integrity", 0, _CKPT + "; every load already checks each file's checksum"),
-    CompatFlag("--async-strategy", 1, _CKPT + "; saves are synchronous"),
-    CompatFlag("--async-ckpt-use-cpu-shm", 0, _CKPT + "; saves are synchronous"),
+    CompatFlag("--async-strategy", 1, _CKPT + ", whose --async-save has one writer, a thread per rank"),
+    CompatFlag(
+        "--async-ckpt-use-cpu-shm",
+        0,
+        _CKPT + ", whose --async-save writer thread reads the staged host copy itself",
+    ),
     CompatFlag(
         "--save-retain-interval",
         1,

@@ -355,6 +355,27 @@ def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     return sum(s.numel * b for c in chunks for s in chunk_param_shapes(config, layout.tp, c))
 
 
+# A rank's RNG states in a checkpoint (checkpoint/rng_state.py): python's and numpy's Mersenne twisters
+# (626 int64 each, + the cached gaussians) and three torch CPU generators (5056 bytes each; on a GPU two
+# of them are CUDA states of 16 bytes, plus the CPU one).
+RNG_STATE_BYTES = 626 * 8 + 16 + 626 * 8 + 8 + 3 * 5056
+
+
+def async_save_staging_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+    """``--async-save``: host bytes of one rank's staging buffers, allocated at the first save and reused:
+    what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded, gathered under ZeRO)
+    at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16 params, the fp32 main copy
+    (the tied output copy and the vocab padding, not stored, are counted: an upper bound by a few rows),
+    and its RNG states."""
+    b = dtype_bytes(layout.params_dtype)
+    numel = sum(
+        s.numel
+        for c in stage_chunks(config, layout)[pp_rank]
+        for s in chunk_param_shapes(config, layout.tp, c)
+    )
+    return numel * (b + 8 + (4 if b != 4 else 0)) + RNG_STATE_BYTES
+
+
 def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     """ZeRO-3: the peak bytes of full (all-gathered, padded) params, transient, besides the shards.
 
@@ -868,8 +889,17 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "optimizer_state_allocated": state_allocated,
         # Host memory (--optimizer-cpu-offload: optimizer state and pinned grad buffers; else 0).
         "host": {"measured": state.optimizer.host_bytes(), "predicted": predicted.host},
+        **async_save_record(state, layout),
         "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
     }
+
+
+def async_save_record(state, layout: MemoryLayout) -> dict:
+    """``{"async_save_staging_bytes": predicted}`` under ``--async-save`` (else empty): host memory."""
+    ckpt = state.configs.checkpoint
+    if not (ckpt.async_save and ckpt.save):
+        return {}
+    return {"async_save_staging_bytes": async_save_staging_bytes(state.config, layout, state.mesh.pp_rank)}
 
 
 def stage_summary(records: list[dict]) -> dict[str, int]:
@@ -942,4 +972,9 @@ def format_memory_table(records: list[dict]) -> str:
     if host:  # --optimizer-cpu-offload
         pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))
         lines.append(f"host memory (offloaded optimizer, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
+    staging = [r["async_save_staging_bytes"] for r in records if "async_save_staging_bytes" in r]
+    if staging:
+        lines.append(
+            f"host memory for --async-save staging (predicted, max over ranks) MiB: {max(staging) / mib:.3f}"
+        )
     return "\n".join([title] + [" " + line for line in lines])

@@ -366,11 +366,11 @@ def _disk_full_mid_run(fx) -> Result:
 
     real, calls = storage.write, []
 
-    def write(state, path, no_dist=False):
+    def write(state, path, no_dist=False, group=None):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(state, path, no_dist)
+        return real(state, path, no_dist, group)
 
     fx.disk_full_save = fx.fresh("full")
     with mock.patch.object(storage, "write", write):

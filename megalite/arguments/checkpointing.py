@@ -64,6 +64,16 @@ FLAGS = (
     switch(
         "--exit-signal-handler", "On SIGTERM finish the current step, save and exit 0 (SLURM preemption)."
     ),
+    switch(
+        "--async-save",
+        "Write --save-interval checkpoints in the background: the loop copies its state to host memory "
+        "and goes on; a writer thread writes and publishes it (docs/checkpoints.md).",
+    ),
+    switch(
+        "--use-persistent-ckpt-worker",
+        "Megatron's persistent async-save worker; megalite's --async-save writer is always one persistent "
+        "thread per rank, so this changes nothing.",
+    ),
 )
 GROUPS = (("fault tolerance", FAULT_FLAGS), ("checkpointing", FLAGS))
 RULES = {

@@ -63,7 +63,7 @@ POLICY = _classes(
     "profile_step_start pytorch_profiler_collect_callstack pytorch_profiler_collect_shapes "
     "record_memory_history timing_log_level timing_log_option use_pytorch_profiler "
     "distributed_timeout_minutes ckpt_step exit_duration_in_mins exit_interval exit_signal_handler finetune "
-    "load no_load_optim no_load_rng save save_interval fake_world_size fake_rank fake_tensors fake_real_tensors",
+    "load no_load_optim no_load_rng save save_interval async_save use_persistent_ckpt_worker fake_world_size fake_rank fake_tensors fake_real_tensors",
 )
 # The schedule flags the scheduler does not compare itself (a param group's own LR): checked here.
 _OWN_SCHEDULE = ("decoupled_lr", "decoupled_min_lr")

@@ -16,19 +16,19 @@ tensors its own layout needs, whatever layout wrote them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
 import shutil
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import log
 from megalite.checkpoint import files, megatron, optimizer_state, rng_state, storage
@@ -61,13 +61,9 @@ def any_rank(flags: list[bool], mesh: Mesh) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def first_error(error: str | None) -> str | None:
-    """The first rank's error message among every rank's (None: none failed); collective."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
+def first_error(error: str | None, group=None) -> str | None:
+    """The first rank's error message among every rank's of ``group`` (None: none failed); collective."""
+    return next((e for e in _all_ranks(error, group) if e is not None), None)
 
 
 def checkpoint_bytes(state) -> int:
@@ -103,6 +99,10 @@ def claim_save_dir(config: CheckpointConfig, mesh: Mesh, need_bytes: int = 0) ->
         if mesh.rank == 0:
             lock = files.SaveLock(root)
             note = lock.acquire()
+            gone = files.remove_partial_saves(root)  # ours now: what a killed save left is removed
+            if gone:
+                partial = f"removed {', '.join(gone)} in {root}, left by a save that never finished"
+                note = f"{note}; {partial}" if note else partial
     except files.CheckpointError as e:
         error = str(e)
     except OSError as e:
@@ -235,68 +235,155 @@ def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False
     }
 
 
+@dataclass
+class SaveJob:
+    """One rank's part of one checkpoint, taken from the live state at one iteration: what
+    :func:`write_save` writes. ``pieces`` are views of the live tensors (a synchronous save) or their
+    staged host copies (``--async-save``, :mod:`.async_save`); ``metadata`` is the JSON record
+    (rank 0's is written) without its checksums, which the write adds."""
+
+    root: Path
+    iteration: int
+    rank: int
+    pieces: dict
+    metadata: dict
+    need_bytes: int  # about one checkpoint, for the disk-full message
+    started: float = field(default_factory=time.perf_counter)
+
+
+def capture_save(state, config: CheckpointConfig) -> SaveJob:
+    """Collective (ZeRO: the optimizer state is gathered over DP): this rank's :class:`SaveJob` for
+    ``state.iteration``. Under ZeRO-3 call it inside ``gathered_params(state.model)``: the model pieces
+    are views of the whole params."""
+    mesh, optimizer = state.mesh, state.optimizer
+    pieces = model_pieces(state.model, state.config, mesh)
+    pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
+    pieces.update(rng_state.capture(mesh, state.rng))
+    scaler = optimizer.grad_scaler
+    metadata = {
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "skipped_iters": state.skipped_iters,
+        "model_config": state.config.to_dict(),
+        "parallel": parallel_layout(mesh, len(state.model), optimizer.dp_sharded),
+        "params_dtype": str(next(p for _, _, p in named_parameters(state.model)).dtype),
+        "contents": {"model": True, "optimizer": True, "rng": True},
+        "optimizer": {
+            "adam_step": optimizer_state.adam_step(optimizer),
+            "main_params_stored": optimizer_state.stores_main_params(optimizer),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        },
+        "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+        "args": config.flags,
+    }
+    metadata = json.loads(json.dumps(metadata))  # a copy: the live objects go on changing
+    return SaveJob(Path(config.save), state.iteration, mesh.rank, pieces, metadata, checkpoint_bytes(state))
+
+
+def write_save(job: SaveJob, group=None) -> Path:
+    """Collective over ``group`` (default: every rank): write ``job`` into ``SAVE/iter_N.tmp``, each rank
+    its own files (fsync'd), gather their checksums, and on rank 0 publish ``iter_N`` and point the
+    tracker at it, only once every rank's files are on disk. The one writer of every save: the
+    synchronous save calls it in the loop, ``--async-save``'s writer thread on its own gloo group.
+
+    Any rank's failure stops every rank with the same one line naming ``--save`` and the cause; the
+    tracker then still names the previous checkpoint."""
+    root, iteration, rank = job.root, job.iteration, job.rank
+    error = None
+    if rank == 0:
+        try:
+            files.new_staging_dir(root, iteration)
+        except OSError as e:
+            error = str(save_failed(e, job))
+    error = first_error(error, group)  # also the barrier: the staging folder exists for everyone
+    if error is not None:
+        raise files.CheckpointError(error)
+    staging, sums = files.staging_dir(root, iteration), {}
+    try:
+        storage.write(job.pieces, staging, group=group)  # returns once every rank's files are on disk
+        sums = files.checksum_files(staging, files.rank_files(staging, rank), rank)
+        if rank == 0:
+            sums.update(files.checksum_files(staging, [".metadata"], 0))
+    except Exception as e:
+        error = str(save_failed(e, job))
+    parts = _all_ranks((sums, error), group)  # each rank read back its own files, in parallel
+    error = next((e for _, e in parts if e is not None), None)
+    final = files.iteration_dir(root, iteration)
+    if error is None and rank == 0:
+        checksums = {"algorithm": "crc32", "files": {n: v for part, _ in parts for n, v in part.items()}}
+        try:
+            files.finish_save(root, {**job.metadata, "checksums": checksums})
+        except Exception as e:  # every rank must learn of it, or they would carry on without a save
+            error = str(save_failed(e, job))
+    error = first_error(error, group)
+    if error is not None:
+        raise files.CheckpointError(error)
+    if rank == 0:
+        size = files.directory_bytes(final)
+        logger.info(
+            f" saved checkpoint at iteration {iteration} to {final} in {time.perf_counter() - job.started:.2f} s "
+            f"({size / 2**20:.1f} MiB)"
+        )
+    return final
+
+
 def save_checkpoint(state, config: CheckpointConfig | None = None) -> Path:
     """Collective: write ``SAVE/iter_N`` for ``state.iteration`` and point the tracker at it.
 
     ``config``: the checkpoint flags (default: ``state.configs.checkpoint``).
     """
     config = config or state.configs.checkpoint
-    mesh, optimizer, root, iteration = state.mesh, state.optimizer, Path(config.save), state.iteration
-    start = time.perf_counter()
-    if mesh.rank == 0:
-        files.new_staging_dir(root, iteration)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # the staging folder exists for everyone
-
-    staging = files.staging_dir(root, iteration)
     with gathered_params(state.model):  # ZeRO-3: whole params while they are written (collective)
-        pieces = model_pieces(state.model, state.config, mesh)
-        pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh))
-        pieces.update(rng_state.capture(mesh, state.rng))
-        with disk_full_is_one_line(state, root, iteration):
-            storage.write(pieces, staging)  # returns once every rank's files are on disk
-    checksums = gather_checksums(staging, mesh)  # each rank reads back its own files, in parallel
-
-    error, final = None, files.iteration_dir(root, iteration)
-    if mesh.rank == 0:
-        try:
-            scaler = optimizer.grad_scaler
-            files.finish_save(
-                root,
-                {
-                    "iteration": iteration,
-                    "consumed_train_samples": state.consumed_train_samples,
-                    "skipped_iters": state.skipped_iters,
-                    "model_config": state.config.to_dict(),
-                    "parallel": parallel_layout(mesh, len(state.model), optimizer.dp_sharded),
-                    "params_dtype": str(next(p for _, _, p in named_parameters(state.model)).dtype),
-                    "contents": {"model": True, "optimizer": True, "rng": True},
-                    "optimizer": {
-                        "adam_step": optimizer_state.adam_step(optimizer),
-                        "main_params_stored": optimizer_state.stores_main_params(optimizer),
-                        "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                    },
-                    "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-                    "args": config.flags,
-                    "checksums": checksums,
-                },
-            )
-        except Exception as e:  # every rank must learn of it, or they would carry on without a save
-            error = disk_full(e, state, root, iteration) or e
-    if any_rank([error is not None], mesh)[0]:
-        if error is not None:
-            raise error
-        raise files.CheckpointError(f"saving {final} failed on rank 0 (see its error)")
-    if mesh.rank == 0:
-        size = files.directory_bytes(final)
-        logger.info(
-            f" saved checkpoint at iteration {iteration} to {final} in {time.perf_counter() - start:.2f} s "
-            f"({size / 2**20:.1f} MiB)"
-        )
-    return final
+        return write_save(capture_save(state, config))
 
 
-def disk_full(e: BaseException, state, root: Path, iteration: int) -> files.CheckpointError | None:
+def _all_ranks(obj, group=None) -> list:
+    """``obj`` of every rank of ``group`` (collective; one process: ``[obj]``)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def save_failed(e: BaseException, job: SaveJob) -> files.CheckpointError:
+    """``e``, raised while writing ``job``, as one line naming ``--save``, the cause and the checkpoint
+    that stays the latest (a full disk also names the bytes needed: :func:`disk_full`)."""
+    if isinstance(e, files.CheckpointError):
+        return e
+    full = disk_full(e, job.root, job.iteration, job.need_bytes)
+    if full is not None:
+        return full
+    shutil.rmtree(files.staging_dir(job.root, job.iteration), ignore_errors=True)
+    e, rank = _cause(e)
+    cause = (
+        f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    )
+    where = f" on rank {rank}" if rank is not None else ""
+    return files.CheckpointError(
+        f"--save {job.root}: saving iteration {job.iteration} failed{where}: {type(e).__name__}: {cause}; "
+        f"{_kept(job.root)}: fix the cause (or pick another --save) and rerun the same command to resume"
+    )
+
+
+def _cause(e: BaseException) -> tuple[BaseException, int | None]:
+    """The exception under DCP's ``CheckpointException`` (``failures``: {rank: (exception, traceback)}),
+    with the first failing rank; any other exception is its own cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            return inner, rank
+    return e, None
+
+
+def _kept(root: Path) -> str:
+    latest = files.read_tracker(root)
+    return f"iteration {latest} is still the latest checkpoint" if latest is not None else "no checkpoint yet"
+
+
+def disk_full(e: BaseException, root: Path, iteration: int, need_bytes: int) -> files.CheckpointError | None:
     """``e`` as one line naming ``--save``, the bytes needed and the checkpoint that stays the latest,
     when it says the device is full (an ENOSPC OSError, or DCP / torch's wrapped report of one)."""
     text = str(e)
@@ -308,36 +395,11 @@ def disk_full(e: BaseException, state, root: Path, iteration: int) -> files.Chec
     ):
         return None
     shutil.rmtree(files.staging_dir(root, iteration), ignore_errors=True)  # its partial files take space
-    latest = files.read_tracker(root)
-    kept = f"iteration {latest} is still the latest checkpoint" if latest is not None else "no checkpoint yet"
     return files.CheckpointError(
         f"--save {root}: no space left on the device while saving iteration {iteration} (about "
-        f"{checkpoint_bytes(state)} bytes needed for one checkpoint, {shutil.disk_usage(root).free} free); "
-        f"{kept}: free space (or pick another --save) and rerun the same command to resume"
+        f"{need_bytes} bytes needed for one checkpoint, {shutil.disk_usage(root).free} free); "
+        f"{_kept(root)}: free space (or pick another --save) and rerun the same command to resume"
     )
-
-
-@contextlib.contextmanager
-def disk_full_is_one_line(state, root: Path, iteration: int):
-    try:
-        yield
-    except (OSError, RuntimeError, CheckpointException) as e:
-        error = disk_full(e, state, root, iteration)
-        if error is None:
-            raise
-        raise error from None
-
-
-def gather_checksums(staging: Path, mesh: Mesh) -> dict | None:
-    """Collective: the checksums of every rank's DCP files (+ rank 0's ``.metadata``), on rank 0."""
-    mine = files.checksum_files(staging, files.rank_files(staging, mesh.rank), mesh.rank)
-    if mesh.rank == 0:
-        mine.update(files.checksum_files(staging, [".metadata"], 0))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        mine = {name: entry for part in parts for name, entry in part.items()}
-    return {"algorithm": "crc32", "files": mine}
 
 
 def verify_checkpoint(folder: Path, iteration: int, meta: dict, mesh: Mesh) -> None:

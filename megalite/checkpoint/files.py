@@ -166,6 +166,25 @@ def new_staging_dir(root: Path, iteration: int) -> Path:
     return staging
 
 
+def remove_partial_saves(root: Path) -> list[str]:
+    """At start, holding the save lock: delete what killed saves left (never published): ``iter_N.tmp``
+    folders, a tracker's ``.tmp``, and an ``iter_N.old`` whose ``iter_N`` is complete. Returns their names."""
+    gone = []
+    for p in sorted(root.glob("iter_*.tmp")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    for p in sorted(root.glob("iter_*.old")):
+        if p.is_dir() and (p.with_name(p.name[: -len(".old")]) / METADATA).is_file():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    tracker_tmp = root / (TRACKER + ".tmp")
+    if tracker_tmp.is_file():
+        tracker_tmp.unlink()
+        gone.append(tracker_tmp.name)
+    return gone
+
+
 def finish_save(root: Path, metadata: dict) -> Path:
     """Rank 0, every rank's tensors being in ``iter_N.tmp/``: write the JSON ``metadata`` (+ the format
     fields), publish the folder as ``iter_N/`` (returned), then point the tracker at it: the commit point."""

@@ -17,14 +17,21 @@ Every rank must stop at the same iteration (the save is collective), but a
 signal reaches ranks at different moments and clocks differ, so the two
 non-deterministic conditions are agreed on with one tiny all-reduce (MAX) per
 iteration — only when one of those flags is given.
+
+``--async-save`` (:mod:`.async_save`): the ``--save-interval`` saves are staged and written in the
+background; ``after_step`` first retires the save in flight (a failed one stops the run there). The
+saves before an exit and at the end wait for the one in flight, then write synchronously: the run
+ends with them published.
 """
 
 from __future__ import annotations
 
+import datetime
 import signal
 import time
 
 from megalite import log
+from megalite.checkpoint.async_save import AsyncSaver
 from megalite.checkpoint.checkpointing import (
     CheckpointConfig,
     any_rank,
@@ -63,8 +70,15 @@ class CheckpointHooks:
         self.last_saved = state.iteration if state.iteration > 0 else None
         self.signal = SignalFlag() if self.config.exit_signal_handler else None
         self.exit_reason: str | None = None
+        self.saver = None
+        if self.config.save and self.config.async_save:  # collective: the writer's gloo groups
+            minutes = state.configs.training.distributed_timeout_minutes
+            self.saver = AsyncSaver(state.mesh.rank, datetime.timedelta(minutes=minutes))
 
     def close(self) -> None:
+        if self.saver is not None:  # finish the save in flight (or leave it unpublished), then unlock
+            self.saver.close()
+            self.saver = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -81,16 +95,23 @@ class CheckpointHooks:
         late = limit is not None and (time.monotonic() - self.start) / 60.0 > limit
         return tuple(any_rank([got_signal, late], state.mesh))
 
-    def _save(self, state) -> None:
+    def _save(self, state, background: bool = False) -> None:
+        if self.saver is not None and not background:
+            self.saver.wait()  # the save in flight first: the run never ends with it unpublished
         if self.config.save and self.last_saved != state.iteration:
-            save_checkpoint(state, self.config)
+            if background and self.saver is not None:
+                self.saver.submit(state, self.config)
+            else:
+                save_checkpoint(state, self.config)
             self.last_saved = state.iteration
 
     def after_step(self, state) -> bool:
         """Save if due; True when the run must stop now (after saving)."""
         c, it = self.config, state.iteration
+        if self.saver is not None:
+            self.saver.poll()  # --async-save: a finished save is retired here, a failed one stops the run
         if c.save and c.save_interval and it % c.save_interval == 0:
-            self._save(state)
+            self._save(state, background=True)
         got_signal, late = self._agreed_flags(state)
         if got_signal:
             self.exit_reason = "SIGTERM received (--exit-signal-handler)"
@@ -108,5 +129,7 @@ class CheckpointHooks:
 
     def at_end(self, state) -> None:
         """The save at the end of training (Megatron: unless this iteration was just saved)."""
+        if self.saver is not None:
+            self.saver.wait()
         if state.iteration > 0:
             self._save(state)

@@ -241,17 +241,25 @@ def _no_dist(no_dist: bool) -> bool:
     return no_dist or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def write(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
-    """Collective (every rank of the default group): write ``state`` into folder ``path``.
+def write(state: dict, path: str | pathlib.Path, no_dist: bool = False, group=None) -> None:
+    """Collective (every rank of ``group``, default: the default group): write ``state`` into folder
+    ``path``.
 
-    Each rank writes one ``__<rank>_0.distcp`` file with its pieces; the
+    Each rank writes one ``__<rank>_0.distcp`` file with its pieces, fsync'd; the
     coordinator (rank 0) writes ``.metadata`` once every rank has finished.
-    ``no_dist``: this process alone writes (single-process tools).
+    ``no_dist``: this process alone writes (single-process tools). ``group`` spanning every rank
+    (``--async-save``'s writer thread has a gloo group of its own) keeps the file names.
     """
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(), no_dist=_no_dist(no_dist))
+        dcp.save(
+            state,
+            storage_writer=writer,
+            planner=ShardSavePlanner(),
+            process_group=group,
+            no_dist=_no_dist(no_dist),
+        )
 
 
 def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:

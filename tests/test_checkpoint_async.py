@@ -1,0 +1,272 @@
+"""--async-save: the checkpoints equal the synchronous ones, resume bitwise like them (same layout and
+dp2 -> tp2), a slow write makes the next save wait (logged), a failed background write stops the run
+with one line and keeps the last published checkpoint; the staging copies (and what the CUDA path
+hands its copy) checked on the CPU. One spawn of 2 gloo ranks, tiny models."""
+
+import errno
+import logging
+import re
+import time
+import types
+
+import pytest
+import torch
+from conftest import COMMON, needs_cuda
+
+from megalite.spawn import run_distributed
+
+BASE = [*COMMON, "--num-layers", "2", "--train-iters", "4", "--save-interval", "2"]
+
+
+def _tensors(folder) -> dict:
+    """Every tensor of a checkpoint folder, read in this process alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megalite.checkpoint import storage
+
+    stored = storage.read_dcp_metadata(folder).state_dict_metadata
+    out = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in stored.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    storage.read(out, folder, no_dist=True)
+    return out
+
+
+def _record(folder) -> dict:
+    from megalite.checkpoint import files
+
+    meta = files.read_metadata(folder)
+    return {k: v for k, v in meta.items() if k not in ("checksums", "args", "megalite_version")}
+
+
+def _losses(path) -> dict:
+    from conftest import metrics
+
+    return dict(metrics(path))
+
+
+def _pretrain(argv) -> None:
+    from megalite.training import pretrain
+
+    pretrain([str(a) for a in argv])
+
+
+def _async_cases(tmp) -> dict:
+    import torch.distributed as dist
+
+    from megalite.checkpoint import CheckpointError, files, storage
+
+    rank0 = dist.get_rank() == 0
+    out = {}
+    sync, asyn = tmp / "sync", tmp / "async"
+    _pretrain(BASE + ["--save", sync, "--metrics-file", tmp / "s.jsonl"])
+    _pretrain(BASE + ["--save", asyn, "--metrics-file", tmp / "a.jsonl", "--async-save"])
+    if rank0:  # the same bytes of every tensor, the same record
+        for it in (2, 4):
+            a, s = files.iteration_dir(asyn, it), files.iteration_dir(sync, it)
+            ta, ts = _tensors(a), _tensors(s)
+            out[f"same_tensors_{it}"] = sorted(ta) == sorted(ts) and all(
+                torch.equal(ta[k], ts[k]) for k in ta
+            )
+            out[f"same_record_{it}"] = _record(a) == _record(s)
+    # Resume at iteration 2: from the async checkpoint at the same layout, and from each at tp 2.
+    runs = {
+        "same": (asyn, []),
+        "tp2_async": (asyn, ["--tensor-model-parallel-size", "2"]),
+        "tp2_sync": (sync, ["--tensor-model-parallel-size", "2"]),
+    }
+    for name, (src, flags) in runs.items():
+        _pretrain(BASE + flags + ["--load", src, "--ckpt-step", 2, "--save", tmp / name, "--async-save"]
+                  + ["--metrics-file", tmp / f"{name}.jsonl"])  # fmt: skip
+    out["losses"] = {name: _losses(tmp / f"{name}.jsonl") for name in ["s", "a", *runs]}
+
+    # A slow write: the next due save waits for it, and says how long.
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("megalite").addHandler(handler)
+    real = storage.write
+
+    def slow(state, path, no_dist=False, group=None):
+        time.sleep(0.3)
+        return real(state, path, no_dist, group)
+
+    storage.write = slow
+    try:
+        _pretrain(BASE + ["--save", tmp / "slow", "--save-interval", 1, "--async-save"])
+    finally:
+        storage.write = real
+    out["waits"] = [m for m in records if "waited" in m]
+
+    # A non-finite loss stops the run while iteration 2's (slow) save is in flight: it is finished first.
+    import megalite.training as training
+    from megalite.optim import NonFiniteError
+
+    step = training.train_step
+
+    def nan_at_3(state, data_iter, **kwargs):
+        if state.iteration == 2:
+            raise NonFiniteError("iteration 3: the loss is NaN (injected)")
+        return step(state, data_iter, **kwargs)
+
+    storage.write, training.train_step = slow, nan_at_3
+    try:
+        _pretrain(BASE + ["--save", tmp / "nan", "--async-save"])
+    except NonFiniteError:
+        out["nan_tracker"] = files.read_tracker(tmp / "nan")  # at once: published before the error left
+    finally:
+        storage.write, training.train_step = real, step
+
+    # A background write fails (permission lost) at iteration 4's save: the run stops in one line.
+    calls = []
+
+    def failing(state, path, no_dist=False, group=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(state, path, no_dist, group)
+
+    storage.write, error = failing, None
+    try:
+        _pretrain(
+            [*BASE, "--train-iters", 8, "--save", tmp / "fail", "--async-save", "--metrics-file", tmp / "f"]
+        )
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        storage.write = real
+    out["fail"] = {
+        "error": error,
+        "tracker": files.read_tracker(tmp / "fail"),
+        "folders": sorted(p.name for p in (tmp / "fail").iterdir() if p.name.startswith("iter_")),
+        "last_iteration": max(_losses(tmp / "f")) if rank0 else None,
+    }
+    logging.getLogger("megalite").removeHandler(handler)
+
+    # The memory report's staging bytes against what a save stages (every rank: its own pieces).
+    import dataclasses
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint.checkpointing import capture_save
+    from megalite.memory import MemoryLayout, async_save_staging_bytes
+    from megalite.training import setup
+
+    run = RunConfig.from_flags(
+        [str(a) for a in BASE + ["--tensor-model-parallel-size", 2, "--save", tmp / "m"]]
+    )
+    state = setup(run, with_data=False)
+    pieces = capture_save(state, dataclasses.replace(run.checkpoint, save=str(tmp / "m"))).pieces
+    staged = sum(getattr(v, "tensor", v).nbytes for v in pieces.values())
+    layout = MemoryLayout.from_configs(run)
+    out["staging_bytes"] = (staged, async_save_staging_bytes(state.config, layout, state.mesh.pp_rank))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_async_saves_equal_sync_resume_bitwise_and_fail_in_one_line(tmp_path):
+    out = run_distributed(_async_cases, 2, tmp_path, timeout=200)
+    r0 = out[0]
+    assert all(r0[f"same_tensors_{it}"] and r0[f"same_record_{it}"] for it in (2, 4)), r0
+    losses = r0["losses"]
+    assert losses["s"] == losses["a"] and len(losses["s"]) == 4
+    assert losses["same"] == {3: losses["s"][3], 4: losses["s"][4]}  # bitwise: == on floats
+    assert losses["tp2_async"] == losses["tp2_sync"] and set(losses["tp2_sync"]) == {3, 4}
+    assert all(r["nan_tracker"] == 2 for r in out)
+    assert r0["waits"] and all("s for the background save of iteration" in m for m in r0["waits"])
+    for r in out:  # every rank stops with the same line; iteration 2 stays the latest
+        fail = r["fail"]
+        assert fail["error"] is not None and fail["error"].count("\n") == 0
+        assert fail["error"].startswith(f"--save {tmp_path / 'fail'}: saving iteration 4 failed")
+        assert "Permission denied" in fail["error"] and "iteration 2 is still the latest" in fail["error"]
+        assert fail["tracker"] == 2 and fail["folders"] == ["iter_0000002"]
+    assert r0["fail"]["last_iteration"] in (5, 6)  # stopped at the next step boundaries, not at the end
+    for r in out:  # predicted: every param of the rank once (padding rows too), within 5% of what it stages
+        staged, predicted = r["staging_bytes"]
+        assert 0.95 * predicted < staged < 1.05 * predicted, r["staging_bytes"]
+
+
+# ------------------------------------------------------------------------------- staging (no spawn)
+def test_staging_copies_reuses_buffers_and_plans_the_cuda_copy():
+    from megalite.checkpoint.async_save import HostStaging, copy_plan
+    from megalite.checkpoint.storage import Shard
+
+    w = torch.arange(12.0).reshape(3, 4)
+    pieces = {"w": Shard(w[1:], (1, 0), (3, 4)), "rng": torch.tensor([1, 2], dtype=torch.int64)}
+    staging = HostStaging()
+    staged, event = staging.stage(pieces)
+    assert event is None  # CPU: the copies are done on return
+    assert torch.equal(staged["w"].tensor, w[1:]) and staged["w"].offsets == (1, 0)
+    assert staged["w"].global_shape == (3, 4) and torch.equal(staged["rng"], pieces["rng"])
+    buffers = {k: b.data_ptr() for k, b in staging.buffers.items()}
+    w.add_(100.0)  # the next step changes the live tensor: the staged copy keeps the saved values
+    assert staged["w"].tensor[0, 0] == 4.0
+    again, _ = staging.stage(pieces)
+    assert {k: b.data_ptr() for k, b in staging.buffers.items()} == buffers  # reused, not reallocated
+    assert torch.equal(again["w"].tensor, w[1:]) and staging.nbytes == 8 * 4 + 2 * 8
+
+    # What the CUDA path hands its copy: pinned buffers of the source's shape and dtype, async copies
+    # for device tensors; the RNG states (host tensors on a GPU run too) a plain copy.
+    cuda = types.SimpleNamespace(
+        shape=torch.Size([5, 2]), dtype=torch.bfloat16, device=torch.device("cuda", 1)
+    )
+    plan = {s.name: s for s in copy_plan({"p": cuda, "rng": pieces["rng"]})}
+    assert (plan["p"].shape, plan["p"].dtype, plan["p"].pinned, plan["p"].non_blocking) == (
+        (5, 2),
+        torch.bfloat16,
+        True,
+        True,
+    )
+    assert not plan["rng"].pinned and not plan["rng"].non_blocking and plan["rng"].dtype == torch.int64
+
+
+def test_a_failed_write_is_one_line_naming_save_the_cause_and_the_rank(tmp_path):
+    """DCP reports a rank's failure wrapped ({rank: (exception, traceback)}): the line names what is under it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megalite.checkpoint.checkpointing import SaveJob, save_failed
+
+    job = SaveJob(tmp_path, 4, 0, {}, {}, 1000)
+    (tmp_path / "iter_0000004.tmp").mkdir()
+    wrapped = CheckpointException(
+        "failed", {1: (OSError(errno.EIO, "Input/output error", "x/__1_0.distcp"), None)}
+    )
+    line = str(save_failed(wrapped, job))
+    assert line == (
+        f"--save {tmp_path}: saving iteration 4 failed on rank 1: OSError: Input/output error (x/__1_0.distcp); "
+        "no checkpoint yet: fix the cause (or pick another --save) and rerun the same command to resume"
+    )
+    assert not (tmp_path / "iter_0000004.tmp").exists()  # the partial folder is removed
+    full = str(save_failed(OSError(errno.ENOSPC, "No space left on device"), job))
+    assert "no space left on the device while saving iteration 4" in full and "1000 bytes needed" in full
+
+
+@needs_cuda
+def test_cuda_staging_is_pinned_on_a_side_stream_and_ordered_before_the_next_update():
+    from megalite.checkpoint.async_save import HostStaging
+    from megalite.checkpoint.storage import Shard
+
+    w = torch.randn(1024, 1024, device="cuda")
+    expected = w.cpu()
+    staging = HostStaging()
+    staged, event = staging.stage({"w": Shard(w, (0, 0), (1024, 1024)), "rng": torch.arange(3)})
+    w.mul_(0.0)  # the next step's update, queued on the main stream behind the copy
+    event.synchronize()
+    assert staged["w"].tensor.is_pinned() and staged["w"].tensor.device.type == "cpu"
+    assert torch.equal(staged["w"].tensor, expected) and torch.equal(staged["rng"], torch.arange(3))
+    assert staging.stream is not None and staging.stream != torch.cuda.current_stream()
+
+
+def test_megatron_async_flags_are_honoured_without_the_old_warning(tmp_path):
+    from megalite.arguments import RunConfig
+
+    argv = [*COMMON, "--save", str(tmp_path), "--async-save", "--use-persistent-ckpt-worker"]
+    run = RunConfig.from_flags(
+        [*argv, "--ckpt-format", "torch_dist", "--async-strategy", "nvrx"], world_size=1
+    )
+    notes = "\n".join(run.notes)
+    assert run.checkpoint.async_save and "--ckpt-format" in notes and "--async-strategy" in notes
+    ignored = re.findall(r"(?:here: |\); )(--[\w-]+)", notes)  # the flags the warning lists
+    assert ignored == ["--ckpt-format", "--async-strategy"], ignored
+    assert "synchronous" not in notes
