@@ -135,9 +135,23 @@ class Swapper:
             os.close(fd)
         fds.clear()
 
+    # What every closed Swapper of this process moved (bench/offload.py reads it after a run).
+    finished: list[dict] = []
+
+    def stats(self) -> dict:
+        """Bytes read / written and the seconds any read / write was in flight."""
+        return {
+            "read_bytes": self.read_bytes,
+            "written_bytes": self.written_bytes,
+            "read_s": self.busy_seconds("read"),
+            "write_s": self.busy_seconds("write"),
+        }
+
     def close(self) -> None:
         """Finish every transfer, close the files and remove the swap directory."""
-        self._finalizer()
+        if self._finalizer.alive:
+            self._finalizer()
+            Swapper.finished.append(self.stats())
         self.dir.close()
 
     def _fd(self, key: str) -> int:
