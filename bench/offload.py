@@ -1,7 +1,7 @@
 """ZeRO-Infinity's nvme tier: its bandwidth during training against the disk's own, and the resident
 memory it saves against the memory model's prediction.
 
-    python bench/offload.py [--nvme-path DIR] [--hidden-size 768] [--num-layers 4] [--iters 4]
+    python bench/offload.py [--nvme-path DIR] [--hidden-size 512] [--num-layers 12] [--iters 4]
                             [--sub-group-size 500000] [--disk-mib 512]
 
 Prints one JSON object:
@@ -14,9 +14,11 @@ Prints one JSON object:
             no ZeRO) in a subprocess: step time (median after the first), peak RSS (ru_maxrss), the
             nvme bytes the memory model predicts, and for nvme the read / write GB/s while the tier's
             I/O was in flight (bytes / busy seconds) and their ratio to the disk's cached figure
-  rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the predicted
-            nvme bytes (goal: 1 within 5%; the sub-groups being stepped stay resident, at most
-            buffer count + 1 of them, listed as working_set_bytes)
+  rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the memory
+            model's prediction: the nvme bytes less the step's working set (the largest run of
+            buffer count + 1 consecutive sub-groups in memory at once: megalite.memory.
+            nvme_working_set_bytes; a main param larger than --offload-sub-group-size is a
+            sub-group of its own). Goal: 1 within 5%
 The children run with MALLOC_MMAP_THRESHOLD_=65536, so freed swap buffers go back to the OS at once
 (glibc's dynamic threshold would otherwise keep some in the heap, where RSS still counts them).
 """
@@ -66,10 +68,14 @@ def disk_bandwidth(path: str, mib: int, threads: int, piece: int, repeats: int =
 
 def child(argv: list[str]) -> None:
     """One training run (pretrain), then its step times, peak RSS and the swap stats as JSON."""
+    from megalite.arguments import RunConfig
+    from megalite.memory import MemoryLayout, nvme_working_set_bytes
     from megalite.parallel.offload import Swapper
     from megalite.training import pretrain
 
     pretrain(argv)
+    run = RunConfig.from_flags(argv, world_size=1)
+    working_set = nvme_working_set_bytes(run.model, MemoryLayout.from_configs(run), 0, 0)
     metrics = argv[argv.index("--metrics-file") + 1]
     with open(metrics) as f:
         records = [json.loads(x) for x in f]
@@ -82,6 +88,7 @@ def child(argv: list[str]) -> None:
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "nvme_predicted_bytes": memory["nvme"]["predicted"],
                 "host_predicted_bytes": memory["host"]["predicted"],
+                "working_set_bytes": working_set,
                 "swap": Swapper.finished,
             }
         )
@@ -108,8 +115,8 @@ def train(tier: str, a, d: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nvme-path", default=tempfile.gettempdir())
-    p.add_argument("--hidden-size", type=int, default=768)
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--sub-group-size", type=int, default=500_000)
     p.add_argument("--buffer-count", type=int, default=2)
@@ -129,12 +136,14 @@ def main() -> None:
     for kind in ("read", "write"):
         runs["nvme"][f"{kind}_vs_disk_cached"] = runs["nvme"][f"{kind}_GBps"] / disk["cached"][f"{kind}_GBps"]
     saved = runs["cpu"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
-    predicted = runs["nvme"]["nvme_predicted_bytes"]
+    working_set = runs["nvme"]["working_set_bytes"]
+    predicted = runs["nvme"]["nvme_predicted_bytes"] - working_set
     rss = {
         "saved_bytes": saved,
-        "predicted_bytes": predicted,
+        "nvme_bytes": runs["nvme"]["nvme_predicted_bytes"],
+        "working_set_bytes": working_set,
+        "predicted_saved_bytes": predicted,
         "ratio": saved / predicted,
-        "working_set_bytes": 12 * a.sub_group_size * (a.buffer_count + 1),
     }
     out = {
         "disk": disk,

@@ -49,6 +49,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
+from megalite.optim.step import sub_groups
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
@@ -106,6 +107,8 @@ class MemoryLayout:
     device_type: str = "cpu"
     offload_optimizer_device: str = "none"  # --offload-optimizer-device: nvme keeps the state in swap files
     offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
+    offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
+    offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:  # each switch needs the one before
@@ -159,6 +162,8 @@ class MemoryLayout:
             device_type=device_type,
             offload_optimizer_device=run.optimizer.offload.optimizer_device,
             offload_param_device=ddp.offload.param_device,
+            offload_sub_group_size=run.optimizer.offload.sub_group_size,
+            offload_buffer_count=run.optimizer.offload.buffer_count,
         )
 
     def validate(self) -> MemoryLayout:
@@ -432,6 +437,20 @@ def optimizer_nvme_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
     if layout.offload_optimizer_device != "nvme":
         return 0
     return sum(12 * n for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+
+
+def nvme_working_set_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """The nvme optimizer tier's transient host bytes at the step's peak: the largest run of
+    ``buffer count + 1`` consecutive sub-groups (the one being stepped, those read ahead, the one
+    still being written: ``optim.step.NvmeTier``), 12 bytes per element; 0 without the tier."""
+    if layout.offload_optimizer_device != "nvme":
+        return 0
+    mains = _main_params(config, layout, pp_rank, dp_rank)
+    host = [i for i, (_, h) in enumerate(mains) if h]
+    groups = sub_groups(host, [n for n, _ in mains], layout.offload_sub_group_size)
+    sizes = [12 * sum(mains[i][0] for i in g) for g in groups]
+    window = max(layout.offload_buffer_count - 1, 1) + 2
+    return max((sum(sizes[k : k + window]) for k in range(len(sizes))), default=0)
 
 
 def offloaded_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> dict[str, int]:
