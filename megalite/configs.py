@@ -133,6 +133,44 @@ def check_activation_memory(
         need(recompute.num_layers >= 1, f"--recompute-num-layers must be >= 1, got {recompute.num_layers}")
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """ZeRO-Infinity's tiers (docs/offload.md): where the optimizer state and the ZeRO-3 param shards
+    live, DeepSpeed's ``zero_optimization.offload_optimizer`` / ``offload_param`` keys. Held by both
+    :class:`OptimizerConfig` and :class:`DataParallelConfig` (the same object: one set of flags).
+
+    ``optimizer_device`` (``offload_optimizer.device``): ``none`` on the training device, ``cpu`` host
+    memory (``--optimizer-cpu-offload``), ``nvme`` swap files in ``nvme_path`` streamed through the
+    step in sub-groups of ``sub_group_size`` elements (``zero_optimization.sub_group_size``).
+    ``param_device`` (``offload_param.device``): where ZeRO-3's persistent param shards live.
+    ``buffer_count`` (``offload_*.buffer_count``): swap buffers in flight, i.e. the sub-groups / units
+    read ahead (the prefetch depth is ``buffer_count - 1``); ``buffer_size`` (``offload_param.buffer_size``,
+    elements): the largest single read or write, larger tensors go in pieces, in parallel.
+    """
+
+    optimizer_device: str = "none"
+    param_device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    sub_group_size: int = 1_000_000_000
+
+    def __post_init__(self):
+        for name in ("optimizer_device", "param_device"):
+            need(getattr(self, name) in OFFLOAD_DEVICES, f"offload {name} must be one of {OFFLOAD_DEVICES}")
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.optimizer_device, self.param_device)
+
+    @property
+    def prefetch_depth(self) -> int:
+        return max(self.buffer_count - 1, 1)
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
     """Gradient reduction and sharding over DP (Megatron-Core's ``DistributedDataParallelConfig``)."""
@@ -147,6 +185,7 @@ class DataParallelConfig:
     # The TP linears' weight-gradient GEMMs add into the grad buffer (the flag defaults on, as
     # Megatron's; off here, as Megatron-Core's config, for code that builds DDP directly)
     gradient_accumulation_fusion: bool = False
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # --offload-param-device (ZeRO-3)
 
     def __post_init__(self):
         object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
@@ -180,6 +219,7 @@ class OptimizerConfig:
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
     check_for_nan_in_loss_and_grad: bool = True
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # --offload-optimizer-device nvme
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
+from megalite.optim.step import sub_groups
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
@@ -104,6 +105,10 @@ class MemoryLayout:
     last_stage_layers: int | None = None
     ddp_bucket_size: int = 40_000_000
     device_type: str = "cpu"
+    offload_optimizer_device: str = "none"  # --offload-optimizer-device: nvme keeps the state in swap files
+    offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
+    offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
+    offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:  # each switch needs the one before
@@ -155,6 +160,10 @@ class MemoryLayout:
             last_stage_layers=par.decoder_last_pipeline_num_layers,
             ddp_bucket_size=ddp.bucket_size,
             device_type=device_type,
+            offload_optimizer_device=run.optimizer.offload.optimizer_device,
+            offload_param_device=ddp.offload.param_device,
+            offload_sub_group_size=run.optimizer.offload.sub_group_size,
+            offload_buffer_count=run.optimizer.offload.buffer_count,
         )
 
     def validate(self) -> MemoryLayout:
@@ -429,15 +438,65 @@ def optimizer_device_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: i
     (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction`` of them) hold nothing on the
     device: see :func:`optimizer_host_bytes`.
     """
-    copy = 4 if layout.params_dtype != torch.float32 else 0
+    # ZeRO-3 shards offloaded (--offload-param-device): the main params are copies on the device too.
+    copy = 4 if layout.params_dtype != torch.float32 or layout.offload_param_device != "none" else 0
     return sum((8 + copy) * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if not host)
 
 
 def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
     """Optimizer bytes in host memory (the optimizer's ``host_bytes``; 0 without offload): per offloaded
     main-param element the fp32 main copy (always a copy there), the two moments and the pinned fp32
-    buffer the grad's D2H lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param."""
-    return sum(16 * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+    buffer the grad's D2H lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param.
+    ``--offload-optimizer-device nvme``: only the grad buffer and ``step`` (:func:`optimizer_nvme_bytes`)."""
+    per = 4 if layout.offload_optimizer_device == "nvme" else 16
+    return sum(per * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+
+
+def optimizer_nvme_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """Optimizer bytes in the nvme tier's swap files (``--offload-optimizer-device nvme``; else 0): per
+    offloaded main-param element the fp32 main param and the two moments (12 bytes)."""
+    if layout.offload_optimizer_device != "nvme":
+        return 0
+    return sum(12 * n for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+
+
+def nvme_working_set_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+    """The nvme optimizer tier's transient host bytes at the step's peak: the largest run of
+    ``buffer count + 1`` consecutive sub-groups (the one being stepped, those read ahead, the one
+    still being written: ``optim.step.NvmeTier``), 12 bytes per element; 0 without the tier."""
+    if layout.offload_optimizer_device != "nvme":
+        return 0
+    mains = _main_params(config, layout, pp_rank, dp_rank)
+    host = [i for i, (_, h) in enumerate(mains) if h]
+    groups = sub_groups(host, [n for n, _ in mains], layout.offload_sub_group_size)
+    sizes = [12 * sum(mains[i][0] for i in g) for g in groups]
+    window = max(layout.offload_buffer_count - 1, 1) + 2
+    return max((sum(sizes[k : k + window]) for k in range(len(sizes))), default=0)
+
+
+def offloaded_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> dict[str, int]:
+    """ZeRO-3's param shards by tier (``--offload-param-device``): ``{"device", "host", "nvme"}`` bytes;
+    the shards are :func:`param_bytes` under ZeRO-3, wherever they live."""
+    out = {"device": 0, "host": 0, "nvme": 0}
+    shards = param_bytes(config, layout, pp_rank) if layout.shard_params else 0
+    out[{"none": "device", "cpu": "host", "nvme": "nvme"}[layout.offload_param_device]] = shards
+    return out
+
+
+def tier_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> dict[str, dict]:
+    """Bytes per rank per tier and category (ZeRO-Infinity's three tiers): ``{"device": {"params",
+    "optimizer"}, "host": {...}, "nvme": {...}}``. Grads and activations stay on the device."""
+    params = offloaded_param_bytes(config, layout, pp_rank)
+    if not layout.shard_params:
+        params["device"] = param_bytes(config, layout, pp_rank)
+    optimizer = {
+        "device": optimizer_device_bytes(config, layout, pp_rank, dp_rank),
+        "host": optimizer_host_bytes(config, layout, pp_rank, dp_rank),
+        "nvme": optimizer_nvme_bytes(config, layout, pp_rank, dp_rank),
+    }
+    return {
+        tier: {"params": params[tier], "optimizer": optimizer[tier]} for tier in ("device", "host", "nvme")
+    }
 
 
 def _main_params(
@@ -650,6 +709,7 @@ class RankMemory:
     activations: int
     extra: dict[str, int] = field(default_factory=dict)
     host: int = 0  # host memory (--optimizer-cpu-offload), not in total: not on the device
+    nvme: int = 0  # the nvme tier's swap files (optimizer state, ZeRO-3 shards), not in total
 
     def categories(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -664,12 +724,16 @@ def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_ran
     layout.validate()
     config.validate(layout.tp)
     return RankMemory(
-        params=param_bytes(config, layout, pp_rank),
+        params=param_bytes(config, layout, pp_rank)
+        - sum(v for k, v in offloaded_param_bytes(config, layout, pp_rank).items() if k != "device"),
         grads=grad_buffer_bytes(config, layout, pp_rank),
         optimizer=optimizer_device_bytes(config, layout, pp_rank, dp_rank),
         activations=activation_bytes(config, layout, pp_rank),
         extra=extra_bytes(config, layout, pp_rank),
-        host=optimizer_host_bytes(config, layout, pp_rank, dp_rank),
+        host=optimizer_host_bytes(config, layout, pp_rank, dp_rank)
+        + offloaded_param_bytes(config, layout, pp_rank)["host"],
+        nvme=optimizer_nvme_bytes(config, layout, pp_rank, dp_rank)
+        + offloaded_param_bytes(config, layout, pp_rank)["nvme"],
     )
 
 
@@ -810,12 +874,21 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     storages = {
         p.untyped_storage()._cdata: p.untyped_storage().nbytes() for c in model_chunks for p in c.parameters()
     }
-    shards = sum(s.shard_bytes() for s in _param_shardings(model_chunks))
+    shards = sum(s.shard_bytes() for s in _param_shardings(model_chunks) if s.tier.kind == "none")
     return {
         "params": sum(storages.values()) + shards,
         "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
         "optimizer": optimizer.device_bytes(),
     }
+
+
+def measure_offloaded_param_bytes(model_chunks) -> dict[str, int]:
+    """ZeRO-3's param shards off the device, by tier: ``{"host", "nvme"}`` bytes."""
+    out = {"host": 0, "nvme": 0}
+    for s in _param_shardings(model_chunks):
+        if s.tier.kind != "none":
+            out["host" if s.tier.kind == "cpu" else "nvme"] += s.shard_bytes()
+    return out
 
 
 class MemoryProbe:
@@ -871,6 +944,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank)  # ZeRO: dp x cp
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
+    offloaded = measure_offloaded_param_bytes(state.model)
     measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}
     state_allocated = state.optimizer.state_allocated()  # fp16's first step may be skipped
     if mesh.device.type == "cuda":
@@ -888,7 +962,9 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "predicted_extra": predicted.extra,
         "optimizer_state_allocated": state_allocated,
         # Host memory (--optimizer-cpu-offload: optimizer state and pinned grad buffers; else 0).
-        "host": {"measured": state.optimizer.host_bytes(), "predicted": predicted.host},
+        "host": {"measured": state.optimizer.host_bytes() + offloaded["host"], "predicted": predicted.host},
+        # The nvme tier's swap files (--offload-optimizer-device / --offload-param-device nvme; else 0).
+        "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
         **async_save_record(state, layout),
         "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
     }
@@ -971,7 +1047,11 @@ def format_memory_table(records: list[dict]) -> str:
     host = [r["host"] for r in records if r.get("host", {}).get("predicted")]
     if host:  # --optimizer-cpu-offload
         pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))
-        lines.append(f"host memory (offloaded optimizer, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
+        lines.append(f"host memory (offloaded state, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
+    nvme = [r["nvme"] for r in records if r.get("nvme", {}).get("predicted")]
+    if nvme:  # --offload-*-device nvme
+        pred, meas = (max(h[k] for h in nvme) / mib for k in ("predicted", "measured"))
+        lines.append(f"nvme swap files (offloaded state, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
     staging = [r["async_save_staging_bytes"] for r in records if "async_save_staging_bytes" in r]
     if staging:
         lines.append(

@@ -693,6 +693,13 @@ def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
     return dataclasses.replace(run, checkpoint=ckpt, optimizer=optimizer)
 
 
+def close_offload(state: TrainState) -> None:
+    """The offload tiers' swap files removed (they are also at exit): the optimizer's, the params'."""
+    state.optimizer.close()
+    for chunk in state.model:
+        chunk.close_offload()
+
+
 def pretrain(
     run: RunConfig | list[str] | None = None, preflight: Callable[[TrainState], str | None] | None = None
 ) -> dict:
@@ -731,6 +738,7 @@ def pretrain(
     try:
         return train(state, sinks, hooks, monitor)
     finally:
+        close_offload(state)
         hooks.close()
         sinks.close()
         monitor.close()

@@ -7,6 +7,7 @@ One module per concern, each with its flags (as data) and its checks next to the
 - ``parallel``       the layout (TP, PP, virtual stages, DP) and the ZeRO sharding strategy
 - ``schedule``       batch sizes, ramp-up, step count
 - ``optimizer``      AdamW, LR / weight-decay schedule, mixed precision, offload
+- ``offload``        ZeRO-Infinity's tiers (DeepSpeed's names): optimizer state and ZeRO-3 params on cpu / nvme
 - ``data``           data paths and the tokenizer flags (shared with the tools)
 - ``monitoring``     logging, evaluation, TensorBoard / wandb, profiling
 - ``checkpointing``  save / resume / exit, fault tolerance; ``checkpoint_config(args)``

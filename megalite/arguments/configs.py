@@ -19,6 +19,7 @@ from megalite.arguments.activation import recompute_config
 from megalite.arguments.checkpointing import checkpoint_config
 from megalite.arguments.data import tokenizer_kwargs
 from megalite.arguments.model import model_config
+from megalite.arguments.offload import offload_config
 from megalite.arguments.optimizer import params_dtype
 from megalite.arguments.parser import parse_args, start_up_lines, validate_args
 from megalite.arguments.spec import from_flags
@@ -77,6 +78,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
     and completed, and the tokenizer's ``vocab_size``."""
     strategy = ShardingStrategy(args.data_parallel_sharding_strategy)
     dtype = params_dtype(args)
+    offload = offload_config(args)  # one object, held by the optimizer's and DDP's configs
     return RunConfig(
         model=model_config(args, vocab_size=vocab_size).validate(args.tensor_model_parallel_size),
         parallel=from_flags(ParallelConfig, args),
@@ -87,9 +89,14 @@ def build_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
             sharding_strategy=strategy,
             bucket_size=args.ddp_bucket_size,
             grad_reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+            offload=offload,
         ),
         optimizer=from_flags(
-            OptimizerConfig, args, params_dtype=dtype, use_distributed_optimizer=strategy.shards_optimizer
+            OptimizerConfig,
+            args,
+            params_dtype=dtype,
+            use_distributed_optimizer=strategy.shards_optimizer,
+            offload=offload,
         ),
         scheduler=scheduler_config(args),
         training=from_flags(TrainingConfig, args, params_dtype=dtype),

@@ -15,6 +15,7 @@ from megalite.arguments import (
     model,
     moe,
     monitoring,
+    offload,
     optimizer,
     parallel,
     schedule,
@@ -25,7 +26,7 @@ from megalite.arguments.spec import Rule, add_group, check_rules
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
-MODULES = (model, moe, activation, parallel, schedule, optimizer, data, monitoring, checkpointing)
+MODULES = (model, moe, activation, parallel, schedule, optimizer, offload, data, monitoring, checkpointing)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -204,6 +205,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         notes += check(flags)
     derived = {**activation.derived(flags), **parallel.derived(flags)}
     flags = _with(flags, tokenizer_type=data.tokenizer_type(flags), **derived)
+    flags = _with(flags, **offload.derived(flags))
+    notes += offload.check(flags)
     model.model_config(flags, vocab_size=flags.vocab_size or 1).validate(flags.tensor_model_parallel_size)
     return _with(flags, notes=notes)
 

@@ -106,22 +106,24 @@ class OptimizerLoad:
     def apply(self, step: int) -> None:
         """Install the loaded moments (and fp32 main params) and AdamW's ``step``."""
         state = {}
-        for m in self.optimizer.main_params:
-            lo, hi = m.model_range
-            entry = {"step": torch.tensor(float(step), dtype=torch.float32)}
-            for kind in MOMENTS:
-                flat = self.buffers[(kind, m.model)].view(-1)[lo:hi]
-                entry[kind] = flat.view(m.main.shape).to(m.main.device).clone()
-            state[m.main] = entry
-            if ("main", m.model) in self.buffers:
-                m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
-        self.optimizer.state.load_adamw_state(state)  # this run's hyper-parameters
+        with self.optimizer.adamw.resident():  # the nvme tier's main params in memory meanwhile
+            for m in self.optimizer.main_params:
+                lo, hi = m.model_range
+                entry = {"step": torch.tensor(float(step), dtype=torch.float32)}
+                for kind in MOMENTS:
+                    flat = self.buffers[(kind, m.model)].view(-1)[lo:hi]
+                    entry[kind] = flat.view(m.main.shape).to(m.main.device).clone()
+                state[m.main] = entry
+                if ("main", m.model) in self.buffers:
+                    m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
+            self.optimizer.state.load_adamw_state(state)  # this run's hyper-parameters
 
 
 @torch.no_grad()
 def reload_main_params(optimizer) -> None:
     """fp32 main copies <- the (just loaded) model params, when the optimizer state is not loaded."""
-    for m in optimizer.main_params:
-        if m.is_copy:
-            lo, hi = m.model_range
-            m.main.copy_(m.model.detach().view(-1)[lo:hi].view(m.main.shape).float())
+    with optimizer.adamw.resident():
+        for m in optimizer.main_params:
+            if m.is_copy:
+                lo, hi = m.model_range
+                m.main.copy_(m.model.detach().view(-1)[lo:hi].view(m.main.shape).float())

@@ -10,6 +10,7 @@ Float16OptimizerWithFloat16Params / FP32Optimizer: a cast) or
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,23 +65,28 @@ def make_main_param(
     end: int,
     offload: bool = False,
     shard: torch.Tensor | None = None,
+    shard_offloaded: bool = False,
 ) -> MainParam:
     """fp32 main param for elements ``[start, end)`` of the flattened ``model`` param.
 
     ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when the model is
     on CUDA: the H2D copies from it are then asynchronous); on a CPU-only machine the same code
     path with both devices CPU.
-    ``shard`` (ZeRO-3): those elements in the persistent param shard, read instead of the model param.
+    ``shard`` (ZeRO-3): those elements in the persistent param shard, read instead of the model param;
+    ``shard_offloaded``: that shard lives off the device (``--offload-param-device``), so ``main`` is a copy.
     """
     whole = start == 0 and end == model.numel()
     flat = model.detach().view(-1)[start:end] if shard is None else shard
     source = flat.view(model.shape) if whole else flat
-    is_copy = offload or model.dtype != torch.float32
+    # A ZeRO-3 shard offloaded (--offload-param-device) is not where the step runs: a copy too.
+    is_copy = offload or model.dtype != torch.float32 or shard_offloaded
     if offload:
         host = torch.empty(source.shape, dtype=torch.float32, pin_memory=model.device.type == "cuda")
         main = nn.Parameter(host.copy_(source))
+    elif is_copy:
+        main = nn.Parameter(source.to(model.device, torch.float32, copy=True))
     else:
-        main = nn.Parameter(source.float() if is_copy else source)  # .float() copies; fp32 shares storage
+        main = nn.Parameter(source)  # fp32 shares storage
     copy_parallel_attributes(model, main)  # grad-norm rules read them
     return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard, offload)
 
@@ -161,6 +167,10 @@ class MainParams(ABC):
     def finish_param_sync(self) -> None:
         """Wait for param all-gathers still in flight (:class:`ShardedMainParams`; none here)."""
         return None
+
+    def shards_resident(self):
+        """ZeRO-3's offloaded param shards in memory inside (the step writes them); else nothing."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def copy_to_model(self) -> None:

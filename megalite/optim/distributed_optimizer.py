@@ -22,6 +22,7 @@ The same pack-and-all-gather gives a checkpoint whole per-parameter optimizer st
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -58,7 +59,9 @@ def shard_main_params(bucket: Bucket, dp_rank: int, offload: list[bool] | None =
         start = shard_lo + lo - bucket.param_ranges[p][0]
         # ZeRO-3: the param's values live in the bucket's param shard (same coordinates as the grad's).
         values = bucket.param_shard[lo:hi] if bucket.param_shard is not None else None
-        out.append(make_main_param(p, shard[lo:hi], start, start + hi - lo, host, values))
+        out.append(
+            make_main_param(p, shard[lo:hi], start, start + hi - lo, host, values, bucket.param_offloaded)
+        )
     return out
 
 
@@ -88,9 +91,11 @@ class ShardedMainParams(MainParams):
     ):
         self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
         offload = dp_offload_split(self._buckets, mesh.dp_rank, fraction, decoupled)
-        self._bucket_main_params = [
-            shard_main_params(b, mesh.dp_rank, host) for b, host in zip(self._buckets, offload)
-        ]
+        self.model_chunks = model_chunks
+        with self.shards_resident():  # the main params start from the (offloaded) ZeRO-3 shards
+            self._bucket_main_params = [
+                shard_main_params(b, mesh.dp_rank, host) for b, host in zip(self._buckets, offload)
+            ]
         super().__init__(model_chunks, mesh, [m for ms in self._bucket_main_params for m in ms])
         self._param_gathers: list[ParamGather] = []
 
@@ -108,6 +113,15 @@ class ShardedMainParams(MainParams):
     def finish_param_sync(self) -> None:
         """Wait for the outstanding param all-gathers (no-op without --overlap-param-gather)."""
         finish_param_sync(self.model_chunks)
+
+    def shards_resident(self) -> contextlib.ExitStack:
+        """ZeRO-3: every chunk's param shards in memory inside (``--offload-param-device nvme`` reads
+        them, and writes the updated ones back after); a no-op on the device or in host memory."""
+        stack = contextlib.ExitStack()
+        for chunk in self.model_chunks:
+            if chunk.param_sharding is not None:
+                stack.enter_context(chunk.param_sharding.tier.resident())
+        return stack
 
     def _updated(self, m: MainParam) -> torch.Tensor:
         """Where main param ``m``'s updated value is read for the all-gather: the main param itself,

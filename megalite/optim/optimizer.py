@@ -105,9 +105,10 @@ class MixedPrecisionOptimizer:
         num_zeros = None
         if self.log_num_zeros_in_grad:
             num_zeros = count_zeros([m.main for m in self.main_params], self.mesh, dp_sharded=self.dp_sharded)
-        self.adamw.step()
-        self.params.release_grads()
-        self.params.copy_to_model()
+        with self.params.shards_resident():  # ZeRO-3 shards on nvme: the step writes them
+            self.adamw.step()
+            self.params.release_grads()
+            self.params.copy_to_model()
         return True, grad_norm, num_zeros
 
     def _clip(self, loss_not_finite: torch.Tensor | None) -> float | None:
@@ -135,7 +136,8 @@ class MixedPrecisionOptimizer:
     def params_norm(self) -> float:
         """Global L2 norm of the fp32 main params (--log-params-norm); a collective over TP, PP (and DP)."""
         mains = [m.main for m in self.main_params]
-        return get_params_norm(mains, self.mesh, dp_sharded=self.dp_sharded)
+        with self.adamw.resident():
+            return get_params_norm(mains, self.mesh, dp_sharded=self.dp_sharded)
 
     # --overlap-param-gather (DP-sharded main params) ----------------------------------------
     def overlap_param_gather(self, launch_all: bool = False) -> None:
@@ -149,8 +151,14 @@ class MixedPrecisionOptimizer:
         return self.adamw.state_bytes(offloaded=False)
 
     def host_bytes(self) -> int:
-        """In host memory (offload; else 0): the same of the offloaded ones, and their grad buffers."""
-        return self.adamw.state_bytes(offloaded=True) + sum(g.nbytes for g in self.adamw.host_grads)
+        """In host memory (offload; else 0): the same of the offloaded ones (but what the nvme tier
+        keeps on the disk), and their grad buffers."""
+        state = self.adamw.state_bytes(offloaded=True) - self.adamw.nvme_bytes()
+        return state + sum(g.nbytes for g in self.adamw.host_grads)
+
+    def nvme_bytes(self) -> int:
+        """In the nvme tier's swap files (``--offload-optimizer-device nvme``; else 0)."""
+        return self.adamw.nvme_bytes()
 
     def state_bytes(self) -> int:
         """AdamW state and fp32 main copies of every main param, wherever they live."""
@@ -159,6 +167,11 @@ class MixedPrecisionOptimizer:
     def state_allocated(self) -> bool:
         """Whether AdamW's moments exist: made at the first step taken (an fp16 run may skip it)."""
         return any(self.adamw.state_of(m) for m in self.adamw.mains)
+
+    def close(self) -> None:
+        """Remove the nvme tier's swap files (at the end of a run; also at exit without it)."""
+        if self.adamw.nvme is not None:
+            self.adamw.nvme.close()
 
     # Checkpoints (the job of ``state``: see megalite.optim.state) ----------------------------
     def state_dict(self) -> dict:
@@ -202,7 +215,8 @@ def build_optimizer(model_chunks, mesh: Mesh, config: OptimizerConfig) -> MixedP
                 f"(use_distributed_optimizer={c.use_distributed_optimizer}) and the optimizer "
                 f"({sharded}): ZeRO needs reduce-scattered, padded grad buckets"
             )
-    fraction = effective_offload_fraction(config.optimizer_cpu_offload, fraction)
+    cpu_offload = config.optimizer_cpu_offload or config.offload.optimizer_device != "none"
+    fraction = effective_offload_fraction(cpu_offload, fraction)
     params = (ShardedMainParams if sharded else ReplicatedMainParams)(
         chunks, mesh, fraction, config.decoupled_lr is not None
     )

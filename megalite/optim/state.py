@@ -38,8 +38,11 @@ class OptimizerState:
     def gather_state_dp_zero(self, kinds: list[str]) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
         """``{(kind, model param): fp32 tensor shaped like the param}`` for each ``kind`` of
         :meth:`main_param_state`, on every DP rank; a collective over DP when the main params are
-        DP shards (Megatron's get_parameter_state_dp_zero)."""
-        return self.params.gather(self.main_param_state, kinds)
+        DP shards (Megatron's get_parameter_state_dp_zero). Copies under the nvme tier (its tensors
+        go back to the disk when this returns)."""
+        with self.adamw.resident():
+            out = self.params.gather(self.main_param_state, kinds)
+            return {k: v.clone() for k, v in out.items()} if self.adamw.nvme is not None else out
 
     def _groups(self, groups: list[dict]) -> tuple[list[dict], list[list[int]], list[int]]:
         """Per param group, its settings and the numbers of its main params in one AdamW over them all
@@ -53,8 +56,16 @@ class OptimizerState:
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (AdamW state of its main params, loss scaler, fp32 copies)."""
+        with self.adamw.resident():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         settings, members, numbered = self._groups(self.adamw.parts[0].param_groups)
         state = {n: s for n, i in enumerate(numbered) if (s := self.adamw.state_of(self.adamw.mains[i]))}
+        if self.adamw.nvme is not None:  # its tensors go back to the disk: copies
+            state = {
+                n: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()
+            }
         return {
             "optimizer": {
                 "state": state,
@@ -66,6 +77,10 @@ class OptimizerState:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
+        with self.adamw.resident(), self.params.shards_resident():
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict["optimizer"]
         settings, members, numbered = self._groups(saved["param_groups"])
         if [len(g["params"]) for g in saved["param_groups"]] != list(map(len, members)):

@@ -10,16 +10,25 @@ main params (:class:`HostCopies`), as Megatron's HybridDeviceOptimizer does.
 :func:`~megalite.optim.base.offload_split`); the others step on the device, as without offload.
 AdamW is elementwise (each main param's update reads only its own grad, moments and value), so
 stepping the main params in parts gives the values of one step; each keeps its own ``step`` count.
+
+``--offload-optimizer-device nvme`` (ZeRO-Infinity, docs/offload.md): the offloaded main params and
+their moments live in swap files (:class:`NvmeTier`, through :mod:`megalite.parallel.offload`), in
+sub-groups of ``--offload-sub-group-size`` elements (DeepSpeed's ``sub_group_size``): each sub-group is
+read, stepped on the CPU, uploaded and written back while the next ones are read. The bytes go to the
+disk and back unchanged and the kernel is the host step's, so the values are the cpu tier's bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 
 from megalite.configs import OptimizerConfig
 from megalite.optim.base import MainParam, param_group_index
+from megalite.parallel.offload import Pending, Swapper
 from megalite.parallel.param_attributes import grad_of
 
 
@@ -114,6 +123,95 @@ class HostCopies:
                 current.wait_event(event)
 
 
+def sub_groups(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``indices`` cut in order into runs of at most ``limit`` elements (``sizes[i]`` each; a main
+    param larger than ``limit`` is a sub-group of its own), DeepSpeed's ``sub_group_size``."""
+    out: list[list[int]] = []
+    total = limit
+    for i in indices:
+        if total + sizes[i] > limit or not out:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += sizes[i]
+    return out
+
+
+class NvmeTier:
+    """The nvme tier of the offloaded main params: each chunk's main params and AdamW moments live in
+    swap files between its steps. :meth:`fetch` (read ahead ``depth`` chunks) and :meth:`evict` (the
+    last chunk's write finishes before the next one starts: two in flight) walk the step;
+    :meth:`resident` holds everything in memory for a checkpoint or a norm."""
+
+    def __init__(self, step: AdamWStep, config: OptimizerConfig):
+        self.step, off = step, config.offload
+        needed = 3 * sum(step.mains[i].main.nbytes for chunk in step.chunks for i in chunk)
+        self.swapper = Swapper(off.nvme_path, off.buffer_count, off.buffer_size, needed)
+        self.depth = off.prefetch_depth
+        self._reads: dict[int, Pending] = {}
+        self._last_write: Pending | None = None
+        self._resident = 0
+        for k in range(len(step.chunks)):
+            self.swapper.write(self.tensors(k)).wait()
+
+    def tensors(self, k: int) -> dict[str, torch.Tensor]:
+        """Chunk ``k``'s swapped tensors by file name: each main param, and its moments once made."""
+        out = {}
+        for i in self.step.chunks[k]:
+            m = self.step.mains[i]
+            out[f"{i}.main"] = m.main.data
+            state = self.step.state_of(m)
+            out.update({f"{i}.{kind}": state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state})
+        return out
+
+    def fetch(self, k: int) -> None:
+        """Chunk ``k`` in memory: wait for its read, and start those of the next ``depth`` chunks."""
+        if self._resident:
+            return
+        for j in range(k, min(k + self.depth + 1, len(self.step.chunks))):
+            if j not in self._reads:
+                self._reads[j] = self.swapper.read(self.tensors(j))
+        self._reads.pop(k).wait()
+
+    def evict(self, k: int) -> None:
+        """Start writing chunk ``k`` back (its storage is released once written)."""
+        if self._resident:
+            return
+        if self._last_write is not None:
+            self._last_write.wait()
+        self._last_write = self.swapper.write(self.tensors(k))
+
+    def finish(self) -> None:
+        if self._last_write is not None:
+            self._last_write.wait()
+            self._last_write = None
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every chunk in memory inside (nested calls hold it), written back and released after."""
+        if self._resident == 0:
+            self.finish()
+            reads = [self.swapper.read(self.tensors(k)) for k in range(len(self.step.chunks))]
+            for r in reads:
+                r.wait()
+        self._resident += 1
+        try:
+            yield
+        finally:
+            self._resident -= 1
+            if self._resident == 0:
+                writes = [self.swapper.write(self.tensors(k)) for k in range(len(self.step.chunks))]
+                for w in writes:
+                    w.wait()
+
+    def swapped_bytes(self) -> int:
+        """Bytes in the swap files: the main params and moments of every chunk."""
+        return sum(t.nbytes for k in range(len(self.step.chunks)) for t in self.tensors(k).values())
+
+    def close(self) -> None:
+        self.swapper.close()
+
+
 def group_settings(config: OptimizerConfig) -> list[dict]:
     """The AdamW param groups' settings, in :func:`param_group_index` order: decayed, not decayed
     (``wd_mult`` 0), and with ``--decoupled-lr`` the embedding and output layer's, whose
@@ -147,7 +245,11 @@ class AdamWStep:
         on_device = [i for i, m in enumerate(mains) if not m.offloaded]
         self.offload = bool(host)
         overlap = config.overlap_cpu_optimizer_d2h_h2d
+        nvme = bool(host) and config.offload.optimizer_device == "nvme"
         self.chunks = [[i] for i in host] if overlap else [host] if host else []
+        if nvme:  # sub-groups, streamed through the step (--offload-sub-group-size)
+            sizes = [m.main.numel() for m in mains]
+            self.chunks = sub_groups(host, sizes, config.offload.sub_group_size)
         self.device_part, self.host_parts, reasons = None, [], []
         if on_device or not host:
             kernel, why = adamw_kernel(device)
@@ -167,6 +269,11 @@ class AdamWStep:
         self._host_grad_of = dict(zip(host, self.host_grads))
         self._copies = HostCopies(device, overlap) if host else None
         self._h2d_events = [None] * len(self.chunks)  # the last H2D of each chunk's main params
+        self.nvme = NvmeTier(self, config) if nvme else None
+
+    def resident(self):
+        """The nvme tier's state in memory inside (a checkpoint, a norm); a no-op for the others."""
+        return self.nvme.resident() if self.nvme is not None else contextlib.nullcontext()
 
     def _adamw(self, indices: list[int], config: OptimizerConfig, kernel: dict) -> torch.optim.AdamW:
         groups = [
@@ -205,10 +312,17 @@ class AdamWStep:
         for k, chunk in enumerate(self.chunks):
             copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
             copies.host_waits(landed[k])  # their grads are in the host buffers
+            if self.nvme is not None:
+                self.nvme.fetch(k)  # its main params and moments read back (the next ones start)
             for i in chunk:
                 mains[i].main.grad = self._host_grad_of[i]
             self.host_parts[k].step()
             self._upload_chunk(k)
+            if self.nvme is not None:
+                copies.host_waits(self._h2d_events[k])  # the upload has read them: write back
+                self.nvme.evict(k)
+        if self.nvme is not None:
+            self.nvme.finish()
         copies.device_waits(self._h2d_events)
 
     def _upload_chunk(self, k: int) -> None:
@@ -221,12 +335,15 @@ class AdamWStep:
         finished; offloaded, then H2D to their homes."""
         for event in self._h2d_events:
             self._copies.host_waits(event)
-        for m, value in zip(mains, values):
-            m.main.copy_(value)
-        if self.offload:
-            for k in range(len(self.chunks)):
-                self._upload_chunk(k)
-            self._copies.device_waits(self._h2d_events)
+        with self.resident():
+            for m, value in zip(mains, values):
+                m.main.copy_(value)
+            if self.offload:
+                for k in range(len(self.chunks)):
+                    self._upload_chunk(k)
+                for event in self._h2d_events:  # the uploads read the main params before they go
+                    self._copies.host_waits(event)
+                self._copies.device_waits(self._h2d_events)
 
     def state_bytes(self, offloaded: bool | None = None) -> int:
         """Bytes of the AdamW state (moments, ``step``) and fp32 main copies (not views of model params)
@@ -234,3 +351,7 @@ class AdamWStep:
         mains = [m for m in self.mains if offloaded in (None, m.offloaded)]
         state = sum(t.nbytes for m in mains for t in self.state_of(m).values() if torch.is_tensor(t))
         return state + sum(m.main.nbytes for m in mains if m.is_copy)
+
+    def nvme_bytes(self) -> int:
+        """Bytes of the nvme tier's swap files (main params and moments; 0 for the other tiers)."""
+        return self.nvme.swapped_bytes() if self.nvme is not None else 0

@@ -201,6 +201,11 @@ class DistributedDataParallel(nn.Module):
             self.strategy.finish(bucket)
         self._reset_buckets()
 
+    def close_offload(self) -> None:
+        """Remove ZeRO-3's param swap files (``--offload-param-device nvme``; also at exit)."""
+        if self.param_sharding is not None:
+            self.param_sharding.close()
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (call before each iteration's first microbatch)."""
         if self.experts is not None:

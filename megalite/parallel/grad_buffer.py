@@ -45,6 +45,7 @@ class Bucket:
         # (its storage freed between uses) and this rank's persistent shard of it.
         self.param_data: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
+        self.param_offloaded = False  # ZeRO-3 --offload-param-device cpu / nvme: the shard is off the device
         self.ready: set[nn.Parameter] = set()
         self.handle = None
         self.launched = False

@@ -196,6 +196,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 _STATE_FIELDS = (
     "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
+    "offload_optimizer_device", "offload_param_device",
 )  # fmt: skip
 _GATHER_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "overlap_param_gather")
 _state_cache: dict = {}

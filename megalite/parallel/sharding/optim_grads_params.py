@@ -12,6 +12,13 @@ weight (tied: the embedding's, a second time) outside any submodule's forward. `
 (``prefetch``): a demanded unit starts the next unit's all-gather in its pass (forward: root, then the
 layers; backward and recompute: the reverse), never beyond the pass, so every DP rank issues the same
 all-gathers in the same order (``megalite.memory.gathered_param_bytes`` counts the prefetched unit).
+
+``--offload-param-device cpu | nvme`` (ZeRO-Infinity, docs/offload.md; :class:`ShardTier`): the
+persistent shard lives in host memory (pinned on CUDA) or in a swap file, not on the device. A unit's
+gather copies each bucket's shard into its own slice of the full buffer and all-gathers in place; under
+nvme the shards of the next ``--offload-buffer-count - 1`` units of the pass are read ahead, and a
+shard's memory is released once copied. The optimizer step and a whole-params checkpoint hold every
+shard resident (:meth:`ShardTier.resident`) and write the updated ones back.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from megalite.configs import ShardingStrategy
+from megalite.configs import OffloadConfig, ShardingStrategy
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.mappings import all_gather_flat
+from megalite.parallel.offload import Pending, Swapper
 from megalite.parallel.param_gather import ROOT, param_units, unit_prefixes
 from megalite.parallel.sharding.no_shard import in_backward
 from megalite.parallel.sharding.optim_grads import ShardOptimGrads
@@ -45,6 +53,87 @@ class Unit:
     @property
     def full_bytes(self) -> int:
         return sum(b.param_data.numel() * b.param_data.element_size() for b in self.buckets)
+
+
+class ShardTier:
+    """Where ZeRO-3's param shards live between uses (``--offload-param-device``), and their fetch.
+
+    ``none``: the device (nothing to do). ``cpu``: host memory, pinned on CUDA. ``nvme``: a swap file
+    per bucket; a shard's storage exists only while read ahead, copied into its full buffer, or held by
+    :meth:`resident` (the optimizer step, a checkpoint), after which the updated shards go back."""
+
+    def __init__(self, offload, device: torch.device):
+        self.kind = offload.param_device
+        self.device = device
+        self.depth = offload.prefetch_depth
+        self._offload = offload
+        self.swapper: Swapper | None = None
+        self._reads: dict[int, Pending] = {}
+        self._held = 0
+        self._buckets: list = []
+
+    def place(self, buckets: list) -> None:
+        """Move each bucket's freshly made shard to this tier."""
+        self._buckets = buckets
+        if self.kind == "none":
+            return
+        for b in buckets:
+            b.param_offloaded = True
+            if self.kind == "cpu" or b.param_shard.device.type != "cpu":
+                pin = self.device.type == "cuda"
+                b.param_shard = torch.empty(
+                    b.param_shard.shape, dtype=b.param_shard.dtype, pin_memory=pin
+                ).copy_(b.param_shard)
+        if self.kind == "nvme":
+            off = self._offload
+            needed = sum(b.param_shard.nbytes for b in buckets)
+            self.swapper = Swapper(off.nvme_path, off.buffer_count, off.buffer_size, needed)
+            self.swapper.write(self._files(buckets)).wait()
+
+    def _files(self, buckets) -> dict[str, torch.Tensor]:
+        return {f"shard{self._buckets.index(b)}": b.param_shard for b in buckets}
+
+    def prefetch(self, buckets: list) -> None:
+        """nvme: start reading ``buckets``' shards (a unit coming next in the pass)."""
+        if self.kind != "nvme" or self._held:
+            return
+        for b in buckets:
+            if id(b) not in self._reads:
+                self._reads[id(b)] = self.swapper.read(self._files([b]))
+
+    def source(self, bucket) -> torch.Tensor:
+        """The bucket's shard, in memory (nvme: wait for its read; :meth:`done` releases it)."""
+        if self.kind == "nvme" and not self._held:
+            self.prefetch([bucket])
+            self._reads.pop(id(bucket)).wait()
+        return bucket.param_shard
+
+    def done(self, bucket) -> None:
+        """The shard was copied into the full buffer: nvme releases its memory (the file holds it)."""
+        if self.kind == "nvme" and not self._held:
+            bucket.param_shard.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every shard in memory inside (nested calls hold it); nvme writes them back after."""
+        if self.kind == "nvme" and not self._held:
+            pending = list(self._reads.values())
+            self._reads.clear()
+            for r in pending:
+                r.wait()
+            todo = [b for b in self._buckets if b.param_shard.untyped_storage().nbytes() == 0]
+            self.swapper.read(self._files(todo)).wait()
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if self.kind == "nvme" and not self._held:
+                self.swapper.write(self._files(self._buckets)).wait()
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -74,6 +163,7 @@ class ParamSharding:
         units: dict[nn.Parameter, str],
         prefetch: bool,
         on_backward: Callable[[], None],
+        offload=None,
     ):
         self.dp_size, self.dp_rank, self.dp_group = buffer.dp_size, buffer.dp_rank, buffer.dp_group
         self.prefetch, self.on_backward = prefetch, on_backward
@@ -83,6 +173,8 @@ class ParamSharding:
             for bucket in buffer.buckets:
                 self._shard_bucket(bucket)
                 by_name.setdefault(units[bucket.params[0]], []).append(bucket)
+        self.tier = ShardTier(offload if offload is not None else _NO_OFFLOAD, buffer.flat.device)
+        self.tier.place(list(buffer.buckets))
         if prefetch:  # a chunk without root params (a middle stage) still starts the first prefetch
             by_name.setdefault(ROOT, [])
         self.units = {name: Unit(name, buckets) for name, buckets in by_name.items()}
@@ -121,10 +213,17 @@ class ParamSharding:
         """``unit`` is needed now: gather it (or wait for its prefetch); with ``prefetch``, then
         start the all-gather of the unit that comes next in this pass (forward or backward)."""
         self.gather(unit)
+        order = self._next_backward if backward else self._next_forward
         if self.prefetch:
-            nxt = (self._next_backward if backward else self._next_forward).get(unit)
+            nxt = order.get(unit)
             if nxt is not None:
                 self._launch(nxt)
+        nxt = unit
+        for _ in range(self.tier.depth):  # the offloaded shards of the units after it, read ahead
+            nxt = order.get(nxt)
+            if nxt is None:
+                break
+            self.tier.prefetch(nxt.buckets)
 
     def _launch(self, unit: Unit) -> None:
         """Materialise the unit's full buffers and start their all-gathers (every bucket launched
@@ -134,11 +233,17 @@ class ParamSharding:
         handles = []
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(b.param_data.numel() * b.param_data.element_size())
+            shard = b.param_shard
+            if b.param_offloaded:  # staged into its own slice of the full buffer, gathered in place
+                lo, hi = b.shard_range(self.dp_rank)
+                shard = b.param_data[lo:hi]
+                shard.copy_(self.tier.source(b))
+                self.tier.done(b)
             if self.dp_size > 1:
                 with named_range("params-all-gather"):
-                    handles.append(all_gather_flat(b.param_data, b.param_shard, self.dp_group, async_op=True))
-            else:
-                b.param_data.copy_(b.param_shard)
+                    handles.append(all_gather_flat(b.param_data, shard, self.dp_group, async_op=True))
+            elif shard.data_ptr() != b.param_data.data_ptr():
+                b.param_data.copy_(shard)
         unit.gathered, unit.handles = True, handles
         self.live += unit.full_bytes
         self.peak = max(self.peak, self.live)
@@ -171,11 +276,15 @@ class ParamSharding:
     @torch.no_grad()
     def write_back(self) -> None:
         """Copy each gathered bucket's own slice into its shard (after the full params were loaded)."""
-        for unit in self.units.values():
-            if unit.gathered:
-                for b in unit.buckets:
-                    lo, hi = b.shard_range(self.dp_rank)
-                    b.param_shard.copy_(b.param_data[lo:hi])
+        with self.tier.resident():
+            for unit in self.units.values():
+                if unit.gathered:
+                    for b in unit.buckets:
+                        lo, hi = b.shard_range(self.dp_rank)
+                        b.param_shard.copy_(b.param_data[lo:hi])
+
+    def close(self) -> None:
+        self.tier.close()
 
     # ---- hooks ----------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: Unit):
@@ -224,6 +333,9 @@ class ParamSharding:
         self.peak = self.live
 
 
+_NO_OFFLOAD = OffloadConfig()
+
+
 class ShardOptimGradsParams(ShardOptimGrads):
     level = ShardingStrategy.OPTIM_GRADS_PARAMS
 
@@ -235,7 +347,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
         super().__init__(buffer)
         prefetch = buffer.config.overlap_param_gather  # ZeRO-3's --overlap-param-gather: the prefetch
         self.param_sharding = ParamSharding(
-            buffer, self.units(buffer.module), prefetch, self.expect_end_of_backward
+            buffer, self.units(buffer.module), prefetch, self.expect_end_of_backward, buffer.config.offload
         )
 
     def grad_ready(self, param, bucket, sync: bool) -> bool:

@@ -1,0 +1,159 @@
+"""ZeRO-Infinity's nvme tier: its bandwidth during training against the disk's own, and the resident
+memory it saves against the memory model's prediction.
+
+    python bench/offload.py [--nvme-path DIR] [--hidden-size 512] [--num-layers 12] [--iters 4]
+                            [--sub-group-size 500000] [--disk-mib 512]
+
+Prints one JSON object:
+  disk      the disk under --nvme-path, measured in this run through the same seam
+            (megalite.parallel.offload.Swapper: pieces of --offload-buffer-size on a thread pool):
+            sequential write and read GB/s of one --disk-mib tensor (median of 3), "cached" as training does it
+            (buffered I/O) and "device" (write + fsync, the pages dropped with posix_fadvise before
+            the read: the disk itself)
+  training  per tier (--offload-optimizer-device cpu, then nvme) one process training a GPT (fp32,
+            no ZeRO) in a subprocess: step time (median after the first), peak RSS (ru_maxrss), the
+            nvme bytes the memory model predicts, and for nvme the read / write GB/s while the tier's
+            I/O was in flight (bytes / busy seconds) and their ratio to the disk's cached figure
+  rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the memory
+            model's prediction: the nvme bytes less the step's working set (the largest run of
+            buffer count + 1 consecutive sub-groups in memory at once: megalite.memory.
+            nvme_working_set_bytes; a main param larger than --offload-sub-group-size is a
+            sub-group of its own), and to the nvme bytes alone. Goal: 1 within 5%
+The children run with MALLOC_MMAP_THRESHOLD_=65536, so freed swap buffers go back to the OS at once
+(glibc's dynamic threshold would otherwise keep some in the heap, where RSS still counts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def disk_bandwidth(path: str, mib: int, threads: int, piece: int, repeats: int = 3) -> dict:
+    from megalite.parallel.offload import Swapper
+
+    t = torch.randn(mib * 2**18)  # fp32: mib MiB
+    out = {}
+    for mode in ("cached", "device"):
+        s = Swapper(path, threads, piece)
+        s.write({"disk": t}, release=False).wait()  # the file exists: the repeats overwrite it
+        fd = s._fd("disk")
+        rates: dict[str, list[float]] = {"write_GBps": [], "read_GBps": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            s.write({"disk": t}, release=False).wait()
+            if mode == "device":
+                os.fsync(fd)
+            rates["write_GBps"].append(t.nbytes / (time.perf_counter() - t0) / 1e9)
+            if mode == "device":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            s.read({"disk": t}).wait()
+            rates["read_GBps"].append(t.nbytes / (time.perf_counter() - t0) / 1e9)
+        out[mode] = {k: statistics.median(v) for k, v in rates.items()}
+        s.close()
+    return out
+
+
+def child(argv: list[str]) -> None:
+    """One training run (pretrain), then its step times, peak RSS and the swap stats as JSON."""
+    from megalite.arguments import RunConfig
+    from megalite.memory import MemoryLayout, nvme_working_set_bytes
+    from megalite.parallel.offload import Swapper
+    from megalite.training import pretrain
+
+    pretrain(argv)
+    run = RunConfig.from_flags(argv, world_size=1)
+    working_set = nvme_working_set_bytes(run.model, MemoryLayout.from_configs(run), 0, 0)
+    metrics = argv[argv.index("--metrics-file") + 1]
+    with open(metrics) as f:
+        records = [json.loads(x) for x in f]
+    times = [r["iteration_time_s"] for r in records if r["kind"] == "train"]
+    (memory,) = [r for r in records if r["kind"] == "memory"]
+    print(
+        json.dumps(
+            {
+                "step_s": statistics.median(times[1:] or times),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "nvme_predicted_bytes": memory["nvme"]["predicted"],
+                "host_predicted_bytes": memory["host"]["predicted"],
+                "working_set_bytes": working_set,
+                "swap": Swapper.finished,
+            }
+        )
+    )
+
+
+def train(tier: str, a, d: str) -> dict:
+    argv = [
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+        "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads", "8",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--train-iters", str(a.iters), "--lr", "1e-4", "--log-interval", "1",
+        "--offload-optimizer-device", tier, "--metrics-file", os.path.join(d, f"{tier}.jsonl"),
+    ]  # fmt: skip
+    if tier == "nvme":
+        argv += ["--offload-nvme-path", a.nvme_path, "--offload-sub-group-size", str(a.sub_group_size)]
+        argv += ["--offload-buffer-count", str(a.buffer_count)]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    cmd = [sys.executable, __file__, "--child", json.dumps(argv)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nvme-path", default=tempfile.gettempdir())
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--sub-group-size", type=int, default=500_000)
+    p.add_argument("--buffer-count", type=int, default=2)
+    p.add_argument("--buffer-size", type=int, default=100_000_000)
+    p.add_argument("--disk-mib", type=int, default=512)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child is not None:
+        return child(json.loads(a.child))
+    disk = disk_bandwidth(a.nvme_path, a.disk_mib, a.buffer_count, a.buffer_size)
+    with tempfile.TemporaryDirectory() as d:
+        runs = {tier: train(tier, a, d) for tier in ("cpu", "nvme")}
+    swap = runs["nvme"].pop("swap")[0]
+    runs["cpu"].pop("swap")
+    runs["nvme"]["read_GBps"] = swap["read_bytes"] / swap["read_s"] / 1e9
+    runs["nvme"]["write_GBps"] = swap["written_bytes"] / swap["write_s"] / 1e9
+    for kind in ("read", "write"):
+        runs["nvme"][f"{kind}_vs_disk_cached"] = runs["nvme"][f"{kind}_GBps"] / disk["cached"][f"{kind}_GBps"]
+    saved = runs["cpu"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
+    working_set = runs["nvme"]["working_set_bytes"]
+    predicted = runs["nvme"]["nvme_predicted_bytes"] - working_set
+    rss = {
+        "saved_bytes": saved,
+        "nvme_bytes": runs["nvme"]["nvme_predicted_bytes"],
+        "working_set_bytes": working_set,
+        "predicted_saved_bytes": predicted,
+        "ratio": saved / predicted,
+        "ratio_to_nvme_bytes": saved / runs["nvme"]["nvme_predicted_bytes"],
+    }
+    out = {
+        "disk": disk,
+        "training": runs,
+        "rss": rss,
+        "args": {k: v for k, v in vars(a).items() if k != "child"},
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

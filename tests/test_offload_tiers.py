@@ -1,0 +1,203 @@
+"""ZeRO-Infinity's tiers (docs/offload.md): optimizer state and ZeRO-3 param shards on cpu / nvme.
+
+One spawn of 8 ranks at tp2 x pp2 x dp2 under ZeRO-3 (fp32, dropout 0, 10 iterations, the tiny
+model of conftest): each tier of each kind of state (optimizer cpu, optimizer nvme in several
+sub-groups, params cpu, params nvme, both nvme) gives the losses and final weights of the
+all-on-device run bit for bit (the bytes go to the disk and back unchanged; the host step is the
+device step's kernel on this CPU machine); a checkpoint saved with both on nvme resumes bitwise at
+the same layout and within rtol 1e-5 at tp2 x dp4 without offload; every rank's host and nvme bytes
+are the memory model's; the swap files are gone when the runs end. Without a spawn: the NVMe path's
+failures (missing, read-only, full) stop before the first step in one line naming
+--offload-nvme-path, and an I/O error mid-run stops the run without touching the last checkpoint.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import COMMON, layout, losses, metrics, pretrain_runs
+
+from megalite.arguments import RunConfig
+from megalite.errors import ArgumentError
+from megalite.parallel import offload
+from megalite.parallel.offload import OffloadIOError, Swapper, check_nvme_path
+from megalite.spawn import run_distributed
+
+ITERS = 10
+BASE = list(COMMON)
+BASE[BASE.index("--train-iters") + 1] = str(ITERS)
+Z3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+TIERS = {
+    "ref": [],
+    "opt-cpu": ["--offload-optimizer-device", "cpu"],
+    "opt-nvme": ["--offload-optimizer-device", "nvme", "--offload-sub-group-size", "3000", "--offload-buffer-count", "2"],
+    "param-cpu": ["--offload-param-device", "cpu"],
+    "param-nvme": ["--offload-param-device", "nvme", "--offload-buffer-count", "3"],
+    "both-nvme": ["--offload-optimizer-device", "nvme", "--offload-param-device", "nvme"],
+}  # fmt: skip
+NVME = {name for name, flags in TIERS.items() if "nvme" in flags}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiers")
+    swap = d / "swap"
+    swap.mkdir()
+    runs = []
+    for name, flags in TIERS.items():
+        nvme = ["--offload-nvme-path", str(swap)] if name in NVME else []
+        interval = "5" if name == "both-nvme" else str(ITERS)
+        save = ["--save", str(d / f"ckpt-{name}"), "--save-interval", interval]
+        runs.append(
+            BASE + layout(2, 2) + Z3 + flags + nvme + save + ["--metrics-file", str(d / f"{name}.jsonl")]
+        )
+    resume = ["--load", str(d / "ckpt-both-nvme"), "--ckpt-step", "5"]
+    both = TIERS["both-nvme"] + ["--offload-nvme-path", str(swap)]
+    runs.append(BASE + layout(2, 2) + Z3 + both + resume + ["--save", str(d / "ckpt-resumed"),
+                "--save-interval", str(ITERS), "--metrics-file", str(d / "resumed.jsonl")])  # fmt: skip
+    runs.append(BASE + layout(2, 1) + Z3 + resume + ["--metrics-file", str(d / "resumed-tp2-dp4.jsonl")])
+    run_distributed(pretrain_runs, 8, runs, timeout=600)
+    return d
+
+
+def _weights(path):
+    from megalite.checkpoint.single import load_model
+
+    model, _ = load_model(path, ITERS)
+    return model.state_dict()
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", [n for n in TIERS if n != "ref"])
+def test_each_tier_gives_the_on_device_losses_and_weights_bitwise(runs, name):
+    ref = losses(runs / "ref.jsonl")
+    assert len(ref) == ITERS and ref[-1] < ref[0]
+    assert losses(runs / f"{name}.jsonl") == ref, name
+    want, got = _weights(runs / "ckpt-ref"), _weights(runs / f"ckpt-{name}")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), name
+
+
+@pytest.mark.timeout(700)
+def test_checkpoint_with_both_on_nvme_resumes_bitwise_and_at_another_layout(runs):
+    saved = metrics(runs / "both-nvme.jsonl")[5:]
+    assert metrics(runs / "resumed.jsonl") == saved
+    want, got = _weights(runs / "ckpt-both-nvme"), _weights(runs / "ckpt-resumed")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    other = metrics(runs / "resumed-tp2-dp4.jsonl")
+    assert [it for it, _ in other] == [it for it, _ in saved]
+    worst = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(saved, other))
+    assert worst <= 1e-5, (worst, saved, other)
+
+
+@pytest.mark.timeout(700)
+def test_host_and_nvme_bytes_match_the_memory_model_and_swap_files_are_removed(runs):
+    for name in TIERS:
+        with open(runs / f"{name}.jsonl") as f:
+            records = [r for r in map(json.loads, f) if r["kind"] == "memory"]
+        assert len(records) == 8
+        for r in records:
+            for tier in ("host", "nvme"):
+                assert r[tier]["measured"] == r[tier]["predicted"], (name, tier, r[tier])
+            assert (r["nvme"]["predicted"] > 0) == (name in NVME), name
+            assert r["measured"] == r["predicted"] or not r["optimizer_state_allocated"], (name, r)
+        if name.startswith("param"):
+            assert all(r["measured"]["params"] == 0 for r in records)  # no shard on the device
+    assert os.listdir(runs / "swap") == []
+
+
+def test_nvme_path_missing_read_only_or_full_stops_in_one_line(tmp_path):
+    argv = COMMON + ["--offload-optimizer-device", "nvme", "--offload-nvme-path"]
+    for path, words in ((tmp_path / "missing", "no such directory"), (None, "needs --offload-nvme-path")):
+        with pytest.raises(ArgumentError, match=words) as e:
+            RunConfig.from_flags(argv + [str(path)] if path else argv[:-1], world_size=1)
+        assert "\n" not in str(e.value) and "--offload-nvme-path" in str(e.value)
+    with pytest.raises(ArgumentError, match="optim_grads_params"):
+        RunConfig.from_flags(COMMON + ["--offload-param-device", "cpu"], world_size=1)
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ArgumentError, match="not writable"):
+            RunConfig.from_flags(argv + [str(ro)], world_size=1)
+    with pytest.raises(OffloadIOError, match="--offload-nvme-path .* free, the swap files need") as e:
+        check_nvme_path(str(tmp_path), needed_bytes=2**62)
+    assert "\n" not in str(e.value)
+
+
+def test_swapper_round_trip_releases_memory_and_reports_io_errors(tmp_path, monkeypatch):
+    """Bytes come back bitwise in pieces; storage is released while swapped; the directory goes at
+    close; a failing write is one OffloadIOError line naming the flag (the storage is kept)."""
+    s = Swapper(str(tmp_path), threads=3, piece_elements=7)
+    t = torch.randn(100)
+    want = t.clone()
+    s.write({"t": t}).wait()
+    assert t.untyped_storage().nbytes() == 0
+    s.read({"t": t}).wait()
+    assert torch.equal(t, want) and s.read_bytes == s.written_bytes == 400
+    assert s.busy_seconds("read") > 0
+    path = s.dir.path
+    s.close()
+    assert not os.path.exists(path)
+
+    def fail(fd, view, offset):
+        raise OSError(28, "No space left on device")
+
+    s = Swapper(str(tmp_path), threads=2, piece_elements=7)
+    monkeypatch.setattr(offload, "_pwrite_all", fail)
+    with pytest.raises(OffloadIOError, match="--offload-nvme-path: swap file I/O failed") as e:
+        s.write({"t": t}).wait()
+    assert "\n" not in str(e.value) and torch.equal(t, want)
+    s.close()
+
+
+def test_io_error_mid_run_stops_without_touching_the_last_checkpoint(tmp_path, monkeypatch):
+    """One process, optimizer on nvme, saving every 2 iterations: a write fails in iteration 3's step;
+    the run stops with OffloadIOError, the checkpoint of iteration 2 is the last, byte for byte."""
+    from megalite.checkpoint import files
+    from megalite.training import pretrain
+
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    argv = COMMON + ["--offload-optimizer-device", "nvme", "--offload-nvme-path", str(swap)]
+    argv += ["--save", str(ckpt), "--save-interval", "2", "--train-iters", "4"]
+    real = offload._pwrite_all
+    snapshot = {}
+
+    def saved():  # every file of the checkpoints (the save lock, released at exit, aside)
+        return {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file() and "lock" not in p.name}
+
+    def flaky(fd, view, offset):
+        if files.read_tracker(ckpt) == 2 and not snapshot:
+            snapshot.update(saved())
+        if snapshot:
+            raise OSError(5, "Input/output error")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(offload, "_pwrite_all", flaky)
+    with pytest.raises(OffloadIOError, match="--offload-nvme-path"):
+        pretrain(argv)
+    assert files.read_tracker(ckpt) == 2 and files.finished_iterations(ckpt) == [2]
+    assert saved() == snapshot and len(snapshot) > 2
+    assert os.listdir(swap) == []  # the run's swap directory is removed on the way out
+
+
+def test_sub_groups_and_the_nvme_working_set():
+    """Sub-groups cut in order at --offload-sub-group-size (a larger main param alone); the memory
+    model's working set is the largest run of buffer count + 1 consecutive sub-groups, 12 B each."""
+    from megalite.memory import MemoryLayout, _main_params, nvme_working_set_bytes
+    from megalite.model.config import ModelConfig
+    from megalite.optim.step import sub_groups
+
+    assert sub_groups([0, 1, 2, 3], [5, 5, 20, 1], 10) == [[0, 1], [2], [3]]
+    assert sub_groups([1, 3], [9, 4, 9, 4], 10) == [[1, 3]]
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
+    lay = MemoryLayout(optimizer_cpu_offload=True, offload_optimizer_device="nvme", offload_sub_group_size=1)
+    sizes = sorted((n for n, _ in _main_params(config, lay, 0, 0)), reverse=True)
+    each = [n for n, _ in _main_params(config, lay, 0, 0)]
+    want = 12 * max(sum(each[k : k + 4]) for k in range(len(each)))  # buffer count 4: 3 ahead + 2
+    assert nvme_working_set_bytes(config, lay, 0) == 12 * max(sum(each[k : k + 5]) for k in range(len(each)))
+    assert want < nvme_working_set_bytes(config, lay, 0) <= 12 * sum(sizes[:5])
+    whole = MemoryLayout(optimizer_cpu_offload=True, offload_optimizer_device="nvme")
+    assert nvme_working_set_bytes(config, whole, 0) == 12 * sum(each)  # one sub-group: all of it
+    assert nvme_working_set_bytes(config, MemoryLayout(optimizer_cpu_offload=True), 0) == 0
