@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
 
 import pytest
 import torch
@@ -207,6 +208,28 @@ NEEDS = {
         {"data_parallel.sharding_strategy", "optimizer.use_distributed_optimizer"},
     ),  # fmt: skip
     "--ddp-bucket-size": (["--ddp-bucket-size", "1000"], {"data_parallel.bucket_size"}),
+    # The offload tiers (one OffloadConfig, shared by the optimizer's and DDP's configs; each of its
+    # fields is compared on its own, as offload_<field>): params need ZeRO-3, nvme needs a directory.
+    "--optimizer-cpu-offload": (
+        ["--optimizer-cpu-offload"],
+        {"optimizer.offload_optimizer_device", "data_parallel.offload_optimizer_device"},
+    ),
+    "--offload-param-device": (
+        ["--offload-param-device", "cpu", "--data-parallel-sharding-strategy", "optim_grads_params"],
+        {"data_parallel.sharding_strategy", "optimizer.use_distributed_optimizer"},
+    ),
+    "--offload-optimizer-device": (
+        ["--offload-optimizer-device", "cpu"],
+        {"optimizer.optimizer_cpu_offload"},
+    ),
+    "--offload-nvme-path": (
+        ["--offload-optimizer-device", "nvme", "--offload-nvme-path", tempfile.gettempdir()],
+        {
+            "optimizer.optimizer_cpu_offload",
+            "data_parallel.offload_optimizer_device",
+            "optimizer.offload_optimizer_device",
+        },
+    ),
     "--no-check-for-nan-in-loss-and-grad": (
         ["--no-check-for-nan-in-loss-and-grad"],
         {"optimizer.check_for_nan_in_loss_and_grad"},
@@ -347,6 +370,9 @@ def _fields(args: argparse.Namespace) -> dict:
                 value = [value.global_batch_size_at(n) for n in range(0, 48, 2)]
             if f.name == "moe" and value is not None:  # each MoEConfig field on its own
                 out.update({f"model.moe.{k}": v for k, v in dataclasses.asdict(value).items()})
+                continue
+            if f.name == "offload":  # each OffloadConfig field on its own, named as its flag's dest
+                out.update({f"{section.name}.offload_{k}": v for k, v in dataclasses.asdict(value).items()})
                 continue
             out[f"{section.name}.{f.name}"] = value
     return out
