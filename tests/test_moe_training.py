@@ -3,7 +3,7 @@
 A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid router, group-limited
 routing, expert bias, a shared expert, seq aux loss, z-loss, first layer dense) tiny model, 10
 iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved, tp2 x ep2 (SP),
-ep2 x cp2, etp1; every loss, aux loss and grad norm equal one process's. Checkpoints of MoE runs are
+ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp); every loss, aux loss and grad norm equal one process's. Checkpoints of MoE runs are
 refused in one line until they know the experts. One spawn (4 ranks); the references run here.
 """
 
@@ -38,6 +38,10 @@ def ep(size: int, dispatcher: str = "alltoall") -> list[str]:
     return ["--expert-model-parallel-size", str(size), "--moe-token-dispatcher-type", dispatcher]
 
 
+def ZERO(level: int) -> list[str]:
+    return ["--data-parallel-sharding-strategy", ("optim", "optim_grads", "optim_grads_params")[level - 1]]
+
+
 # name -> (model, flags), all on 4 ranks
 LAYOUTS = {
     "mixtral-ep4": ("mixtral", ep(4)),
@@ -57,7 +61,46 @@ LAYOUTS = {
         "mixtral",
         ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
     ),
+    # ZeRO: the experts' main params / grads / params sharded over edp, the dense ones over dp x cp
+    "mixtral-ep2-dp4-zero1-overlap": (  # dense dp 4, edp 2; the post-step gathers in the forward
+        "mixtral",
+        ep(2) + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+    ),
+    "deepseek-tp2-etp1-ep2-zero2": (  # dense dp 1, edp 2
+        "deepseek",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"] + ZERO(2),
+    ),
+    "mixtral-tp2-etp1-ep2-zero3": (
+        "mixtral",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"] + ZERO(3),
+    ),
+    "deepseek-ep2-dp4-zero3-prefetch": (
+        "deepseek",
+        ep(2, "allgather") + ZERO(3) + ["--overlap-grad-reduce", "--overlap-param-gather"],
+    ),
 }
+
+
+def moe_runs(plan: list) -> None:
+    """In one spawned rank: pretrain() each argv; for ``("shards", argv, out)`` build the run and
+    write what this rank's optimizer holds of each routed expert's weight (ZeRO's shards)."""
+    from megalite.training import setup
+
+    for item in plan:
+        if isinstance(item, list):
+            pretrain_runs([item])
+            continue
+        _, argv, out = item
+        state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
+        held: dict[str, int] = {}
+        names = {p: n for chunk in state.model for n, p in chunk.module.named_parameters()}
+        for m in state.optimizer.main_params:
+            if ".experts." in names[m.model]:
+                held[names[m.model]] = held.get(names[m.model], 0) + m.main.numel()
+        whole = {n: p.numel() for p, n in names.items() if ".experts." in n}
+        freed = [n for p, n in names.items() if ".experts." in n and p.untyped_storage().size() == 0]
+        record = dict(held=held, whole=whole, freed=freed, edp=state.mesh.edp_rank, ep=state.mesh.ep_rank)
+        torch.save(record, f"{out}.{state.mesh.rank}.pt")
 
 
 def rows(path) -> list[dict]:
@@ -75,7 +118,9 @@ def runs(tmp_path_factory):
     plan = []
     for name, (model, flags) in LAYOUTS.items():
         plan.append(BASE + MODELS[model] + flags + out(name))
-    run_distributed(pretrain_runs, 4, plan, timeout=600)
+    for level in (1, 3):
+        plan.append(("shards", BASE + MIXTRAL + ep(2) + ZERO(level), str(d / f"shards-zero{level}")))
+    run_distributed(moe_runs, 4, plan, timeout=600)
     with one_thread():
         pretrain_runs([BASE + flags + out(f"{m}-reference") for m, flags in MODELS.items()])
     return d
@@ -96,6 +141,23 @@ def test_matches_one_process(runs, name):
     assert all(r[k] > 0 for r in ref for k in AUX[model])  # the aux losses are there
 
 
+@pytest.mark.parametrize("level", [1, 3])
+def test_zero_shards_experts_over_edp(runs, level):
+    """ZeRO at ep 2 on 4 ranks (edp 2): each rank's optimizer holds its edp shard of its experts'
+    weights (about half; a bucket's shard boundary falls where it falls), the two edp ranks together
+    all of each; under ZeRO-3 the weights are freed outside a forward."""
+    recs = [torch.load(runs / f"shards-zero{level}.{r}.pt") for r in range(4)]
+    for ep_rank in (0, 1):
+        pair = [r for r in recs if r["ep"] == ep_rank]
+        assert sorted(r["edp"] for r in pair) == [0, 1]
+        for name, numel in pair[0]["whole"].items():
+            held = [r["held"].get(name, 0) for r in pair]
+            assert sum(held) == numel, (name, held, numel)
+        total = sum(pair[0]["whole"].values())
+        assert all(0.25 * total < sum(r["held"].values()) < 0.75 * total for r in pair), total
+        assert bool(pair[0]["freed"]) == (level == 3)
+
+
 def test_flags_and_their_checks():
     """The flags reach the configs; a wrong value stops in one line naming the flag."""
     run = RunConfig.from_flags(BASE + DEEPSEEK + ep(2), world_size=4)
@@ -108,7 +170,6 @@ def test_flags_and_their_checks():
         (["--moe-router-topk", "4"], 1, "--num-experts"),  # a MoE flag on a dense model
         (MIXTRAL + ["--moe-token-dispatcher-type", "flex"], 1, "DeepEP"),
         (MIXTRAL + ep(3), 4, "--expert-model-parallel-size"),
-        (MIXTRAL + ep(2) + ["--use-distributed-optimizer"], 4, "--expert-model-parallel-size 2"),
         (MIXTRAL + layout(2, 1), 2, "--sequence-parallel"),
         (MIXTRAL + ["--moe-layer-freq", "([0]+[1])"], 1, "--moe-layer-freq"),
         (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),

@@ -7,7 +7,6 @@ Without ``--num-experts`` the model is dense and every other flag here must keep
 
 import argparse
 
-from megalite.arguments.parallel import sharding_strategy
 from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, at_least, choice, from_flags, need, switch, value
 from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 
@@ -120,13 +119,6 @@ def check(args: argparse.Namespace) -> list[str]:
         ffn is None or ffn % etp == 0,
         f"--moe-ffn-hidden-size ({ffn}) is not divisible by --expert-tensor-parallel-size ({etp}); "
         f"use a multiple of {etp}",
-    )
-    strategy = sharding_strategy(args)
-    need(
-        not strategy.shards_optimizer or (ep == 1 and etp == tp),
-        f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} with ZeRO "
-        f"(--data-parallel-sharding-strategy {strategy.value}, --use-distributed-optimizer) is not built "
-        "yet; use plain data parallelism (no_shard) for expert-parallel runs",
     )
     need(
         args.tensor_model_parallel_size == 1 or args.sequence_parallel,
