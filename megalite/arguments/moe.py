@@ -124,15 +124,6 @@ def check(args: argparse.Namespace) -> list[str]:
         args.tensor_model_parallel_size == 1 or args.sequence_parallel,
         "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)",
     )
-    # Checkpoints do not know experts yet (their weights split over ep, their optimizer state, the
-    # expert bias): a save would not resume the same run, so none is written or read (issue 35/36).
-    flag = "--save" if args.save is not None else "--load" if args.load is not None else None
-    need(
-        flag is None,
-        f"{flag} with --num-experts: checkpoints of mixture-of-experts runs are not built yet (the experts' "
-        "weights split over --expert-model-parallel-size, their optimizer state, the expert bias); "
-        f"run without {flag}",
-    )
     return []
 
 
