@@ -177,6 +177,21 @@ def test_resume_across_expert_layouts(runs, name):
             )
 
 
+def test_checkpoint_holds_one_tensor_per_expert(runs):
+    """The checkpoint's names and shapes: each routed expert's weights as their own logical tensors
+    (no layout in them), their Adam moments alike, and the routers' expert bias."""
+    from megalite.checkpoint import storage
+    from megalite.checkpoint.logical import logical_shapes
+
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(runs / "ckpt" / "iter_0000005"))
+    config = RunConfig.from_flags(BASE + DEEPSEEK, world_size=1).model
+    for name, shape in logical_shapes(config).items():
+        assert shapes[name] == shapes[f"optimizer.exp_avg.{name}"] == shape, name
+    assert shapes["decoder.layers.3.mlp.experts.7.fc2"] == (16, 32)  # [ffn, h] of expert 7
+    assert not any(n.endswith("mlp.experts.fc2") for n in shapes)
+    assert shapes["decoder.layers.1.mlp.router.expert_bias"] == (8,)
+
+
 @pytest.mark.parametrize("level", [1, 3])
 def test_zero_shards_experts_over_edp(runs, level):
     """ZeRO at ep 2 on 4 ranks (edp 2): each rank's optimizer holds its edp shard of its experts'
