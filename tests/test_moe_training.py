@@ -2,7 +2,7 @@
 
 A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid router, group-limited
 routing, expert bias, a shared expert, seq aux loss, z-loss, first layer dense) tiny model, 10
-iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved, tp2 x ep2 (SP),
+iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved (--moe-layer-recompute), tp2 x ep2 (SP),
 ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp); every loss, aux loss and grad norm equal one process's. A
 checkpoint saved at ep 4 resumes bitwise at ep 4 and within fp32 tolerance at ep 2, at tp2 x pp2 x
 etp1 x ep2, and at ep 1. One spawn (4 ranks); the references run here.
@@ -50,7 +50,7 @@ LAYOUTS = {
     "deepseek-ep2-dp4": ("deepseek", ep(2)),
     "deepseek-ep2-pp2-interleaved": (
         "deepseek",
-        ep(2) + layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ep(2) + layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1", "--moe-layer-recompute"],
     ),
     "mixtral-tp2-ep2-sp": ("mixtral", ep(2) + layout(2, 1) + ["--sequence-parallel"]),
     "deepseek-tp2-ep2-sp-allgather": (
@@ -217,12 +217,29 @@ def test_flags_and_their_checks():
     assert moe.moe_layer_freq == (0, 1, 1, 1) and moe.moe_router_score_function == "sigmoid"
     assert moe.moe_shared_expert_intermediate_size == 32 and moe.moe_ffn_hidden_size == 16
     assert RunConfig.from_flags(BASE, world_size=1).model.moe is None
+    assert RunConfig.from_flags(
+        BASE + MIXTRAL + ["--moe-layer-recompute"], world_size=1
+    ).model.moe.moe_layer_recompute
     for extra, world, flag in (
         (["--moe-router-topk", "4"], 1, "--num-experts"),  # a MoE flag on a dense model
         (MIXTRAL + ["--moe-token-dispatcher-type", "flex"], 1, "DeepEP"),
         (MIXTRAL + ep(3), 4, "--expert-model-parallel-size"),
         (MIXTRAL + layout(2, 1), 2, "--sequence-parallel"),
         (MIXTRAL + ["--moe-layer-freq", "([0]+[1])"], 1, "--moe-layer-freq"),
+        (
+            MIXTRAL
+            + [
+                "--moe-layer-recompute",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+            1,
+            "--moe-layer-recompute",
+        ),  # fmt: skip
         (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
         (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
         (

@@ -51,6 +51,10 @@ FLAGS = (
         "allgather",
         "How tokens reach their experts' ranks (flex, DeepEP's, is refused).",
     ),
+    switch(
+        "--moe-layer-recompute",
+        "Checkpoint each MoE layer: its activations are recomputed in backward (memory for compute).",
+    ),
     value("--expert-model-parallel-size", int, 1, "Expert parallelism: ranks the experts are split over."),
     value(
         "--expert-tensor-parallel-size",
@@ -119,6 +123,11 @@ def check(args: argparse.Namespace) -> list[str]:
         ffn is None or ffn % etp == 0,
         f"--moe-ffn-hidden-size ({ffn}) is not divisible by --expert-tensor-parallel-size ({etp}); "
         f"use a multiple of {etp}",
+    )
+    need(
+        not (args.moe_layer_recompute and args.recompute_granularity == "full"),
+        "--moe-layer-recompute with --recompute-granularity full: full recompute reruns the MoE layers "
+        "already (Megatron refuses both); drop one",
     )
     need(
         args.tensor_model_parallel_size == 1 or args.sequence_parallel,

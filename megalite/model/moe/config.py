@@ -55,6 +55,8 @@ class MoEConfig:
     moe_pad_expert_input_to_capacity: bool = False
     # dispatch
     moe_token_dispatcher_type: str = "allgather"
+    # memory: checkpoint the whole layer, its activations recomputed in backward (--moe-layer-recompute)
+    moe_layer_recompute: bool = False
 
     @property
     def capacity_factor(self) -> float | None:
