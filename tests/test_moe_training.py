@@ -1,7 +1,8 @@
 """Mixture of experts end to end: pretrain() with expert parallelism against one process.
 
 A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid router, group-limited
-routing, expert bias, a shared expert, seq aux loss, z-loss, first layer dense) tiny model, 10
+routing, expert bias, a shared expert, aux and seq aux losses in Megatron's list form, z-loss, first
+layer dense) tiny model, 10
 iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved (--moe-layer-recompute), tp2 x ep2 (SP),
 ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp); every loss, aux loss and grad norm equal one process's. A
 checkpoint saved at ep 4 resumes bitwise at ep 4 and within fp32 tolerance at ep 2, at tp2 x pp2 x
@@ -29,10 +30,14 @@ DEEPSEEK = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-si
             "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
             "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)",
-            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+            "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",  # Megatron's list form
+            "--moe-aux-loss-coeff", "1e-2", "1e-3",
             "--moe-z-loss-coeff", "1e-3"]  # fmt: skip
 MODELS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
-AUX = {"mixtral": ["load_balancing_loss"], "deepseek": ["seq_load_balancing_loss", "z_loss"]}
+AUX = {
+    "mixtral": ["load_balancing_loss"],
+    "deepseek": ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"],
+}
 
 
 def ep(size: int, dispatcher: str = "alltoall") -> list[str]:
@@ -217,6 +222,20 @@ def test_flags_and_their_checks():
     assert moe.moe_layer_freq == (0, 1, 1, 1) and moe.moe_router_score_function == "sigmoid"
     assert moe.moe_shared_expert_intermediate_size == 32 and moe.moe_ffn_hidden_size == 16
     assert RunConfig.from_flags(BASE, world_size=1).model.moe is None
+    lists = [
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "1e-3",
+    ]
+    plain = ["--num-experts", "8", "--moe-ffn-hidden-size", "16"]
+    listed = RunConfig.from_flags(BASE + plain + lists, world_size=1).model.moe
+    assert listed.load_balancing_types == ("aux_loss", "seq_aux_loss") and listed.moe_aux_loss_coeff == (
+        1e-2,
+        1e-3,
+    )
     assert RunConfig.from_flags(
         BASE + MIXTRAL + ["--moe-layer-recompute"], world_size=1
     ).model.moe.moe_layer_recompute
@@ -242,6 +261,11 @@ def test_flags_and_their_checks():
         ),  # fmt: skip
         (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
         (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
+        (
+            MIXTRAL + ["--moe-aux-loss-coeff", "1e-2", "1e-3"],
+            1,
+            "one value per --moe-router-load-balancing-type",
+        ),
         (
             MIXTRAL + ep(2) + layout(2, 1) + ["--sequence-parallel", "--moe-ffn-hidden-size", "15"],
             4,

@@ -32,9 +32,17 @@ FLAGS = (
         ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
         "aux_loss",
         "Load balancing: aux_loss (GShard/Switch), seq_aux_loss (DeepSeek-V2, per sequence), "
-        "global_aux_loss (over the global batch), sinkhorn (S-BASE), none.",
+        "global_aux_loss (over the global batch), sinkhorn (S-BASE), none; or several (Megatron's "
+        "list form, e.g. aux_loss seq_aux_loss), each with its coefficient.",
+        nargs="+",
     ),
-    value("--moe-aux-loss-coeff", float, 0.0, "Coefficient of the load-balancing loss."),
+    value(
+        "--moe-aux-loss-coeff",
+        float,
+        0.0,
+        "Coefficient of the load-balancing loss; a list: one per --moe-router-load-balancing-type.",
+        nargs="+",
+    ),
     value("--moe-z-loss-coeff", float, None, "Coefficient of the router z-loss (ST-MoE)."),
     switch("--moe-router-enable-expert-bias", "Aux-loss-free balancing: a per-expert bias (DeepSeek-V3)."),
     value("--moe-router-bias-update-rate", float, 1e-3, "Step of the expert-bias update."),
@@ -91,6 +99,11 @@ def _defaults() -> dict:
     }
 
 
+def _one(v):
+    """A list flag's value given once is that value (Megatron's nargs='+' flags)."""
+    return v[0] if isinstance(v, list) and len(v) == 1 else v
+
+
 def check(args: argparse.Namespace) -> list[str]:
     """Dense runs take no MoE flag; MoE runs: Megatron's checks (``MoEConfig.validate``)."""
     need(
@@ -100,7 +113,9 @@ def check(args: argparse.Namespace) -> list[str]:
     )
     if args.num_experts is None:
         given = [
-            d for d, default in _defaults().items() if d != "num_experts" and getattr(args, d) != default
+            d
+            for d, default in _defaults().items()
+            if d != "num_experts" and _one(getattr(args, d)) != default
         ]
         need(
             not given or given == ["expert_tensor_parallel_size"],
