@@ -146,6 +146,18 @@ def named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Module, 
             yield name, model, param
 
 
+def stack_experts(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`split_experts`: each routed experts' weight stacked back into a
+    single-process model's ``[E, ...]`` parameter (what ``GPTModel.load_state_dict`` takes)."""
+    model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
+    out = dict(state)
+    for name, p in model.named_parameters():
+        parts = [expert_name(name, e) for e in range(p.shape[0])] if is_expert_parallel(p) else []
+        if parts and all(n in out for n in parts):
+            out[name] = torch.stack([out.pop(n) for n in parts])
+    return out
+
+
 def persistent_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, buffer)`` of every persistent buffer of this rank's chunks (the routers'
     ``expert_bias``: the same on every rank of a stage, so stored replicated)."""
