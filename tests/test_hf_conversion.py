@@ -157,6 +157,9 @@ def test_mixtral_logits_match_transformers_both_ways(tmp_path):
     rebuilt = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(rebuilt.eval()(ids).logits, ref, rtol=0, atol=0)
+    for qwen in ("qwen3_moe", "qwen2_moe"):  # their attention (QK-norm; q/k/v-only biases) is not built
+        with pytest.raises(hf.HFConversionError, match=f"model_type '{qwen}'"):
+            hf.config_from_hf({**hf_config, "model_type": qwen})
     dense_first = dataclasses.replace(config, moe=dataclasses.replace(config.moe, moe_layer_freq=(0, 1)))
     with pytest.raises(hf.HFConversionError, match="--moe-layer-freq") as e:
         hf.config_to_hf(dense_first)

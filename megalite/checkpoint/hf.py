@@ -57,6 +57,13 @@ from megalite.model.moe import MoEConfig
 POS_EMB = "embedding.position_embeddings.weight"
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+# MoE families whose attention megalite does not build (their experts and routers it does).
+_NOT_BUILT = {
+    "qwen3_moe": "Qwen3-MoE normalises each head's q and k (QK-norm), which megalite's attention does not "
+    "build; convert Mixtral-style models (model_type mixtral) or a Llama",
+    "qwen2_moe": "Qwen2-MoE has biases on q/k/v only, which megalite's attention does not build (it has "
+    "biases on every linear or none); convert Mixtral-style models (model_type mixtral) or a Llama",
+}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -191,6 +198,7 @@ def _rope_theta(hf: Mapping) -> float:
 def config_from_hf(hf: Mapping) -> ModelConfig:
     """A ``config.json`` dict of a GPT-2 or Llama model -> the ModelConfig computing the same function."""
     model_type = hf.get("model_type")
+    _need(model_type not in _NOT_BUILT, f"model_type {model_type!r}: {_NOT_BUILT.get(model_type)}")
     _need(
         model_type in SUPPORTED_MODEL_TYPES,
         f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
