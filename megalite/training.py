@@ -445,7 +445,7 @@ def _aux_on(moe, name: str) -> bool:
     kind = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss"}.get(
         name, "global_aux_loss"
     )
-    return moe.moe_aux_loss_coeff > 0 and moe.moe_router_load_balancing_type == kind
+    return moe.aux_loss_coeff(kind) > 0
 
 
 def first_step_suspects(state: TrainState) -> str:

@@ -155,7 +155,51 @@ BAD = [
     (dict(moe_router_load_balancing_type="sinkhorn", moe_expert_capacity_factor=1.0), "not sinkhorn"),
     (dict(moe_shared_expert_gate=True), "--moe-shared-expert-gate needs"),
     (dict(moe_router_score_function="relu"), "--moe-router-score-function must be one of"),
+    (
+        dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1),
+        "--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type: got 1 for 2",
+    ),
+    (dict(moe_router_load_balancing_type=["aux_loss", "aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]), "twice"),
+    (
+        dict(moe_router_load_balancing_type=["sinkhorn", "aux_loss"], moe_aux_loss_coeff=[0.0, 0.1]),
+        "cannot be listed",
+    ),
+    (dict(moe_router_load_balancing_type=["aux_loss", "seq"], moe_aux_loss_coeff=[0.1, 0.1]), "one of"),
 ]
+
+
+def test_list_of_load_balancing_types_adds_their_losses():
+    """Megatron's list form (``--moe-router-load-balancing-type aux_loss seq_aux_loss
+    --moe-aux-loss-coeff 1e-2 1e-3``): each loss with its own coefficient, logged under its name and
+    equal to a router with that type alone; their gradients add (the router weight's grad is the
+    plain one plus each loss's part). A list of one is the plain value."""
+    base = dict(num_experts=8, hidden_size=16, moe_ffn_hidden_size=8, moe_router_topk=2)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    r = torch.linspace(-1, 1, 12 * 8).view(12, 8)
+
+    def run(types, coeffs):
+        c = MoEConfig(**base, moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs)
+        router = TopKRouter(
+            c.validate(), ParallelContext(), generator=torch.Generator().manual_seed(0)
+        ).train()
+        probs, _ = router(x)
+        (probs * r).sum().backward()
+        return router.pop_aux_losses(), router.weight.grad
+
+    both, g_both = run(["aux_loss", "seq_aux_loss"], [1e-2, 1e-3])
+    aux, g_aux = run("aux_loss", 1e-2)
+    seq, g_seq = run("seq_aux_loss", 1e-3)
+    _, g_none = run("none", 0.0)
+    assert set(both) == {"load_balancing_loss", "seq_load_balancing_loss"}
+    torch.testing.assert_close(both["load_balancing_loss"], aux["load_balancing_loss"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        both["seq_load_balancing_loss"], seq["seq_load_balancing_loss"], rtol=0, atol=0
+    )
+    assert (g_aux - g_none).abs().max() > 1e-6 and (g_seq - g_none).abs().max() > 1e-6
+    torch.testing.assert_close(g_both, g_aux + g_seq - g_none, rtol=1e-5, atol=1e-8)
+    one = MoEConfig(**base, moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-3])
+    assert one.moe_router_load_balancing_type == "seq_aux_loss" and one.moe_aux_loss_coeff == 1e-3
+    assert one.aux_loss_coeff("seq_aux_loss") == 1e-3 and one.aux_loss_coeff("aux_loss") == 0.0
 
 
 @pytest.mark.parametrize("fields,message", BAD)

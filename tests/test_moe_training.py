@@ -1,10 +1,12 @@
 """Mixture of experts end to end: pretrain() with expert parallelism against one process.
 
 A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid router, group-limited
-routing, expert bias, a shared expert, seq aux loss, z-loss, first layer dense) tiny model, 10
-iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved, tp2 x ep2 (SP),
-ep2 x cp2, etp1; every loss, aux loss and grad norm equal one process's. Checkpoints of MoE runs are
-refused in one line until they know the experts. One spawn (4 ranks); the references run here.
+routing, expert bias, a shared expert, aux and seq aux losses in Megatron's list form, z-loss, first
+layer dense) tiny model, 10
+iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved (--moe-layer-recompute), tp2 x ep2 (SP),
+ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp); every loss, aux loss and grad norm equal one process's. A
+checkpoint saved at ep 4 resumes bitwise at ep 4 and within fp32 tolerance at ep 2, at tp2 x pp2 x
+etp1 x ep2, and at ep 1. One spawn (4 ranks); the references run here.
 """
 
 import json
@@ -28,14 +30,22 @@ DEEPSEEK = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-si
             "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
             "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)",
-            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+            "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",  # Megatron's list form
+            "--moe-aux-loss-coeff", "1e-2", "1e-3",
             "--moe-z-loss-coeff", "1e-3"]  # fmt: skip
 MODELS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
-AUX = {"mixtral": ["load_balancing_loss"], "deepseek": ["seq_load_balancing_loss", "z_loss"]}
+AUX = {
+    "mixtral": ["load_balancing_loss"],
+    "deepseek": ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"],
+}
 
 
 def ep(size: int, dispatcher: str = "alltoall") -> list[str]:
     return ["--expert-model-parallel-size", str(size), "--moe-token-dispatcher-type", dispatcher]
+
+
+def ZERO(level: int) -> list[str]:
+    return ["--data-parallel-sharding-strategy", ("optim", "optim_grads", "optim_grads_params")[level - 1]]
 
 
 # name -> (model, flags), all on 4 ranks
@@ -45,7 +55,7 @@ LAYOUTS = {
     "deepseek-ep2-dp4": ("deepseek", ep(2)),
     "deepseek-ep2-pp2-interleaved": (
         "deepseek",
-        ep(2) + layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ep(2) + layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1", "--moe-layer-recompute"],
     ),
     "mixtral-tp2-ep2-sp": ("mixtral", ep(2) + layout(2, 1) + ["--sequence-parallel"]),
     "deepseek-tp2-ep2-sp-allgather": (
@@ -57,7 +67,55 @@ LAYOUTS = {
         "mixtral",
         ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
     ),
+    # ZeRO: the experts' main params / grads / params sharded over edp, the dense ones over dp x cp
+    "mixtral-ep2-dp4-zero1-overlap": (  # dense dp 4, edp 2; the post-step gathers in the forward
+        "mixtral",
+        ep(2) + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+    ),
+    "deepseek-tp2-etp1-ep2-zero2": (  # dense dp 1, edp 2
+        "deepseek",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"] + ZERO(2),
+    ),
+    "mixtral-tp2-etp1-ep2-zero3": (
+        "mixtral",
+        ep(2) + layout(2, 1) + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"] + ZERO(3),
+    ),
+    "deepseek-ep2-dp4-zero3-prefetch": (
+        "deepseek",
+        ep(2, "allgather") + ZERO(3) + ["--overlap-grad-reduce", "--overlap-param-gather"],
+    ),
 }
+
+
+RESUMES = {
+    "resumed-ep4": ep(4),
+    "resumed-ep2-zero1": ep(2) + ["--use-distributed-optimizer"],
+    "resumed-tp2-pp2-etp1-ep2": ep(2)
+    + layout(2, 2)
+    + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+}
+
+
+def moe_runs(plan: list) -> None:
+    """In one spawned rank: pretrain() each argv; for ``("shards", argv, out)`` build the run and
+    write what this rank's optimizer holds of each routed expert's weight (ZeRO's shards)."""
+    from megalite.training import setup
+
+    for item in plan:
+        if isinstance(item, list):
+            pretrain_runs([item])
+            continue
+        _, argv, out = item
+        state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
+        held: dict[str, int] = {}
+        names = {p: n for chunk in state.model for n, p in chunk.module.named_parameters()}
+        for m in state.optimizer.main_params:
+            if ".experts." in names[m.model]:
+                held[names[m.model]] = held.get(names[m.model], 0) + m.main.numel()
+        whole = {n: p.numel() for p, n in names.items() if ".experts." in n}
+        freed = [n for p, n in names.items() if ".experts." in n and p.untyped_storage().size() == 0]
+        record = dict(held=held, whole=whole, freed=freed, edp=state.mesh.edp_rank, ep=state.mesh.ep_rank)
+        torch.save(record, f"{out}.{state.mesh.rank}.pt")
 
 
 def rows(path) -> list[dict]:
@@ -75,9 +133,18 @@ def runs(tmp_path_factory):
     plan = []
     for name, (model, flags) in LAYOUTS.items():
         plan.append(BASE + MODELS[model] + flags + out(name))
-    run_distributed(pretrain_runs, 4, plan, timeout=600)
+    for level in (1, 3):
+        plan.append(("shards", BASE + MIXTRAL + ep(2) + ZERO(level), str(d / f"shards-zero{level}")))
+    # Checkpoints: saved at ep 4 (iteration 5), resumed at ep 4, at ep 2 (ZeRO-1), at tp2 x pp2 with
+    # etp 1 x ep 2, and (below) at ep 1 on one process.
+    load = ["--load", str(d / "ckpt"), "--ckpt-step", "5"]
+    plan.append(BASE + DEEPSEEK + ep(4) + ["--save", str(d / "ckpt"), "--save-interval", "5"] + out("saved"))
+    for name, flags in RESUMES.items():
+        plan.append(BASE + DEEPSEEK + flags + load + out(name))
+    run_distributed(moe_runs, 4, plan, timeout=600)
     with one_thread():
         pretrain_runs([BASE + flags + out(f"{m}-reference") for m, flags in MODELS.items()])
+        pretrain_runs([BASE + DEEPSEEK + load + out("resumed-ep1")])
     return d
 
 
@@ -96,6 +163,57 @@ def test_matches_one_process(runs, name):
     assert all(r[k] > 0 for r in ref for k in AUX[model])  # the aux losses are there
 
 
+@pytest.mark.parametrize("name", [*RESUMES, "resumed-ep1"])
+def test_resume_across_expert_layouts(runs, name):
+    """A DeepSeek-style run (expert bias, shared expert, first layer dense) saved at ep 4 after 5 of
+    10 iterations: resumed at ep 4 it is the same run bitwise; at ep 2 (ZeRO-1), tp2 x pp2 with
+    etp 1 x ep 2, and ep 1 on one process, within fp32 tolerance of the uninterrupted one-process
+    run (the experts, their Adam moments and the expert bias all resharded)."""
+    saved, got = rows(runs / "saved.jsonl"), rows(runs / f"{name}.jsonl")
+    ref = rows(runs / "deepseek-reference.jsonl")
+    assert [r["iteration"] for r in got] == list(range(6, ITERS + 1))
+    for key in ("loss", "grad_norm", *AUX["deepseek"]):
+        want = [r[key] for r in (saved if name == "resumed-ep4" else ref)[5:]]
+        if name == "resumed-ep4":
+            assert [r[key] for r in got] == want, key  # bitwise
+        else:
+            torch.testing.assert_close(
+                torch.tensor([r[key] for r in got]), torch.tensor(want), **TOL, msg=key
+            )
+
+
+def test_checkpoint_holds_one_tensor_per_expert(runs):
+    """The checkpoint's names and shapes: each routed expert's weights as their own logical tensors
+    (no layout in them), their Adam moments alike, and the routers' expert bias."""
+    from megalite.checkpoint import storage
+    from megalite.checkpoint.logical import logical_shapes
+
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(runs / "ckpt" / "iter_0000005"))
+    config = RunConfig.from_flags(BASE + DEEPSEEK, world_size=1).model
+    for name, shape in logical_shapes(config).items():
+        assert shapes[name] == shapes[f"optimizer.exp_avg.{name}"] == shape, name
+    assert shapes["decoder.layers.3.mlp.experts.7.fc2"] == (16, 32)  # [ffn, h] of expert 7
+    assert not any(n.endswith("mlp.experts.fc2") for n in shapes)
+    assert shapes["decoder.layers.1.mlp.router.expert_bias"] == (8,)
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_zero_shards_experts_over_edp(runs, level):
+    """ZeRO at ep 2 on 4 ranks (edp 2): each rank's optimizer holds its edp shard of its experts'
+    weights (about half; a bucket's shard boundary falls where it falls), the two edp ranks together
+    all of each; under ZeRO-3 the weights are freed outside a forward."""
+    recs = [torch.load(runs / f"shards-zero{level}.{r}.pt") for r in range(4)]
+    for ep_rank in (0, 1):
+        pair = [r for r in recs if r["ep"] == ep_rank]
+        assert sorted(r["edp"] for r in pair) == [0, 1]
+        for name, numel in pair[0]["whole"].items():
+            held = [r["held"].get(name, 0) for r in pair]
+            assert sum(held) == numel, (name, held, numel)
+        total = sum(pair[0]["whole"].values())
+        assert all(0.25 * total < sum(r["held"].values()) < 0.75 * total for r in pair), total
+        assert bool(pair[0]["freed"]) == (level == 3)
+
+
 def test_flags_and_their_checks():
     """The flags reach the configs; a wrong value stops in one line naming the flag."""
     run = RunConfig.from_flags(BASE + DEEPSEEK + ep(2), world_size=4)
@@ -104,22 +222,55 @@ def test_flags_and_their_checks():
     assert moe.moe_layer_freq == (0, 1, 1, 1) and moe.moe_router_score_function == "sigmoid"
     assert moe.moe_shared_expert_intermediate_size == 32 and moe.moe_ffn_hidden_size == 16
     assert RunConfig.from_flags(BASE, world_size=1).model.moe is None
+    lists = [
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "1e-3",
+    ]
+    plain = ["--num-experts", "8", "--moe-ffn-hidden-size", "16"]
+    listed = RunConfig.from_flags(BASE + plain + lists, world_size=1).model.moe
+    assert listed.load_balancing_types == ("aux_loss", "seq_aux_loss") and listed.moe_aux_loss_coeff == (
+        1e-2,
+        1e-3,
+    )
+    assert RunConfig.from_flags(
+        BASE + MIXTRAL + ["--moe-layer-recompute"], world_size=1
+    ).model.moe.moe_layer_recompute
     for extra, world, flag in (
         (["--moe-router-topk", "4"], 1, "--num-experts"),  # a MoE flag on a dense model
         (MIXTRAL + ["--moe-token-dispatcher-type", "flex"], 1, "DeepEP"),
         (MIXTRAL + ep(3), 4, "--expert-model-parallel-size"),
-        (MIXTRAL + ep(2) + ["--use-distributed-optimizer"], 4, "--expert-model-parallel-size 2"),
         (MIXTRAL + layout(2, 1), 2, "--sequence-parallel"),
         (MIXTRAL + ["--moe-layer-freq", "([0]+[1])"], 1, "--moe-layer-freq"),
+        (
+            MIXTRAL
+            + [
+                "--moe-layer-recompute",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+            1,
+            "--moe-layer-recompute",
+        ),  # fmt: skip
         (MIXTRAL + ["--moe-router-topk", "9"], 1, "--moe-router-topk"),
         (MIXTRAL + ["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff"),
-        (MIXTRAL + ["--save", "ckpts/x"], 1, "--save with --num-experts"),
+        (
+            MIXTRAL + ["--moe-aux-loss-coeff", "1e-2", "1e-3"],
+            1,
+            "one value per --moe-router-load-balancing-type",
+        ),
         (
             MIXTRAL + ep(2) + layout(2, 1) + ["--sequence-parallel", "--moe-ffn-hidden-size", "15"],
             4,
             "--moe-ffn-hidden-size (15) is not divisible by --expert-tensor-parallel-size (2)",
         ),
-        (DEEPSEEK + ep(2) + ["--load", "ckpts/x"], 4, "--load with --num-experts"),
     ):
         with pytest.raises(ArgumentError) as e:
             RunConfig.from_flags(BASE + extra, world_size=world)

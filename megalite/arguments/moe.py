@@ -7,7 +7,6 @@ Without ``--num-experts`` the model is dense and every other flag here must keep
 
 import argparse
 
-from megalite.arguments.parallel import sharding_strategy
 from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, at_least, choice, from_flags, need, switch, value
 from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 
@@ -33,9 +32,17 @@ FLAGS = (
         ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
         "aux_loss",
         "Load balancing: aux_loss (GShard/Switch), seq_aux_loss (DeepSeek-V2, per sequence), "
-        "global_aux_loss (over the global batch), sinkhorn (S-BASE), none.",
+        "global_aux_loss (over the global batch), sinkhorn (S-BASE), none; or several (Megatron's "
+        "list form, e.g. aux_loss seq_aux_loss), each with its coefficient.",
+        nargs="+",
     ),
-    value("--moe-aux-loss-coeff", float, 0.0, "Coefficient of the load-balancing loss."),
+    value(
+        "--moe-aux-loss-coeff",
+        float,
+        0.0,
+        "Coefficient of the load-balancing loss; a list: one per --moe-router-load-balancing-type.",
+        nargs="+",
+    ),
     value("--moe-z-loss-coeff", float, None, "Coefficient of the router z-loss (ST-MoE)."),
     switch("--moe-router-enable-expert-bias", "Aux-loss-free balancing: a per-expert bias (DeepSeek-V3)."),
     value("--moe-router-bias-update-rate", float, 1e-3, "Step of the expert-bias update."),
@@ -51,6 +58,10 @@ FLAGS = (
         ["allgather", "alltoall", "flex"],
         "allgather",
         "How tokens reach their experts' ranks (flex, DeepEP's, is refused).",
+    ),
+    switch(
+        "--moe-layer-recompute",
+        "Checkpoint each MoE layer: its activations are recomputed in backward (memory for compute).",
     ),
     value("--expert-model-parallel-size", int, 1, "Expert parallelism: ranks the experts are split over."),
     value(
@@ -88,6 +99,11 @@ def _defaults() -> dict:
     }
 
 
+def _one(v):
+    """A list flag's value given once is that value (Megatron's nargs='+' flags)."""
+    return v[0] if isinstance(v, list) and len(v) == 1 else v
+
+
 def check(args: argparse.Namespace) -> list[str]:
     """Dense runs take no MoE flag; MoE runs: Megatron's checks (``MoEConfig.validate``)."""
     need(
@@ -97,7 +113,9 @@ def check(args: argparse.Namespace) -> list[str]:
     )
     if args.num_experts is None:
         given = [
-            d for d, default in _defaults().items() if d != "num_experts" and getattr(args, d) != default
+            d
+            for d, default in _defaults().items()
+            if d != "num_experts" and _one(getattr(args, d)) != default
         ]
         need(
             not given or given == ["expert_tensor_parallel_size"],
@@ -121,25 +139,14 @@ def check(args: argparse.Namespace) -> list[str]:
         f"--moe-ffn-hidden-size ({ffn}) is not divisible by --expert-tensor-parallel-size ({etp}); "
         f"use a multiple of {etp}",
     )
-    strategy = sharding_strategy(args)
     need(
-        not strategy.shards_optimizer or (ep == 1 and etp == tp),
-        f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} with ZeRO "
-        f"(--data-parallel-sharding-strategy {strategy.value}, --use-distributed-optimizer) is not built "
-        "yet; use plain data parallelism (no_shard) for expert-parallel runs",
+        not (args.moe_layer_recompute and args.recompute_granularity == "full"),
+        "--moe-layer-recompute with --recompute-granularity full: full recompute reruns the MoE layers "
+        "already (Megatron refuses both); drop one",
     )
     need(
         args.tensor_model_parallel_size == 1 or args.sequence_parallel,
         "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)",
-    )
-    # Checkpoints do not know experts yet (their weights split over ep, their optimizer state, the
-    # expert bias): a save would not resume the same run, so none is written or read (issue 35/36).
-    flag = "--save" if args.save is not None else "--load" if args.load is not None else None
-    need(
-        flag is None,
-        f"{flag} with --num-experts: checkpoints of mixture-of-experts runs are not built yet (the experts' "
-        "weights split over --expert-model-parallel-size, their optimizer state, the expert bias); "
-        f"run without {flag}",
     )
     return []
 

@@ -54,7 +54,7 @@ POLICY = _classes(
     "vocab_file check_for_nan_in_loss_and_grad attention_backend context_parallel_size cp_comm_type "
     "gradient_accumulation_fusion deterministic_mode moe_aux_loss_coeff moe_z_loss_coeff moe_router_bias_update_rate "
     "moe_input_jitter_eps moe_grouped_gemm moe_token_dispatcher_type moe_router_load_balancing_type "
-    "expert_model_parallel_size expert_tensor_parallel_size",
+    "expert_model_parallel_size expert_tensor_parallel_size moe_layer_recompute",
     invocation="config override_opt_param_scheduler use_checkpoint_opt_param_scheduler eval_interval "
     "eval_iters log_interval logging_level metrics_file peak_tflops tensorboard_dir log_loss_scale_to_tensorboard "
     "log_memory_to_tensorboard log_num_zeros_in_grad log_params_norm log_throughput log_timers_to_tensorboard "

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from megalite import log
 from megalite.checkpoint import files, megatron, optimizer_state, rng_state, storage
 from megalite.checkpoint.logical import (
+    buffer_pieces,
     is_tied_copy,
-    logical_piece,
+    logical_pieces,
     named_parameters,
     storage_name,
     vocab_padding,
@@ -199,16 +200,19 @@ def resume_iteration(config: CheckpointConfig) -> int | None:
 
 
 # ---------------------------------------------------------------------------------- model
-def model_pieces(chunks: list, config: ModelConfig, mesh: Mesh, for_load: bool = False) -> dict:
-    """This rank's model pieces ``{logical name: Shard | Tensor}`` (views of the params)."""
+def model_pieces(
+    chunks: list, config: ModelConfig, mesh: Mesh, for_load: bool = False, stored: set[str] | None = None
+) -> dict:
+    """This rank's model pieces ``{logical name: Shard | Tensor}`` (views of the params; routed
+    experts: one entry per expert), and its persistent buffers (the expert bias; to load: those
+    in ``stored``, the checkpoint's names, when given)."""
     finish_param_sync(chunks)  # --overlap-param-gather: no param still in flight is saved or loaded into
     out = {}
     for name, model, param in named_parameters(chunks):
         if is_tied_copy(model, name) and not for_load:
             continue  # stored once, as the embedding
-        piece = logical_piece(name, param.data, param, config, mesh.tp_rank, mesh.tp_size)
-        if piece is not None:
-            out[storage_name(model, name)] = piece
+        out.update(logical_pieces(storage_name(model, name), param.data, param, config, mesh))
+    out.update(buffer_pieces(chunks, stored if for_load else None))
     return out
 
 
@@ -231,6 +235,8 @@ def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False
         "context_parallel_size": mesh.cp_size,
         "virtual_pipeline_model_parallel_size": vp,
         "world_size": mesh.world_size,
+        "expert_model_parallel_size": mesh.ep_size,
+        "expert_tensor_parallel_size": mesh.etp_size,
         "use_distributed_optimizer": distributed_optimizer,
     }
 
@@ -455,7 +461,7 @@ def _read_tensors(state, folder: str, meta: dict, load_optim: bool, load_rng: bo
     stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
     # ZeRO-3: the whole params are load targets; on exit each rank's param shard takes its slice.
     with gathered_params(state.model):
-        targets = model_pieces(state.model, model_config, mesh, for_load=True)
+        targets = model_pieces(state.model, model_config, mesh, for_load=True, stored=stored)
         opt_load = None
         if load_optim:
             opt_load = optimizer_state.OptimizerLoad(state.optimizer, state.model, model_config, mesh, stored)

@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` <-> megalite: weight names, layouts and configs.
 
 Pure functions between a ``transformers`` state dict + ``config.json`` dict
-(``GPT2LMHeadModel`` or ``LlamaForCausalLM``) and a megalite LOGICAL state dict
+(``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``MixtralForCausalLM``) and a megalite LOGICAL state dict
 + :class:`ModelConfig`. A logical state dict uses the parameter names of a
 single-process :class:`~megalite.model.gpt.GPTModel` with full (unsharded)
 shapes, and its vocab tables hold the REAL vocab rows only, ``[vocab_size, h]``
@@ -31,6 +31,7 @@ The file I/O helpers at the bottom read/write ``config.json`` + safetensors
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -43,15 +44,26 @@ from megalite.checkpoint.logical import (
     OUTPUT,
     VOCAB_TABLES,
     check_logical_state_dict,
+    expert_name,
     logical_shapes,
     real_vocab_rows,
+    split_experts,
+    stack_experts,
 )
 from megalite.errors import MegaliteError, reading
 from megalite.model.config import ModelConfig
+from megalite.model.moe import MoEConfig
 
 POS_EMB = "embedding.position_embeddings.weight"
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+# MoE families whose attention megalite does not build (their experts and routers it does).
+_NOT_BUILT = {
+    "qwen3_moe": "Qwen3-MoE normalises each head's q and k (QK-norm), which megalite's attention does not "
+    "build; convert Mixtral-style models (model_type mixtral) or a Llama",
+    "qwen2_moe": "Qwen2-MoE has biases on q/k/v only, which megalite's attention does not build (it has "
+    "biases on every linear or none); convert Mixtral-style models (model_type mixtral) or a Llama",
+}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -100,6 +112,8 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
 def hf_flavour(config: ModelConfig) -> str:
     """The transformers architecture ("gpt2" or "llama") that computes exactly what ``config`` does."""
     c = config
+    if c.moe is not None:
+        return _mixtral_flavour(c)
     # transformers' GPT-2 / Llama norms scale by gamma itself and rotate whole heads: a
     # zero-centred gamma or a partial rotary would convert into a different model.
     if c.apply_layernorm_1p or c.rotary_percent != 1.0:
@@ -134,6 +148,34 @@ def hf_flavour(config: ModelConfig) -> str:
     )
 
 
+def _mixtral_flavour(c: ModelConfig) -> str:
+    """A MoE model converts as MixtralForCausalLM when it routes as Mixtral: every layer MoE, softmax
+    top-k renormalised over the chosen experts (Megatron's softmax after the top-k), SwiGLU experts,
+    nothing Mixtral lacks."""
+    m = c.moe
+    freq = m.moe_layer_freq
+    extra = {
+        "--moe-layer-freq (a dense layer)": not (freq == 1 or all(freq)),
+        "--moe-router-score-function sigmoid": m.moe_router_score_function != "softmax",
+        "--moe-router-pre-softmax (no renormalisation)": m.moe_router_pre_softmax,
+        "--moe-router-num-groups": bool(m.moe_router_num_groups),
+        "--moe-router-topk-scaling-factor": m.moe_router_topk_scaling_factor not in (None, 1.0),
+        "--moe-router-enable-expert-bias": m.moe_router_enable_expert_bias,
+        "--moe-shared-expert-intermediate-size": bool(m.moe_shared_expert_intermediate_size),
+        "--moe-expert-capacity-factor": m.capacity_factor is not None,
+        "--moe-input-jitter-eps": bool(m.moe_input_jitter_eps),
+    }
+    found = [flag for flag, on in extra.items() if on]
+    _need(
+        not found and c.position_embedding_type == "rope" and c.normalization == "RMSNorm" and c.swiglu
+        and not c.add_bias_linear and c.rotary_percent == 1.0 and not c.apply_layernorm_1p,
+        "this MoE model has no transformers equivalent: MixtralForCausalLM routes every layer by softmax "
+        "top-k over SwiGLU experts with a Llama attention (rope, RMSNorm, no biases); this one has "
+        f"{', '.join(found) or 'another attention or MLP'}",
+    )  # fmt: skip
+    return "mixtral"
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise HFConversionError(msg)
@@ -156,6 +198,7 @@ def _rope_theta(hf: Mapping) -> float:
 def config_from_hf(hf: Mapping) -> ModelConfig:
     """A ``config.json`` dict of a GPT-2 or Llama model -> the ModelConfig computing the same function."""
     model_type = hf.get("model_type")
+    _need(model_type not in _NOT_BUILT, f"model_type {model_type!r}: {_NOT_BUILT.get(model_type)}")
     _need(
         model_type in SUPPORTED_MODEL_TYPES,
         f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
@@ -187,6 +230,8 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
             attention_dropout=hf.get("attn_pdrop", 0.0),
             init_method_std=hf.get("initializer_range", 0.02),
         )
+    if model_type == "mixtral":
+        return _mixtral_config(hf)
     act = hf.get("hidden_act", "silu")
     _need(act == "silu", f"Llama hidden_act {act!r} is not supported (SwiGLU uses silu)")
     _need(not hf.get("attention_bias", False), "Llama with attention_bias=true is not supported")
@@ -209,6 +254,32 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02),
     )
+
+
+def _mixtral_config(hf: Mapping) -> ModelConfig:
+    """MixtralForCausalLM's config.json -> a Llama attention with a MoE (softmax top-k, renormalised:
+    Megatron's default softmax after the top-k) in every layer."""
+
+    _need(
+        hf.get("hidden_act", "silu") == "silu",
+        f"Mixtral hidden_act {hf.get('hidden_act')!r} is not supported",
+    )
+    _need(
+        not hf.get("router_jitter_noise"),
+        "Mixtral with router_jitter_noise is not supported (it trains with noise)",
+    )
+    _need(
+        hf.get("sliding_window") is None,
+        "Mixtral with sliding_window is not supported (megalite attends to all)",
+    )
+    dense = config_from_hf({**hf, "model_type": "llama"})
+    moe = MoEConfig(
+        num_experts=hf["num_local_experts"], hidden_size=dense.hidden_size,
+        moe_ffn_hidden_size=hf["intermediate_size"], init_method_std=dense.init_method_std,
+        moe_router_topk=hf["num_experts_per_tok"], moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+    )  # fmt: skip
+    return dataclasses.replace(dense, moe=moe)
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -241,6 +312,19 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
             "embd_pdrop": c.hidden_dropout,
             "attn_pdrop": c.attention_dropout,
             **common,
+        }
+    if flavour == "mixtral":
+        m = c.moe
+        return {
+            **config_to_hf(dataclasses.replace(c, moe=None), dtype),
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": m.moe_ffn_hidden_size,
+            "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            "router_aux_loss_coef": m.aux_loss_coeff("aux_loss"),
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
         }
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -321,6 +405,15 @@ _NAMES = {
         "Llama",
     ),
 }
+_NAMES["mixtral"] = dataclasses.replace(
+    _NAMES["llama"],
+    per_layer={k: v for k, v in _NAMES["llama"].per_layer.items() if not k.startswith("mlp.")},
+    label="Mixtral",
+)
+# Mixtral's experts on disk (every transformers release writes these; >= 5 fuses them in memory:
+# mlp.gate.weight, mlp.experts.gate_up_proj [E, 2 ffn, h], mlp.experts.down_proj [E, h, ffn]).
+_MIXTRAL_GATE = "block_sparse_moe.gate.weight"
+_MIXTRAL_EXPERT = "block_sparse_moe.experts.{}.{}.weight"  # w1 gate, w3 up [ffn, h]; w2 down [h, ffn]
 _QKV = "self_attention.linear_qkv."
 
 
@@ -395,6 +488,8 @@ def hf_to_megalite(
             if flavour == "gpt2" and t.dim() == 2:  # Conv1D [in, out] -> Linear [out, in]
                 t = _check_shape(q + theirs, t, shapes[p + ours][::-1]).t().contiguous()
             out[p + ours] = t
+        if flavour == "mixtral":
+            out.update(_mixtral_experts_in(src, q, p, c))
     out.update({ours: src.take(theirs) for ours, theirs in names.final.items()})
     head = src.take("lm_head.weight", required=False)  # a tied model may carry its (same) head
     if c.untie_embeddings_and_output_weights:
@@ -403,6 +498,48 @@ def hf_to_megalite(
     src.check_all_taken()
     check_logical_state_dict(out, config, HFConversionError)
     return out, config
+
+
+def _mixtral_experts_in(src: _StateDictReader, q: str, p: str, c: ModelConfig) -> dict[str, torch.Tensor]:
+    """One Mixtral layer's router and experts (on-disk per-expert names, or transformers >= 5's fused
+    in-memory ones) -> megalite's router weight and one ``[h, ffn]`` / ``[ffn, h]`` tensor per expert."""
+    e, h, f = c.moe.num_experts, c.hidden_size, c.moe.moe_ffn_hidden_size
+    fused = q + "mlp.experts.gate_up_proj" in src.left
+    gate_name = q + ("mlp.gate.weight" if fused else _MIXTRAL_GATE)
+    out = {p + "mlp.router.weight": _check_shape(gate_name, src.take(gate_name), (e, h))}
+    if fused:
+        gate_up = _check_shape(
+            q + "mlp.experts.gate_up_proj", src.take(q + "mlp.experts.gate_up_proj"), (e, 2 * f, h)
+        )
+        down = _check_shape(q + "mlp.experts.down_proj", src.take(q + "mlp.experts.down_proj"), (e, h, f))
+        parts = [(gate_up[i, :f], gate_up[i, f:], down[i]) for i in range(e)]
+    else:
+        parts = [
+            tuple(
+                _check_shape(n, src.take(n), s)
+                for n, s in (
+                    (q + _MIXTRAL_EXPERT.format(i, "w1"), (f, h)),
+                    (q + _MIXTRAL_EXPERT.format(i, "w3"), (f, h)),
+                    (q + _MIXTRAL_EXPERT.format(i, "w2"), (h, f)),
+                )
+            )  # fmt: skip
+            for i in range(e)
+        ]
+    for i, (gate, up, down) in enumerate(parts):  # nn.Linear [out, in] -> megalite's x @ W [in, out]
+        for name, t in (("fc1_gate", gate), ("fc1_up", up), ("fc2", down)):
+            out[expert_name(p + "mlp.experts." + name, i)] = t.t().contiguous()
+    return out
+
+
+def _mixtral_experts_out(src: _StateDictReader, p: str, q: str, c: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_mixtral_experts_in`, in the on-disk per-expert names every transformers reads."""
+    out = {q + _MIXTRAL_GATE: src.take(p + "mlp.router.weight")}
+    for i in range(c.moe.num_experts):
+        for name, theirs in (("fc1_gate", "w1"), ("fc1_up", "w3"), ("fc2", "w2")):
+            out[q + _MIXTRAL_EXPERT.format(i, theirs)] = src.take(
+                expert_name(p + "mlp.experts." + name, i)
+            ).t()
+    return out
 
 
 def megalite_to_hf(
@@ -438,6 +575,8 @@ def megalite_to_hf(
         for ours, theirs in names.per_layer.items():
             t = src.take(p + ours)
             out[q + theirs] = t.t() if flavour == "gpt2" and t.dim() == 2 else t  # Linear -> Conv1D
+        if flavour == "mixtral":
+            out.update(_mixtral_experts_out(src, p, q, c))
     out.update({names.base + theirs: src.take(ours) for ours, theirs in names.final.items()})
     if c.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = vocab(OUTPUT)
@@ -455,13 +594,15 @@ def megalite_to_hf(
 
 
 def logical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of a single-process (tp=1) GPTModel with the vocab padding rows dropped."""
-    return real_vocab_rows(model.state_dict(), model.config.vocab_size)
+    """State dict of a single-process (tp=1) GPTModel with the vocab padding rows dropped (and each
+    routed experts' weight as one tensor per expert)."""
+    return split_experts(real_vocab_rows(model.state_dict(), model.config.vocab_size), model.config)
 
 
 def padded_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, tp: int = 1) -> dict:
-    """Logical state dict -> the full state dict of a model padded for ``tp`` (zero padding rows)."""
-    out = dict(state)
+    """Logical state dict -> the full state dict of a model padded for ``tp`` (zero padding rows;
+    the routed experts stacked)."""
+    out = stack_experts(state, config)
     rows = config.padded_vocab_size(tp)
     for name in VOCAB_TABLES:
         if name in out and out[name].shape[0] < rows:

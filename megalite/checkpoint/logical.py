@@ -18,6 +18,14 @@ Two exceptions:
   of ``embedding.word_embeddings.weight``: it is not stored, and it is loaded
   from the embedding's entry.
 
+Mixture of experts: a routed experts' weight (``...mlp.experts.fc1_gate``, a rank's
+``[local experts, h, ffn/etp]``) is stored as one logical tensor per expert,
+``...mlp.experts.E.fc1_gate`` ``[h, ffn]`` (:func:`expert_name`), so any expert-parallel
+(EP) and expert-tensor-parallel (ETP) layout reads any other: a rank's local expert i is expert
+``ep_rank * local + i``, its piece the ``etp_rank``-th chunk along the partition dim. The
+persistent buffers (the routers' ``expert_bias``) are stored under their names, replicated
+(:func:`buffer_pieces`).
+
 The same mapping serves any tensor shaped like a parameter's shard (Adam
 moments, fp32 main params), so optimizer state reshards exactly like weights.
 """
@@ -34,7 +42,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.mesh import Mesh
-from megalite.parallel.param_attributes import is_tensor_parallel, partition_dim
+from megalite.parallel.param_attributes import is_expert_parallel, is_tensor_parallel, partition_dim
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -48,13 +56,50 @@ class _ShapesOnly(GPTModel):
         pass
 
 
+def expert_name(name: str, expert: int) -> str:
+    """The logical name of expert ``expert``'s part of the routed experts' weight ``name``:
+    ``decoder.layers.1.mlp.experts.fc2`` -> ``decoder.layers.1.mlp.experts.3.fc2``."""
+    head, _, tail = name.rpartition(".")
+    return f"{head}.{expert}.{tail}"
+
+
 def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """``{name: full shape}`` of ``config``'s logical state dict (vocab tables: the real rows)."""
+    """``{name: full shape}`` of ``config``'s logical state dict (vocab tables: the real rows; the
+    routed experts' weights: one entry per expert)."""
     model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
-    return {
-        name: (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
-        for name, p in model.named_parameters()
-    }
+    out = {}
+    for name, p in model.named_parameters():
+        if is_expert_parallel(p):
+            out.update({expert_name(name, e): tuple(p.shape[1:]) for e in range(p.shape[0])})
+        else:
+            out[name] = (config.vocab_size, *p.shape[1:]) if name in VOCAB_TABLES else tuple(p.shape)
+    return out
+
+
+def logical_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A single-process model's parameters under their logical names (each routed experts' weight
+    as one tensor per expert; views)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if is_expert_parallel(p):
+            out.update({expert_name(name, e): p.detach()[e] for e in range(p.shape[0])})
+        else:
+            out[name] = p.detach()
+    return out
+
+
+def split_experts(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """``state`` with each stacked routed experts' weight (a single-process model's ``[E, ...]``)
+    replaced by one tensor per expert; everything else as it is."""
+    model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
+    stacked = {n for n, p in model.named_parameters() if is_expert_parallel(p)}
+    out = {}
+    for name, t in state.items():
+        if name in stacked:
+            out.update({expert_name(name, e): t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
 
 
 def check_logical_state_dict(
@@ -99,6 +144,58 @@ def named_parameters(chunks: list[nn.Module]) -> Iterator[tuple[str, nn.Module, 
         model = unwrap(chunk)
         for name, param in model.named_parameters():
             yield name, model, param
+
+
+def stack_experts(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`split_experts`: each routed experts' weight stacked back into a
+    single-process model's ``[E, ...]`` parameter (what ``GPTModel.load_state_dict`` takes)."""
+    model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
+    out = dict(state)
+    for name, p in model.named_parameters():
+        parts = [expert_name(name, e) for e in range(p.shape[0])] if is_expert_parallel(p) else []
+        if parts and all(n in out for n in parts):
+            out[name] = torch.stack([out.pop(n) for n in parts])
+    return out
+
+
+def persistent_buffers(chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of every persistent buffer of this rank's chunks (the routers'
+    ``expert_bias``: the same on every rank of a stage, so stored replicated)."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        keys = set(model.state_dict(keep_vars=True))
+        for name, buf in model.named_buffers():
+            if name in keys:
+                yield name, buf
+
+
+def buffer_pieces(chunks: list[nn.Module], stored: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """``{name: buffer}`` of :func:`persistent_buffers` (``stored``: only those the checkpoint
+    has, as load targets: a checkpoint written before buffers were stored leaves them as built)."""
+    return {n: b for n, b in persistent_buffers(chunks) if stored is None or n in stored}
+
+
+def logical_pieces(
+    name: str, local: torch.Tensor, param: torch.Tensor, config: ModelConfig, mesh: Mesh
+) -> dict[str, Shard | torch.Tensor]:
+    """``{logical name: piece}`` of ``local`` (shaped like ``param``'s shard on this rank of
+    ``mesh``): :func:`logical_piece`'s one entry (none for padding only), or for a routed experts'
+    weight one per local expert, each its ``etp`` chunk of the expert's tensor (views of ``local``,
+    so they serve as load destinations too)."""
+    if not is_expert_parallel(param):
+        piece = logical_piece(name, local, param, config, mesh.tp_rank, mesh.tp_size)
+        return {} if piece is None else {name: piece}
+    local_experts, out = local.shape[0], {}
+    sharded = is_tensor_parallel(param) and mesh.etp_size > 1
+    for i in range(local_experts):
+        mine = local[i]
+        if sharded:
+            dim = partition_dim(param) - 1  # the expert dim is gone
+            offsets, shape = [0] * mine.dim(), list(mine.shape)
+            offsets[dim], shape[dim] = mesh.etp_rank * mine.shape[dim], mine.shape[dim] * mesh.etp_size
+            mine = Shard(mine, tuple(offsets), tuple(shape))
+        out[expert_name(name, mesh.ep_rank * local_experts + i)] = mine
+    return out
 
 
 def logical_piece(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.checkpoint.logical import logical_piece, named_parameters, storage_name
+from megalite.checkpoint.logical import logical_pieces, named_parameters, storage_name
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
 
@@ -67,9 +67,8 @@ def save_pieces(optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: M
         name, model = names[param]
         if storage_name(model, name) != name:
             continue  # the tied output copy: its state equals the embedding's, stored once
-        piece = logical_piece(name, local, param, config, mesh.tp_rank, mesh.tp_size)
-        if piece is not None:
-            pieces[key(kind, name)] = piece
+        for logical, piece in logical_pieces(name, local, param, config, mesh).items():
+            pieces[key(kind, logical)] = piece
     return pieces
 
 
@@ -90,17 +89,13 @@ class OptimizerLoad:
         for param in wanted:
             name, model = names[param]
             source = storage_name(model, name)
-            kinds = [(kind, key(kind, source)) for kind in MOMENTS]
-            if load_main:
-                # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights.
-                main_key = key("main", source)
-                kinds.append(("main", main_key if main_key in stored else source))
-            for kind, entry in kinds:
+            for kind in list(MOMENTS) + (["main"] if load_main else []):
                 buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 self.buffers[(kind, param)] = buf
-                piece = logical_piece(source, buf, param, config, mesh.tp_rank, mesh.tp_size)
-                if piece is not None:
-                    self.pieces[entry] = piece
+                for logical, piece in logical_pieces(source, buf, param, config, mesh).items():
+                    # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights.
+                    entry = key(kind, logical)
+                    self.pieces[entry if kind != "main" or entry in stored else logical] = piece
 
     @torch.no_grad()
     def apply(self, step: int) -> None:

@@ -17,7 +17,15 @@ from torch import nn
 from megalite import log
 from megalite.checkpoint import files, optimizer_state, storage
 from megalite.checkpoint.checkpointing import model_pieces, parallel_layout, zero_vocab_padding
-from megalite.checkpoint.logical import EMBEDDING, OUTPUT, check_logical_state_dict, real_vocab_rows
+from megalite.checkpoint.logical import (
+    EMBEDDING,
+    OUTPUT,
+    buffer_pieces,
+    check_logical_state_dict,
+    logical_state_dict,
+    real_vocab_rows,
+    split_experts,
+)
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import Mesh
@@ -40,7 +48,8 @@ def load_model(path: str | Path, iteration: int | None = None) -> tuple[GPTModel
         raise files.damaged(folder, it, problem)
     config = files.config_from_metadata(meta)
     model = GPTModel(config)  # one process, fp32, CPU
-    storage.read(model_pieces([model], config, Mesh.single(), for_load=True), folder, no_dist=True)
+    stored = set(storage.read_dcp_metadata(folder).state_dict_metadata)
+    storage.read(model_pieces([model], config, Mesh.single(), True, stored), folder, no_dist=True)
     zero_vocab_padding([model], config, Mesh.single())
     return model.eval(), config
 
@@ -80,14 +89,16 @@ def save_model_checkpoint(
         mesh = getattr(model_or_state_dict, "mesh", Mesh.single())
         if mesh.tp_size != 1 or not (model_or_state_dict.pre_process and model_or_state_dict.post_process):
             raise ValueError("save_model_checkpoint takes a single-process model (tp=1, all layers)")
-        state = dict(model_or_state_dict.named_parameters())
+        state = logical_state_dict(model_or_state_dict)
     else:
-        state = dict(model_or_state_dict)
+        state = split_experts(model_or_state_dict, config)
     if not config.untie_embeddings_and_output_weights:
         state.pop(OUTPUT, None)  # tied: the output head is the embedding itself
     tensors = {name: t.detach() for name, t in real_vocab_rows(state, config.vocab_size).items()}
     check_logical_state_dict(tensors, config)
     tensors = {name: t.to("cpu").contiguous() for name, t in tensors.items()}
+    if isinstance(model_or_state_dict, nn.Module):  # the persistent buffers (the routers' expert bias)
+        tensors.update({n: b.detach().cpu() for n, b in buffer_pieces([model_or_state_dict]).items()})
     if progress is not None:
         tensors.update(_optimizer_tensors(progress, config))
 
@@ -116,7 +127,7 @@ def _optimizer_tensors(progress: TrainingProgress, config: ModelConfig) -> dict[
     """``{optimizer.KIND.NAME: moment}``, the layout training saves (:mod:`.optimizer_state`)."""
     out = {}
     for kind in optimizer_state.MOMENTS:
-        moments = dict(progress.moments[kind])
+        moments = split_experts(progress.moments[kind], config)
         if not config.untie_embeddings_and_output_weights:
             moments.pop(OUTPUT, None)
         check_logical_state_dict(moments, config)

@@ -40,7 +40,7 @@ NOT_IDENTITY = {
 }
 # The MoEConfig fields that are not identity: the same weights compute the same function.
 MOE_NOT_IDENTITY = {"init_method_std", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_bias_update_rate",
-                    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps"}  # fmt: skip
+                    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_layer_recompute"}  # fmt: skip
 # Fields whose default is derived from others: compared by the size they give.
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups"}
 # Fields that act only under one value of another field: (that field, that value).

@@ -66,13 +66,14 @@ def shard_main_params(bucket: Bucket, dp_rank: int, offload: list[bool] | None =
 
 
 def dp_offload_split(
-    buckets: list[Bucket], dp_rank: int, fraction: float, decoupled: bool
+    buckets: list[Bucket], dp_ranks: list[int], fraction: float, decoupled: bool
 ) -> list[list[bool]]:
-    """Per bucket, which of DP rank ``dp_rank``'s main params ``--optimizer-offload-fraction`` offloads:
+    """Per bucket, which of this rank's main params ``--optimizer-offload-fraction`` offloads
+    (``dp_ranks[i]``: this rank's DP rank in bucket i's group):
     :func:`~megalite.optim.base.offload_split` over the pieces this rank's optimizer owns (its ZeRO
     shard of every bucket; Megatron's HybridDeviceOptimizer inside the distributed optimizer splits
     its shard params the same way), so each DP rank offloads ``fraction`` of its own shard."""
-    per_bucket = [shard_pieces(b, dp_rank) for b in buckets]
+    per_bucket = [shard_pieces(b, r) for b, r in zip(buckets, dp_ranks)]
     flat = offload_split([(p, hi - lo) for ps in per_bucket for p, lo, hi in ps], fraction, decoupled)
     out, i = [], 0
     for ps in per_bucket:
@@ -82,19 +83,27 @@ def dp_offload_split(
 
 
 class ShardedMainParams(MainParams):
-    """This DP rank's shard of every grad bucket; params all-gathered after the step."""
+    """This DP rank's shard of every grad bucket; params all-gathered after the step. Each bucket
+    is sharded over its grad buffer's DP group: dp x cp for the dense params, the expert-data-
+    parallel group for the routed experts (Megatron's distributed optimizer over its expert
+    buffers)."""
 
     dp_sharded = True
 
     def __init__(
         self, model_chunks: list[DistributedDataParallel], mesh: Mesh, fraction: float, decoupled: bool
     ):
-        self._buckets = [b for chunk in model_chunks for b in chunk.buckets]
-        offload = dp_offload_split(self._buckets, mesh.dp_rank, fraction, decoupled)
+        # (grad buffer, bucket): the buffer's mesh is the bucket's DP group (rank, size, group)
+        self._slots = [
+            (buf, b) for chunk in model_chunks for buf in chunk.grad_buffers() for b in buf.buckets
+        ]
+        self._buckets = [b for _, b in self._slots]
+        ranks = [buf.dp_rank for buf, _ in self._slots]
+        offload = dp_offload_split(self._buckets, ranks, fraction, decoupled)
         self.model_chunks = model_chunks
         with self.shards_resident():  # the main params start from the (offloaded) ZeRO-3 shards
             self._bucket_main_params = [
-                shard_main_params(b, mesh.dp_rank, host) for b, host in zip(self._buckets, offload)
+                shard_main_params(b, r, host) for b, r, host in zip(self._buckets, ranks, offload)
             ]
         super().__init__(model_chunks, mesh, [m for ms in self._bucket_main_params for m in ms])
         self._param_gathers: list[ParamGather] = []
@@ -108,7 +117,12 @@ class ShardedMainParams(MainParams):
         def pack(bucket: Bucket, full: torch.Tensor) -> None:
             self._pack_shard(bucket, mains[id(bucket)], full, self._updated)
 
-        self._param_gathers = [chunk.overlap_param_gather(pack, launch_all) for chunk in self.model_chunks]
+        self._param_gathers = [
+            chunk.overlap_param_gather(pack, launch_all)
+            for ddp in self.model_chunks
+            for chunk in (ddp, ddp.experts)
+            if chunk is not None
+        ]
 
     def finish_param_sync(self) -> None:
         """Wait for the outstanding param all-gathers (no-op without --overlap-param-gather)."""
@@ -118,9 +132,10 @@ class ShardedMainParams(MainParams):
         """ZeRO-3: every chunk's param shards in memory inside (``--offload-param-device nvme`` reads
         them, and writes the updated ones back after); a no-op on the device or in host memory."""
         stack = contextlib.ExitStack()
-        for chunk in self.model_chunks:
-            if chunk.param_sharding is not None:
-                stack.enter_context(chunk.param_sharding.tier.resident())
+        for ddp in self.model_chunks:
+            for chunk in (ddp, ddp.experts):
+                if chunk is not None and chunk.param_sharding is not None:
+                    stack.enter_context(chunk.param_sharding.tier.resident())
         return stack
 
     def _updated(self, m: MainParam) -> torch.Tensor:
@@ -148,15 +163,13 @@ class ShardedMainParams(MainParams):
         into its shard of ``full`` (``dtype``, default the bucket's), then ``full`` is all-gathered over DP.
         Every bucket's all-gather is launched before the first wait: buckets overlap each other."""
         gathered = []
-        for bucket, mains in zip(self._buckets, self._bucket_main_params):
-            full = bucket.shard_view(self.mesh.dp_rank).new_empty(
-                bucket.numel_padded, dtype=dtype or bucket.dtype
-            )
+        for (buf, bucket), mains in zip(self._slots, self._bucket_main_params):
+            full = bucket.shard_view(buf.dp_rank).new_empty(bucket.numel_padded, dtype=dtype or bucket.dtype)
             self._pack_shard(bucket, mains, full, shard_of)
-            lo, hi = bucket.shard_range(self.mesh.dp_rank)
+            lo, hi = bucket.shard_range(buf.dp_rank)
             handle = None
-            if self.mesh.dp_size > 1:
-                handle = all_gather_flat(full, full[lo:hi], self.mesh.dp_group, async_op=True)
+            if buf.dp_size > 1:
+                handle = all_gather_flat(full, full[lo:hi], buf.dp_group, async_op=True)
             gathered.append((bucket, full, handle))
         for bucket, full, handle in gathered:
             if handle is not None:
@@ -181,8 +194,10 @@ class ShardedMainParams(MainParams):
         """ZeRO-3: the updated main params go into this rank's param shards, no all-gather (each
         unit's next forward gathers it). fp32 main params are views of the shards: nothing to do;
         offloaded ones, the step's H2D wrote (each main param's home is its shard piece)."""
-        for chunk in self.model_chunks:
-            chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
+        for ddp in self.model_chunks:
+            for chunk in (ddp, ddp.experts):
+                if chunk is not None:
+                    chunk.param_sharding.free_all()  # a unit left gathered would hold the old values
         for m in self.params:
             if m.is_copy and not m.offloaded:
                 m.shard.copy_(m.main.detach().view(-1))

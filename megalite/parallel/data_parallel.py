@@ -72,7 +72,14 @@ class DistributedDataParallel(nn.Module):
     and the grad hooks are bound to the parameter objects present at construction.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, config: DataParallelConfig = DataParallelConfig()):
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        config: DataParallelConfig = DataParallelConfig(),
+        params: list[nn.Parameter] | None = None,
+        grad_scale: float = 1.0,
+    ):
         super().__init__()
         if config.bucket_size < 1:
             raise ArgumentError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
@@ -81,12 +88,16 @@ class DistributedDataParallel(nn.Module):
         self.config = config
         self.dp_size, self.dp_rank, self.dp_group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
 
-        params = [p for p in module.parameters() if p.requires_grad]
+        # ``params`` (the experts' DDP of a chunk): only these, of ``module`` (whose forward hooks
+        # ZeRO-3 and the overlapped param gather use); ``grad_scale``: their grads' factor on top
+        # of the average over this mesh's DP ranks.
+        own = params is not None
+        params = params if own else [p for p in module.parameters() if p.requires_grad]
         # Routed experts cut otherwise than the dense weights: their own buffer, reduced over the
-        # expert-data-parallel ranks (Megatron's expert DDP buffers).
+        # expert-data-parallel ranks (Megatron's expert DDP buffers), sharded over them by ZeRO.
         # (not a registered submodule: the chunk's parameters and state stay the module's)
-        experts = [] if isinstance(module, _Params) else [p for p in params if is_expert_parallel(p)]
-        self.__dict__["experts"] = _expert_ddp(experts, mesh, config)
+        experts = [] if own else [p for p in params if is_expert_parallel(p)]
+        self.__dict__["experts"] = _expert_ddp(module, experts, mesh, config)
         if self.experts is not None:
             params = [p for p in params if not is_expert_parallel(p)]
         if not params:
@@ -117,7 +128,9 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         # The strategy sees only this narrow view of the chunk, never the DDP object itself.
-        self.buffer = GradBuffer(module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync)
+        self.buffer = GradBuffer(
+            module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync, grad_scale
+        )
         self.strategy = level(self.buffer)
         if config.gradient_accumulation_fusion:  # the TP linears' GEMMs add into the buffer
             for p in filter(is_wgrad_fusable, params):
@@ -140,20 +153,36 @@ class DistributedDataParallel(nn.Module):
         self.param_gather = ParamGather(self.buffer, pack, launch_all=launch_all)
         return self.param_gather
 
+    def grad_buffers(self) -> list[GradBuffer]:
+        """The chunk's grad buffers, each with its DP group: the dense one (dp x cp), then the
+        routed experts' (edp) when they have one (what the distributed optimizer shards)."""
+        return [self.buffer] + (self.experts.grad_buffers() if self.experts is not None else [])
+
     def finish_param_sync(self) -> None:
         """Wait for this chunk's outstanding param all-gathers (a no-op without any)."""
+        if self.experts is not None:
+            self.experts.finish_param_sync()
         if self.param_gather is not None:
             self.param_gather.finish()
 
+    @contextlib.contextmanager
+    def whole_params(self) -> Iterator[None]:
+        """Collective over DP (and edp): every param of the chunk whole inside (ZeRO-3: gathered;
+        on exit each shard takes what its params hold, and they are freed)."""
+        experts = self.experts.whole_params() if self.experts is not None else contextlib.nullcontext()
+        with experts, self.strategy.whole_params():
+            yield
+
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()  # --overlap-param-gather: never hand out a param still in flight
-        return self.strategy.state_dict(*args, **kwargs)  # ZeRO-3: gathered (collective), copies
+        with self.experts.whole_params() if self.experts is not None else contextlib.nullcontext():
+            return self.strategy.state_dict(*args, **kwargs)  # ZeRO-3: gathered (collective), copies
 
     def load_state_dict(self, state_dict, strict: bool = True):
         # Copies into the existing params (never assign=True): main_grad views and the grad hooks
         # belong to them. A gather still in flight would land later. ZeRO-3: into the shards.
         self.finish_param_sync()
-        with self.strategy.whole_params():
+        with self.whole_params():
             return self.module.load_state_dict(state_dict, strict=strict)
 
     # Backward hook and the bucket order -------------------------------------------------------
@@ -189,10 +218,8 @@ class DistributedDataParallel(nn.Module):
         Afterwards ``main_grad`` holds the DP average: for every parameter with all-reduce; only
         this rank's shard of each bucket with reduce-scatter (ZeRO-2/3: ``shard_grad`` holds it).
         """
-        if self.experts is not None:  # averaged over edp, then scaled to 1 / (dp x cp) as Megatron
+        if self.experts is not None:  # averaged over edp and scaled to 1 / (dp x cp) in its launch
             self.experts.finish_grad_sync()
-            if self.experts.dp_size != self.dp_size:
-                self.experts.grad_buffer.mul_(self.experts.dp_size / self.dp_size)
         if not self.strategy.begin_sync():
             return
         while self._next_bucket < len(self.buckets):
@@ -203,6 +230,8 @@ class DistributedDataParallel(nn.Module):
 
     def close_offload(self) -> None:
         """Remove ZeRO-3's param swap files (``--offload-param-device nvme``; also at exit)."""
+        if self.experts is not None:
+            self.experts.close_offload()
         if self.param_sharding is not None:
             self.param_sharding.close()
 
@@ -245,28 +274,19 @@ class DistributedDataParallel(nn.Module):
         return sum(b.launched for b in self.buckets)
 
 
-class _Params(nn.Module):
-    """A module holding only ``params`` (the experts' buffer of a chunk's DDP)."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        super().__init__()
-        self.params = nn.ParameterList(params)
-
-
-def _expert_ddp(params: list[nn.Parameter], mesh: Mesh, config: DataParallelConfig):
-    """The DDP of a chunk's routed experts over ``mesh``'s expert-data-parallel ranks, or None
-    (no experts, or experts laid out as the dense weights: ep 1 and etp = tp)."""
+def _expert_ddp(module: nn.Module, params: list[nn.Parameter], mesh: Mesh, config: DataParallelConfig):
+    """The DDP of ``module``'s routed experts ``params`` over ``mesh``'s expert-data-parallel ranks
+    (ZeRO shards them there), or None (no experts, or experts laid out as the dense weights: ep 1
+    and etp = tp). Their grads are averaged over edp, then scaled by edp / (dp x cp): 1 / (dp x cp)
+    in all, Megatron's expert buffers' gradient scaling."""
     if not params or (mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size):
         return None
-    if config.sharding_strategy.shards_optimizer:
-        raise ArgumentError(
-            f"--data-parallel-sharding-strategy {config.sharding_strategy.value} (ZeRO) with "
-            "--expert-model-parallel-size > 1 is not built yet; use no_shard (plain DDP)"
-        )
     edp = dataclasses.replace(
         mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks
     )
-    return DistributedDataParallel(_Params(params), edp, config)
+    return DistributedDataParallel(
+        module, edp, config, params=params, grad_scale=mesh.edp_size / mesh.dp_size
+    )
 
 
 def finish_param_sync(model_chunks: Iterable[nn.Module]) -> None:
@@ -288,7 +308,7 @@ def gathered_params(model_chunks: list[nn.Module]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for chunk in model_chunks:
             if isinstance(chunk, DistributedDataParallel):
-                stack.enter_context(chunk.strategy.whole_params())
+                stack.enter_context(chunk.whole_params())
         yield
 
 

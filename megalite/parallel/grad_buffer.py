@@ -95,6 +95,7 @@ class GradBuffer:
     mesh: Mesh  # the data-parallel group the grads are reduced over
     config: DataParallelConfig
     finish_grad_sync: Callable[[], None]  # ZeRO-2/3's end of backward: launch and wait for every bucket
+    grad_scale: float = 1.0  # a factor on the DP average (the experts' edp / (dp x cp))
 
     @property
     def dp_size(self) -> int:

@@ -39,8 +39,9 @@ class MoEConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_dtype: str | None = None  # None: the input's dtype; "fp32" or "fp64"
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    # one type and coefficient, or (Megatron's list form) several, one coefficient per type
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
@@ -55,6 +56,28 @@ class MoEConfig:
     moe_pad_expert_input_to_capacity: bool = False
     # dispatch
     moe_token_dispatcher_type: str = "allgather"
+    # memory: checkpoint the whole layer, its activations recomputed in backward (--moe-layer-recompute)
+    moe_layer_recompute: bool = False
+
+    def __post_init__(self):
+        # A list of one is that value (Megatron's nargs='+' flags); a list of several a tuple.
+        for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            v = getattr(self, name)
+            if isinstance(v, (list, tuple)):
+                object.__setattr__(self, name, v[0] if len(v) == 1 else tuple(v))
+
+    @property
+    def load_balancing_types(self) -> tuple[str, ...]:
+        """``--moe-router-load-balancing-type`` as a tuple (one element unless the list form)."""
+        t = self.moe_router_load_balancing_type
+        return (t,) if isinstance(t, str) else tuple(t)
+
+    def aux_loss_coeff(self, kind: str) -> float:
+        """The coefficient of load-balancing loss ``kind`` (0: off), Megatron's ``get_aux_loss_coeff``:
+        ``--moe-aux-loss-coeff``'s value at ``kind``'s place in ``--moe-router-load-balancing-type``."""
+        types, coeffs = self.load_balancing_types, self.moe_aux_loss_coeff
+        coeffs = (coeffs,) if not isinstance(coeffs, tuple) else coeffs
+        return float(coeffs[types.index(kind)]) if kind in types else 0.0
 
     @property
     def capacity_factor(self) -> float | None:
@@ -85,11 +108,28 @@ class MoEConfig:
 def _check_choices(c: MoEConfig) -> None:
     for flag, value, choices in (
         ("--moe-router-score-function", c.moe_router_score_function, SCORE_FUNCTIONS),
-        ("--moe-router-load-balancing-type", c.moe_router_load_balancing_type, LOAD_BALANCING_TYPES),
+        *(("--moe-router-load-balancing-type", t, LOAD_BALANCING_TYPES) for t in c.load_balancing_types),
         ("--moe-token-drop-policy", c.moe_token_drop_policy, DROP_POLICIES),
         ("--moe-router-dtype", c.moe_router_dtype, ROUTER_DTYPES),
     ):
         need(value in choices, f"{flag} must be one of {[x for x in choices if x]}, got {value!r}")
+    _check_balancing_list(c)
+
+
+def _check_balancing_list(c: MoEConfig) -> None:
+    """Megatron's list form: one coefficient per type, each type once, sinkhorn only alone."""
+    types, coeffs = c.load_balancing_types, c.moe_aux_loss_coeff
+    n = len(coeffs) if isinstance(coeffs, tuple) else 1
+    need(
+        n == len(types),
+        f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type: got {n} for "
+        f"{len(types)} types {list(types)}",
+    )
+    need(len(set(types)) == len(types), f"--moe-router-load-balancing-type lists a type twice: {list(types)}")
+    need(
+        len(types) == 1 or "sinkhorn" not in types,
+        "--moe-router-load-balancing-type sinkhorn routes by itself and cannot be listed with others",
+    )
     need(
         c.moe_token_dispatcher_type != "flex",
         "--moe-token-dispatcher-type flex needs DeepEP / HybridEP kernels, which megalite does not have; "
@@ -127,7 +167,8 @@ def _check_router(c: MoEConfig) -> None:
         c.moe_router_load_balancing_type != "sinkhorn" or c.moe_aux_loss_coeff == 0,
         "--moe-router-load-balancing-type sinkhorn does not take --moe-aux-loss-coeff; set it to 0",
     )
-    for flag, v in (("--moe-aux-loss-coeff", c.moe_aux_loss_coeff), ("--moe-z-loss-coeff", c.moe_z_loss_coeff),
+    coeffs = c.moe_aux_loss_coeff if isinstance(c.moe_aux_loss_coeff, tuple) else (c.moe_aux_loss_coeff,)
+    for flag, v in (*(("--moe-aux-loss-coeff", x) for x in coeffs), ("--moe-z-loss-coeff", c.moe_z_loss_coeff),
                     ("--moe-input-jitter-eps", c.moe_input_jitter_eps)):  # fmt: skip
         need(v is None or v >= 0, f"{flag} must be >= 0, got {v}")
 
@@ -135,8 +176,7 @@ def _check_router(c: MoEConfig) -> None:
 def _check_dropping(c: MoEConfig) -> None:
     cf = c.capacity_factor
     need(
-        cf is None
-        or c.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        cf is None or "sinkhorn" not in c.load_balancing_types,
         "--moe-expert-capacity-factor works with --moe-router-load-balancing-type "
         "aux_loss, seq_aux_loss, global_aux_loss or none (not sinkhorn)",
     )

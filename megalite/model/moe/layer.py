@@ -20,6 +20,7 @@ from megalite.errors import need
 from megalite.model.moe.config import MoEConfig
 from megalite.model.moe.experts import GroupedExperts, SharedExpertMLP
 from megalite.model.moe.router import AuxLossScale, TopKRouter
+from megalite.parallel import random as tp_random
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.expert_parallel import build_dispatcher
 
@@ -49,8 +50,16 @@ class MoELayer(nn.Module):
             SharedExpertMLP(config, ctx, generator) if config.moe_shared_expert_intermediate_size else None
         )
         self.dispatcher = build_dispatcher(config.moe_token_dispatcher_type, config.num_experts, mesh)
+        self.rng = ctx.rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.moe_layer_recompute and self.training and torch.is_grad_enabled():
+            # --moe-layer-recompute (Megatron's): keep the input only; route, exchange and run the
+            # experts again in backward (the router counts tokens and logs losses once).
+            return tp_random.recompute(self._forward, self.rng, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         probs, routing_map = self.router(x)
         tokens = x.reshape(-1, x.shape[-1])
         rows, tokens_per_expert, row_probs = self.dispatcher.dispatch(tokens, probs, routing_map)

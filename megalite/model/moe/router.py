@@ -277,14 +277,10 @@ class TopKRouter(nn.Module):
                 self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity,
             )  # fmt: skip
             probs, routing_map = sb(probs, s, b), sb(routing_map, s, b)
-        lb = self.config.moe_router_load_balancing_type
-        if (
-            self.training
-            and torch.is_grad_enabled()
-            and self.config.moe_aux_loss_coeff > 0
-            and lb.endswith("aux_loss")
-        ):
-            probs = self._load_balancing_loss(probs, logits, b, s)
+        if self.training and torch.is_grad_enabled():  # each load-balancing loss on, in Megatron's order
+            for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+                if (coeff := self.config.aux_loss_coeff(kind)) > 0:
+                    probs = self._load_balancing_loss(probs, logits, b, s, kind, coeff)
         if self.expert_bias is not None and torch.is_grad_enabled() and not _recomputing():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
@@ -317,9 +313,8 @@ class TopKRouter(nn.Module):
         routing_map = torch.zeros_like(logits).int().scatter(1, indices, 1).bool()
         return logits * routing_map, routing_map
 
-    def _load_balancing_loss(self, probs, logits, b: int, s: int):
+    def _load_balancing_loss(self, probs, logits, b: int, s: int, kind: str, coeff: float):
         c, k, e = self.config, self.topk, self.config.num_experts
-        kind, coeff = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
         routing_map, scores = compute_routing_scores_for_aux_loss(logits, k, c.moe_router_score_function)
         if kind == "seq_aux_loss":  # Megatron's [s, b*E] view of its [s, b] tokens
             scores = scores.view(b, s, e).transpose(0, 1).reshape(s, b * e)

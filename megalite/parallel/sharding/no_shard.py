@@ -83,6 +83,8 @@ class NoShard:
 
     def launch(self, bucket: Bucket) -> None:
         """Start ``bucket``'s collective (DDP calls it strictly in bucket order)."""
+        if self.buffer.grad_scale != 1.0:
+            bucket.grad_data.mul_(self.buffer.grad_scale)
         if self.dp_size > 1:
             bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
             bucket.handle = self.reduce(bucket)
