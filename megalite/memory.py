@@ -997,6 +997,11 @@ def _param_shardings(model_chunks) -> list:
     ]
 
 
+def _experts_grad_bytes(chunk) -> int:
+    experts = getattr(chunk, "experts", None)
+    return experts.grad_buffer.nbytes if experts is not None else 0
+
+
 def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves: the params'
     storages as allocated now (each once: ZeRO-3's are bucket buffers, freed between uses) plus
@@ -1007,7 +1012,8 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     shards = sum(s.shard_bytes() for s in _param_shardings(model_chunks))
     return {
         "params": sum(storages.values()) + shards,
-        "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
+        # the routed experts' buffer (DDP.experts, over edp) beside the dense one
+        "grads": sum(c.grad_buffer.nbytes + _experts_grad_bytes(c) for c in model_chunks),
         "optimizer": optimizer.device_bytes(),
     }
 
