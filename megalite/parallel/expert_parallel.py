@@ -38,7 +38,6 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from megalite.parallel.mappings import _rank, _world, all_gather_flat
 
-
 # ---- planning: balanced routing on fake tensors ------------------------------------------------------
 _BALANCED: list[bool] = [False]
 
