@@ -14,7 +14,8 @@ through megalite's ``parse_args`` and ``validate_args`` at world size 8 (one nod
 runs them), or the least world that holds one replica (tp x pp x cp) and one expert group
 (etp x ep x pp) when 8 does not. Prints one JSON object: ``total``, ``start`` (how many start unchanged),
 ``by_kind`` (failures per error class), ``by_reason`` (failures per reason, the flag or feature
-named) and ``failures`` (config -> the one-line reason).
+named), ``families`` (total and start of the GPT and the MoE configs) and ``failures`` (config
+-> the one-line reason).
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ def reason_key(kind: str, reason: str) -> str:
     return f"{kind}: {reason[:90]}"
 
 
+def family_of(name: str) -> str:
+    """``moe`` for Megatron's MoE recipes (test cases moe/ and mixtral/, examples/mixtral), else ``gpt``."""
+    return "moe" if name.startswith(("moe/", "mixtral/", "examples/mixtral/")) else "gpt"
+
+
 def collect(repo: Repo) -> dict[str, list[str]]:
     """``{config name: command line}`` of every GPT training config of the repository."""
     found: dict[str, list[str]] = {}
@@ -216,10 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         failures[name] = reason
         kinds[kind] += 1
         reasons[reason_key(kind, reason)] += 1
+    families: dict[str, dict[str, int]] = {}
+    for name in configs:
+        family = families.setdefault(family_of(name), {"total": 0, "start": 0})
+        family["total"] += 1
+        family["start"] += name in started
     result = {
         "megatron_lm_commit": repo.commit(),
         "total": len(configs),
         "start": len(started),
+        "families": families,
         "by_kind": dict(kinds.most_common()),
         "by_reason": dict(reasons.most_common()),
         "failures": failures,
