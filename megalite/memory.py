@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
+from megalite.errors import need
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
@@ -182,6 +183,11 @@ class MemoryLayout:
         """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
         built by hand rather than from validated flags; the same errors."""
         check_activation_memory(self.recompute, self.sp, self.seq_length, self.tp)
+        need(
+            (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep) == 0,
+            f"--expert-tensor-parallel-size ({self.expert_tp}) x --expert-model-parallel-size ({self.ep}) "
+            f"must divide tp x cp x dp ({self.tp * self.cp * self.dp}); pick sizes that do",
+        )
         return self
 
     @property

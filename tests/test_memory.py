@@ -654,6 +654,8 @@ def test_moe_expert_state_shards_over_ep_etp_and_edp():
             # the experts' main params split over edp: edp ranks 0 and 1 hold disjoint halves
             e0, e1 = (optimizer_device_bytes(config, lay, 0, 0, e) for e in (0, 1))
             assert abs(e0 - e1) <= 12 * 128 + 8
+    with pytest.raises(ArgumentError, match="--expert-model-parallel-size"):
+        MemoryLayout(tp=1, dp=2, ep=4).validate()  # ep does not divide the stage's ranks
     lay = MemoryLayout(tp=2, dp=4, ep=4, etp=1, sequence_parallel=True, micro_batch_size=2, seq_length=16)
     sent, computed = moe_rows(moe, lay)
     assert (sent, computed) == (16 * 2, 16 * 2)  # T = b s / t routed, k = 2; etp 1
