@@ -1,6 +1,7 @@
 """One fake rank of each published large layout against the memory model; prints JSON.
 
     python bench/fake_rank.py [--cases gpt3-first gpt3-last ...]
+    python bench/fake_rank.py --cases dsv3-tp1-pp16-ep64-mid mixtral-8x22b-ep8-pp4-first   # MoE (docs/moe.md)
 
 Each case runs ``pretrain_gpt.py --fake-world-size N --fake-rank R`` in-process under
 FakeTensorMode (megalite/planning/fake_rank.py: no memory used) and reports, per memory category,
@@ -48,6 +49,37 @@ _PP4 = ["--pipeline-model-parallel-size", "4", "--global-batch-size", "256", "--
 _ZERO3 = ["--global-batch-size", "128", "--data-parallel-sharding-strategy", "optim_grads_params"]
 _VP2 = ["--num-layers-per-virtual-pipeline-stage", "5"]
 _OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
+# Mixture of experts (issue 36). DeepSeek-V3's shape (61 layers, 256 routed experts top-8, one shared,
+# first 3 dense); MLA is not built, so standard attention of the same width (128 heads of 56).
+DSV3 = [
+    "--num-layers", "61", "--hidden-size", "7168", "--num-attention-heads", "128", "--ffn-hidden-size", "18432",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--vocab-size", "129280",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
+    "--global-batch-size", "1024", "--num-experts", "256", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "2048",
+    "--moe-shared-expert-intermediate-size", "2048", "--moe-layer-freq", "([0]*3+[1]*58)",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "8",
+    "--moe-router-group-topk", "4", "--moe-router-topk-scaling-factor", "2.5", "--moe-aux-loss-coeff", "1e-4",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+    "--pipeline-model-parallel-size", "16", "--decoder-first-pipeline-num-layers", "3",
+    "--decoder-last-pipeline-num-layers", "2", "--expert-model-parallel-size", "64",
+]  # fmt: skip
+_TP2_SP_ETP1 = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--expert-tensor-parallel-size",
+    "1",
+]
+MIXTRAL_8X22B = [
+    "--num-layers", "56", "--hidden-size", "6144", "--num-attention-heads", "48", "--group-query-attention",
+    "--num-query-groups", "8", "--ffn-hidden-size", "16384", "--seq-length", "4096", "--vocab-size", "32768",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
+    "--global-batch-size", "64", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--expert-model-parallel-size", "8",
+    "--pipeline-model-parallel-size", "4",
+]  # fmt: skip
 # name: (flags, world size, rank). The last rank of a layout is on the last pipeline stage.
 CASES = {
     "gpt3-175b-first": (GPT3, 1024, 0),
@@ -60,6 +92,13 @@ CASES = {
     "llama3-70b-pp4-offload-first": (LLAMA70 + _PP4 + _OFFLOAD, 1024, 0),
     "gpt-1t-3072-first": (GPT_1T, 3072, 0),
     "gpt-1t-3072-last": (GPT_1T, 3072, 3071),
+    "dsv3-tp1-pp16-ep64-first": (DSV3, 1024, 0),  # stage 0: the 3 dense layers
+    "dsv3-tp1-pp16-ep64-mid": (DSV3, 1024, 320),  # stage 5: 4 MoE layers
+    "dsv3-tp1-pp16-ep64-last": (DSV3, 1024, 1023),
+    "dsv3-tp2-pp16-ep64-mid": (DSV3 + _TP2_SP_ETP1, 2048, 640),
+    "dsv3-tp2-pp16-ep64-last": (DSV3 + _TP2_SP_ETP1, 2048, 2047),
+    "mixtral-8x22b-ep8-pp4-first": (MIXTRAL_8X22B, 32, 0),
+    "mixtral-8x22b-ep8-pp4-last": (MIXTRAL_8X22B, 32, 31),
 }
 
 

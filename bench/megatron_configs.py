@@ -5,15 +5,17 @@
 PATH_TO_MEGATRON_LM is a checkout (a work tree) or a bare git repository (read at HEAD with
 ``git show``; e.g. the mirror /work/.mirror/NVIDIA+Megatron-LM/repo). Nothing of it is copied.
 
-The configs: every ``tests/functional_tests/test_cases/gpt/**/model_config.yaml`` with
+The configs: every ``tests/functional_tests/test_cases/{gpt,moe,mixtral}/**/model_config.yaml`` with
 ``MODEL_ARGS`` (a YAML key per flag, as Megatron's functional tests pass them: ``true`` is the
 switch, ``false`` leaves it out, ``${VAR}`` placeholders become dummy paths), plus the shell
-scripts under ``examples/gpt3/`` and ``examples/llama/``, run by bash with ``torchrun`` and
+scripts under ``examples/gpt3/``, ``examples/llama/`` and ``examples/mixtral/``, run by bash with ``torchrun`` and
 ``mkdir`` replaced by shell functions that only record the command line. Each command line goes
 through megalite's ``parse_args`` and ``validate_args`` at world size 8 (one node, as Megatron's CI
-runs them), or tp x pp x cp when one replica needs more. Prints one JSON object: ``total``, ``start`` (how many start unchanged),
+runs them), or the least world that holds one replica (tp x pp x cp) and one expert group
+(etp x ep x pp) when 8 does not. Prints one JSON object: ``total``, ``start`` (how many start unchanged),
 ``by_kind`` (failures per error class), ``by_reason`` (failures per reason, the flag or feature
-named) and ``failures`` (config -> the one-line reason).
+named), ``families`` (total and start of the GPT and the MoE configs) and ``failures`` (config
+-> the one-line reason).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import subprocess
@@ -35,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.arguments import parse_args, validate_args  # noqa: E402
 from megalite.errors import MegaliteError  # noqa: E402
 
-CONFIGS = re.compile(r"^tests/functional_tests/test_cases/gpt/.*model_config\.yaml$")
-SCRIPTS = re.compile(r"^examples/(gpt3|llama)/[^/]+\.sh$")
+CONFIGS = re.compile(r"^tests/functional_tests/test_cases/(gpt|moe|mixtral)/.*model_config\.yaml$")
+SCRIPTS = re.compile(r"^examples/(gpt3|llama|mixtral)/[^/]+\.sh$")
 # Inference and RL (GRPO) cases run other entry points, not pretrain_gpt.py's training.
 NOT_TRAINING = re.compile(r"inference|grpo")
 _VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
@@ -149,8 +152,18 @@ def check(argv: list[str]) -> tuple[str | None, str | None]:
     model_parallel = 1
     for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
         model_parallel *= max(1, _int_flag(argv, name))
-    # one node, or as many as one model replica needs
-    world = GPUS_PER_NODE if GPUS_PER_NODE % model_parallel == 0 else model_parallel
+    tp, pp = (
+        max(1, _int_flag(argv, "--tensor-model-parallel-size")),
+        max(1, _int_flag(argv, "--pipeline-model-parallel-size")),
+    )
+    experts = (
+        pp
+        * max(1, _int_flag(argv, "--expert-model-parallel-size"))
+        * max(1, _int_flag(argv, "--expert-tensor-parallel-size", tp))
+    )
+    # one node, or as many as one model replica and one expert group need
+    fits = GPUS_PER_NODE % model_parallel == 0 and GPUS_PER_NODE % experts == 0
+    world = GPUS_PER_NODE if fits else math.lcm(model_parallel, experts)
     try:
         validate_args(parse_args(argv), world)
     except MegaliteError as e:
@@ -167,6 +180,11 @@ def reason_key(kind: str, reason: str) -> str:
     if kind == "UnknownFlagError":
         return "unknown: " + reason.split(":", 1)[1].split(";")[0].strip()
     return f"{kind}: {reason[:90]}"
+
+
+def family_of(name: str) -> str:
+    """``moe`` for Megatron's MoE recipes (test cases moe/ and mixtral/, examples/mixtral), else ``gpt``."""
+    return "moe" if name.startswith(("moe/", "mixtral/", "examples/mixtral/")) else "gpt"
 
 
 def collect(repo: Repo) -> dict[str, list[str]]:
@@ -204,10 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         failures[name] = reason
         kinds[kind] += 1
         reasons[reason_key(kind, reason)] += 1
+    families: dict[str, dict[str, int]] = {}
+    for name in configs:
+        family = families.setdefault(family_of(name), {"total": 0, "start": 0})
+        family["total"] += 1
+        family["start"] += name in started
     result = {
         "megatron_lm_commit": repo.commit(),
         "total": len(configs),
         "start": len(started),
+        "families": families,
         "by_kind": dict(kinds.most_common()),
         "by_reason": dict(reasons.most_common()),
         "failures": failures,

@@ -220,6 +220,23 @@ IGNORED: tuple[CompatFlag, ...] = (
         "--moe-shared-expert-overlap", 0, "overlaps the shared experts with the token exchange: the same math"
     ),
     CompatFlag("--moe-per-layer-logging", 0, "per-layer aux-loss logging; megalite logs the sum over layers"),
+    CompatFlag("--moe-router-fusion", 0, "a fused top-k / aux-loss router kernel (TE): the same routing"),
+    CompatFlag(
+        "--overlap-moe-expert-parallel-comm",
+        0,
+        "overlaps one microbatch's EP all-to-all with another's compute (a schedule): the same math",
+    ),
+    CompatFlag(
+        "--delay-wgrad-compute", 0, "delays weight-gradient GEMMs to overlap the EP exchange: the same math"
+    ),
+    CompatFlag("--use-transformer-engine-op-fuser", 0, _TE),
+    CompatFlag("--cuda-graph-warmup-steps", 1, "megalite does not capture CUDA graphs"),
+    CompatFlag("--cuda-graph-modules", "+", "megalite does not capture CUDA graphs"),
+    CompatFlag(
+        "--enable-experimental",
+        0,
+        "Megatron's experimental code paths; megalite has none (each feature it builds has its own flag)",
+    ),
     CompatFlag(
         "--use-torch-optimizer-for-cpu-offload",
         0,
@@ -235,6 +252,10 @@ _KD = "knowledge distillation (ModelOpt's teacher model)"
 _MUP = "muP (maximal-update) parametrization"
 _FIM = "fill-in-the-middle data"
 _FP8 = "fp8 / fp4 training (Transformer Engine on a GPU)"
+_FLEX = "the flex token dispatcher (DeepEP / HybridEP all-to-all kernels)"
+_MTP = "multi-token prediction"
+_HYBRID = "hybrid Mamba layers"
+_OFFLOAD_ACT = "activation offloading to host memory"
 _GPT_OSS = "gpt-oss's attention and MLP variants (sinks, sliding windows, clamped GeGLU)"
 
 
@@ -334,7 +355,24 @@ REFUSED: tuple[CompatFlag, ...] = (
     CompatFlag("--fim-rate", 1, _FIM),
     CompatFlag("--fim-spm-rate", 1, _FIM),
     CompatFlag("--attention-output-gate", 0, "gated attention output"),
-    CompatFlag("--mtp-num-layers", 1, "multi-token prediction"),
+    CompatFlag("--mtp-num-layers", 1, _MTP),
+    CompatFlag("--mtp-loss-scaling-factor", 1, _MTP),
+    CompatFlag("--moe-flex-dispatcher-backend", 1, _FLEX),
+    CompatFlag("--moe-enable-deepep", 0, _FLEX),
+    CompatFlag("--hybrid-override-pattern", 1, _HYBRID),
+    CompatFlag("--is-hybrid-model", 0, _HYBRID),
+    CompatFlag("--mscale", 1, "RoPE frequency scaling", allowed=("1", "1.0")),
+    CompatFlag("--mscale-all-dim", 1, "RoPE frequency scaling", allowed=("0", "0.0")),
+    CompatFlag("--fine-grained-activation-offloading", 0, _OFFLOAD_ACT),
+    CompatFlag("--offload-modules", "*", _OFFLOAD_ACT),
+    CompatFlag(
+        "--recompute-modules",
+        "*",
+        "selective recompute of other modules than the attention core",
+        allowed=("core_attn",),
+    ),
+    CompatFlag("--pipeline-model-parallel-layout", 1, "Megatron's free-form pipeline layout string"),
+    CompatFlag("--no-use-layer-wise-param-layout", 0, "optimizers other than Adam(W)"),
     CompatFlag("--use-checkpoint-args", 0, "reading model flags from a checkpoint (pass them explicitly)"),
     CompatFlag(
         "--optimizer",
@@ -403,6 +441,10 @@ REFUSED_PREFIXES: dict[str, str] = {
     "--linear-attention-": _LINEAR_ATTN,
     "--export-kd-": _KD,
     "--mup-": _MUP,
+    "--mtp-": _MTP,
+    "--mamba-": _HYBRID,
+    "--muon-": "optimizers other than Adam(W)",
+    "--inference-": "inference (megalite trains; generation.py samples from a trained model)",
     "--fim-": _FIM,
 }
 

@@ -44,9 +44,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
+from megalite.errors import need
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
+from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
 from megalite.optim.step import sub_groups
@@ -109,6 +111,9 @@ class MemoryLayout:
     offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
     offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
     offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
+    # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (None: the attention's tp)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:  # each switch needs the one before
@@ -118,6 +123,21 @@ class MemoryLayout:
     def grad_dp(self) -> int:
         """The ranks gradients are reduced and ZeRO shards over: dp x cp (CP ranks hold the same params)."""
         return self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size that runs (``--expert-tensor-parallel-size``, else tp)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the ranks holding the same expert shards, tp x cp x dp / (etp x ep)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def experts_apart(self) -> bool:
+        """The routed experts have a DDP buffer of their own (over edp): ep > 1 or etp != tp."""
+        return self.ep > 1 or self.expert_tp != self.tp
 
     @property
     def tokens(self) -> int:
@@ -164,12 +184,19 @@ class MemoryLayout:
             offload_param_device=ddp.offload.param_device,
             offload_sub_group_size=run.optimizer.offload.sub_group_size,
             offload_buffer_count=run.optimizer.offload.buffer_count,
+            ep=par.expert_model_parallel_size,
+            etp=par.expert_tensor_parallel_size,
         )
 
     def validate(self) -> MemoryLayout:
         """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
         built by hand rather than from validated flags; the same errors."""
         check_activation_memory(self.recompute, self.sp, self.seq_length, self.tp)
+        need(
+            (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep) == 0,
+            f"--expert-tensor-parallel-size ({self.expert_tp}) x --expert-model-parallel-size ({self.ep}) "
+            f"must divide tp x cp x dp ({self.tp * self.cp * self.dp}); pick sizes that do",
+        )
         return self
 
     @property
@@ -198,6 +225,7 @@ class ParamShape:
     name: str
     shape: tuple[int, ...]
     shared_embedding: bool = False
+    expert: bool = False  # a routed expert's weight (is_expert_parallel: its own buffer when apart)
 
     @property
     def numel(self) -> int:
@@ -216,8 +244,11 @@ def stage_chunks(config: ModelConfig, layout: MemoryLayout) -> list[list[ChunkSp
     ]
 
 
-def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[ParamShape]:
-    """This TP rank's parameters of one chunk, in GPTModel's registration order (= DDP's order)."""
+def chunk_param_shapes(
+    config: ModelConfig, tp: int, chunk: ChunkSpec, ep: int = 1, etp: int | None = None
+) -> list[ParamShape]:
+    """This TP rank's parameters of one chunk, in GPTModel's registration order (= DDP's order);
+    MoE layers (``config.moe``) hold this EP / ETP rank's experts (:func:`moe_param_shapes`)."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_size
     bias, layernorm = config.add_bias_linear, config.normalization == "LayerNorm"
     vocab = config.padded_vocab_size(tp)
@@ -243,12 +274,16 @@ def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[P
                 ParamShape("embedding.position_embeddings.weight", (config.max_position_embeddings, h))
             )
     qkv = (config.num_attention_heads + 2 * config.query_groups) * d // tp
+    moe = moe_layers(config)
     for i in range(*chunk.layer_range):
         p = f"decoder.layers.{i}"
         norm(f"{p}.input_layernorm")
         linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, h)
         norm(f"{p}.pre_mlp_layernorm")
+        if moe[i]:
+            out += moe_param_shapes(config.moe, f"{p}.mlp", tp, ep, tp if etp is None else etp)
+            continue
         for name in ("linear_fc1_gate", "linear_fc1_up") if config.swiglu else ("linear_fc1",):
             linear(f"{p}.mlp.{name}", f // tp, h, f // tp)
         linear(f"{p}.mlp.linear_fc2", h, f // tp, h)
@@ -259,6 +294,37 @@ def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[P
     return out
 
 
+def moe_layers(config: ModelConfig) -> list[bool]:
+    """One bool per layer: True where ``--moe-layer-freq`` puts an MoE layer (all False: dense)."""
+    if config.moe is None:
+        return [False] * config.num_layers
+    return parse_moe_layer_freq(config.moe.moe_layer_freq, config.num_layers)
+
+
+def moe_param_shapes(moe: MoEConfig, prefix: str, tp: int, ep: int, etp: int) -> list[ParamShape]:
+    """One MoE layer's params on one rank, in ``MoELayer``'s order: the router ``[E, h]``
+    (replicated), this EP rank's E/ep routed experts sharded over etp (``[E/ep, h, f/etp]`` per fc1
+    projection, ``[E/ep, f/etp, h]`` fc2), then the shared experts (a TP MLP; its gate ``[1, h]``)."""
+    e, h, f = moe.num_experts, moe.hidden_size, moe.moe_ffn_hidden_size
+    out = [ParamShape(f"{prefix}.router.weight", (e, h))]
+    fc1 = ("fc1_gate", "fc1_up") if moe.swiglu else ("fc1",)
+    out += [ParamShape(f"{prefix}.experts.{n}", (e // ep, h, f // etp), expert=True) for n in fc1]
+    out.append(ParamShape(f"{prefix}.experts.fc2", (e // ep, f // etp, h), expert=True))
+    fs = moe.moe_shared_expert_intermediate_size
+    if fs:
+        s = f"{prefix}.shared_experts"
+        if moe.moe_shared_expert_gate:
+            out.append(ParamShape(f"{s}.gate_weight", (1, h)))
+        out += [ParamShape(f"{s}.{n}.weight", (fs // tp, h)) for n in fc1]
+        out.append(ParamShape(f"{s}.fc2.weight", (h, fs // tp)))
+    return out
+
+
+def layout_param_shapes(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[ParamShape]:
+    """:func:`chunk_param_shapes` for ``layout``'s tp, ep and etp."""
+    return chunk_param_shapes(config, layout.tp, chunk, layout.ep, layout.expert_tp)
+
+
 def fused_wgrad_numel(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     """Elements of this rank's TP linear weights (the output layer's too, when it is not the
     embedding itself): those whose weight-gradient GEMM ``--gradient-accumulation-fusion`` fuses."""
@@ -266,7 +332,7 @@ def fused_wgrad_numel(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
     return sum(
         s.numel
         for chunk in stage_chunks(config, layout)[pp_rank]
-        for s in chunk_param_shapes(config, layout.tp, chunk)
+        for s in layout_param_shapes(config, layout, chunk)
         if s.name.endswith(linear) or (".mlp.linear_fc1" in s.name and s.name.endswith(".weight"))
     )
 
@@ -296,22 +362,26 @@ def _meta_params(shapes: list[ParamShape], dtype: torch.dtype) -> list[torch.nn.
     return params
 
 
-def _units(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[str] | None:
-    """ZeRO-3's unit name of each param of the chunk (registration order), by param_gather's rule:
-    each transformer layer (an element of the ``decoder.layers`` ModuleDict), else the root unit."""
-    if not layout.shard_params:
-        return None
+def _units(
+    config: ModelConfig, layout: MemoryLayout, shapes: list[ParamShape], chunk: ChunkSpec
+) -> list[str]:
+    """ZeRO-3's unit name of each param (registration order), by param_gather's rule: each
+    transformer layer (an element of the ``decoder.layers`` ModuleDict), else the root unit.
+    Routed experts (their own buffer) are gathered with their layer too."""
     prefixes = [f"decoder.layers.{i}" for i in range(*chunk.layer_range)]
-    return [unit_of_name(s.name, prefixes) for s in chunk_param_shapes(config, layout.tp, chunk)]
+    return [unit_of_name(s.name, prefixes) for s in shapes]
 
 
 _UNIT_BUCKETS: dict = {}  # the planner asks for the same split's buckets many times (read-only)
 
 
-def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[tuple[Bucket, str]]:
+def _unit_buckets(
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec, experts: bool = False
+) -> list[tuple[Bucket, str]]:
     """DDP's buckets for one chunk, built by DDP's own functions on meta tensors (no memory), each
     with its ZeRO-3 unit name (:data:`~megalite.parallel.param_gather.ROOT` when params are not sharded);
-    cached by what decides them."""
+    cached by what decides them. ``experts``: the routed experts' buffer (``DDP.experts``, over edp;
+    empty unless :attr:`MemoryLayout.experts_apart`), else the dense one (every param when not apart)."""
     key = (
         config,
         layout.tp,
@@ -319,20 +389,30 @@ def _unit_buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -
         layout.params_dtype,
         layout.sharding_strategy,
         layout.ddp_bucket_size,
+        layout.ep,
+        layout.expert_tp,
+        experts,
     )
     key += (chunk,)
     if key not in _UNIT_BUCKETS:
         if len(_UNIT_BUCKETS) > 4096:
             _UNIT_BUCKETS.clear()
-        _UNIT_BUCKETS[key] = _build_unit_buckets(config, layout, chunk)
+        _UNIT_BUCKETS[key] = _build_unit_buckets(config, layout, chunk, experts)
     return _UNIT_BUCKETS[key]
 
 
 def _build_unit_buckets(
-    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec, experts: bool
 ) -> list[tuple[Bucket, str]]:
-    params = _meta_params(chunk_param_shapes(config, layout.tp, chunk), layout.params_dtype)
-    units = _units(config, layout, chunk) or [ROOT] * len(params)
+    shapes = [
+        s
+        for s in layout_param_shapes(config, layout, chunk)
+        if (s.expert and layout.experts_apart) == experts
+    ]
+    if not shapes:
+        return []
+    params = _meta_params(shapes, layout.params_dtype)
+    units = _units(config, layout, shapes, chunk) if layout.shard_params else [ROOT] * len(params)
     unit_of = {id(p): u for p, u in zip(params, units)}
     level = strategy_class(layout.sharding_strategy)
     groups = split_into_buckets(
@@ -342,8 +422,8 @@ def _build_unit_buckets(
         [unit_of[id(p)] for p in reversed(params)] if layout.shard_params else None,
     )
     out = []
+    dp = layout.edp if experts else layout.grad_dp  # experts: over edp (Megatron's expert buffers)
     for i, group in enumerate(groups):
-        dp = layout.grad_dp
         bucket = Bucket(i, group, level.padded_numel(sum(p.numel() for p in group), dp), dp)
         level.bind(bucket, torch.empty(level.held_numel(bucket.numel_padded, dp), device="meta"))
         out.append((bucket, unit_of[id(group[0])]))
@@ -351,7 +431,8 @@ def _build_unit_buckets(
 
 
 def _buckets(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> list[Bucket]:
-    return [b for b, _ in _unit_buckets(config, layout, chunk)]
+    """Every grad bucket of the chunk, dense then experts (``DDP.all_buckets()``'s order)."""
+    return [b for e in (False, True) for b, _ in _unit_buckets(config, layout, chunk, e)]
 
 
 def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
@@ -361,7 +442,7 @@ def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
     chunks = stage_chunks(config, layout)[pp_rank]
     if layout.shard_params:
         return sum(b * bucket.shard_size for c in chunks for bucket in _buckets(config, layout, c))
-    return sum(s.numel * b for c in chunks for s in chunk_param_shapes(config, layout.tp, c))
+    return sum(s.numel * b for c in chunks for s in layout_param_shapes(config, layout, c))
 
 
 # A rank's RNG states in a checkpoint (checkpoint/rng_state.py): python's and numpy's Mersenne twisters
@@ -404,7 +485,7 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
     peak = 0
     for c in stage_chunks(config, layout)[pp_rank]:
         numel: dict[str, int] = {}
-        for bucket, unit in _unit_buckets(config, layout, c):
+        for bucket, unit in _unit_buckets(config, layout, c) + _unit_buckets(config, layout, c, True):
             numel[unit] = numel.get(unit, 0) + bucket.numel_padded
         root = numel.pop(ROOT, 0)
         layers = [numel[f"decoder.layers.{i}"] for i in range(*c.layer_range)]
@@ -428,7 +509,9 @@ def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
     return sum(4 * held(b) for c in chunks for b in _buckets(config, layout, c))
 
 
-def optimizer_device_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+def optimizer_device_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
     """Optimizer bytes on the training device (the optimizer's ``device_bytes``): AdamW state (exp_avg,
     exp_avg_sq fp32, and a 4-byte ``step`` per main param) + fp32 main copies, of the main params there.
 
@@ -440,33 +523,40 @@ def optimizer_device_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: i
     """
     # ZeRO-3 shards offloaded (--offload-param-device): the main params are copies on the device too.
     copy = 4 if layout.params_dtype != torch.float32 or layout.offload_param_device != "none" else 0
-    return sum((8 + copy) * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if not host)
+    main = _main_params(config, layout, pp_rank, dp_rank, edp_rank)
+    return sum((8 + copy) * n + 4 for n, host in main if not host)
 
 
-def optimizer_host_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+def optimizer_host_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
     """Optimizer bytes in host memory (the optimizer's ``host_bytes``; 0 without offload): per offloaded
     main-param element the fp32 main copy (always a copy there), the two moments and the pinned fp32
     buffer the grad's D2H lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param.
     ``--offload-optimizer-device nvme``: only the grad buffer and ``step`` (:func:`optimizer_nvme_bytes`)."""
     per = 4 if layout.offload_optimizer_device == "nvme" else 16
-    return sum(per * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+    return sum(per * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if host)
 
 
-def optimizer_nvme_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+def optimizer_nvme_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
     """Optimizer bytes in the nvme tier's swap files (``--offload-optimizer-device nvme``; else 0): per
     offloaded main-param element the fp32 main param and the two moments (12 bytes)."""
     if layout.offload_optimizer_device != "nvme":
         return 0
-    return sum(12 * n for n, host in _main_params(config, layout, pp_rank, dp_rank) if host)
+    return sum(12 * n for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if host)
 
 
-def nvme_working_set_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> int:
+def nvme_working_set_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
     """The nvme optimizer tier's transient host bytes at the step's peak: the largest run of
     ``buffer count + 1`` consecutive sub-groups (the one being stepped, those read ahead, the one
     still being written: ``optim.step.NvmeTier``), 12 bytes per element; 0 without the tier."""
     if layout.offload_optimizer_device != "nvme":
         return 0
-    mains = _main_params(config, layout, pp_rank, dp_rank)
+    mains = _main_params(config, layout, pp_rank, dp_rank, edp_rank)
     host = [i for i, (_, h) in enumerate(mains) if h]
     groups = sub_groups(host, [n for n, _ in mains], layout.offload_sub_group_size)
     sizes = [12 * sum(mains[i][0] for i in g) for g in groups]
@@ -483,16 +573,18 @@ def offloaded_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: in
     return out
 
 
-def tier_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> dict[str, dict]:
+def tier_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> dict[str, dict]:
     """Bytes per rank per tier and category (ZeRO-Infinity's three tiers): ``{"device": {"params",
     "optimizer"}, "host": {...}, "nvme": {...}}``. Grads and activations stay on the device."""
     params = offloaded_param_bytes(config, layout, pp_rank)
     if not layout.shard_params:
         params["device"] = param_bytes(config, layout, pp_rank)
     optimizer = {
-        "device": optimizer_device_bytes(config, layout, pp_rank, dp_rank),
-        "host": optimizer_host_bytes(config, layout, pp_rank, dp_rank),
-        "nvme": optimizer_nvme_bytes(config, layout, pp_rank, dp_rank),
+        "device": optimizer_device_bytes(config, layout, pp_rank, dp_rank, edp_rank),
+        "host": optimizer_host_bytes(config, layout, pp_rank, dp_rank, edp_rank),
+        "nvme": optimizer_nvme_bytes(config, layout, pp_rank, dp_rank, edp_rank),
     }
     return {
         tier: {"params": params[tier], "optimizer": optimizer[tier]} for tier in ("device", "host", "nvme")
@@ -500,17 +592,20 @@ def tier_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank:
 
 
 def _main_params(
-    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int, edp_rank: int = 0
 ) -> list[tuple[int, bool]]:
     """``(elements, offloaded)`` of each main param of rank (pp_rank, dp_rank), as the optimizers
-    make them and split them (the optimizers' own functions, on meta tensors)."""
+    make them and split them (the optimizers' own functions, on meta tensors). The routed experts'
+    buckets (when apart) are sharded over edp: their pieces are expert-data-parallel rank
+    ``edp_rank``'s (Megatron's distributed optimizer shards expert params over the expert DP group)."""
     pieces = []
     for c in stage_chunks(config, layout)[pp_rank]:
-        for bucket in _buckets(config, layout, c):
-            if layout.use_distributed_optimizer:
-                pieces += [(p, hi - lo) for p, lo, hi in shard_pieces(bucket, dp_rank)]
-            else:
-                pieces += [(p, p.numel()) for p in bucket.params]
+        for experts, rank in ((False, dp_rank), (True, edp_rank)):
+            for bucket, _ in _unit_buckets(config, layout, c, experts):
+                if layout.use_distributed_optimizer:
+                    pieces += [(p, hi - lo) for p, lo, hi in shard_pieces(bucket, rank)]
+                else:
+                    pieces += [(p, p.numel()) for p in bucket.params]
     fraction = effective_offload_fraction(layout.optimizer_cpu_offload, layout.optimizer_offload_fraction)
     host = offload_split(pieces, fraction, layout.decoupled_lr)
     return [(n, h) for (_, n), h in zip(pieces, host)]
@@ -548,7 +643,9 @@ def rms_norm_saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_typ
     return (4 if one_p else elem_bytes) * h + 4
 
 
-def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:
+def layer_activation_terms(
+    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False
+) -> dict[str, int]:
     """Bytes one transformer layer saves for one microbatch on one rank, by what saves them.
 
     ``mode``: "none" (everything kept), "full" (the layer starts a recomputed unit: its input
@@ -602,14 +699,116 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
     terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
     if config.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * mask * h * rows
+    if moe:  # an MoE layer (--moe-layer-freq) in place of the MLP
+        terms.update(moe_activation_terms(config.moe, layout))
+        m = config.moe
+        if (
+            m.moe_router_dtype in ("fp32", "fp64")
+            and dtype_bytes(layout.params_dtype) != {"fp32": 4}.get(m.moe_router_dtype, 8)
+            and not m.moe_shared_expert_intermediate_size
+        ):
+            terms["norm_outputs"] -= B * h * rows  # the router saves its cast copy, not the norm's output
+        return terms
     f = config.ffn_size // t
     # GELU: fc1 out (gelu's input), gelu out (fc2's input). SwiGLU: gate, silu(gate), up, product.
     terms["mlp"] = (4 if config.swiglu else 2) * B * f * T
     return terms
 
 
-def layer_activation_bytes(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> int:
-    return sum(layer_activation_terms(config, layout, mode).values())
+def layer_activation_bytes(
+    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False
+) -> int:
+    return sum(layer_activation_terms(config, layout, mode, moe).values())
+
+
+def moe_rows(moe: MoEConfig, layout: MemoryLayout, worst: bool = False) -> tuple[int, int]:
+    """(rows this rank permutes and sends, rows its local experts compute) of one MoE layer, for
+    one microbatch. Each rank routes its ``T`` tokens (``T / t`` under sequence parallelism) to k
+    experts. Dropless, balanced (the expectation a load-balanced router aims at): it sends
+    ``T k`` rows and, its experts being 1/ep of the experts, receives ``T k`` from its ep group,
+    gathered over etp: ``T k etp``. With ``--moe-pad-expert-input-to-capacity`` every expert takes
+    exactly ``capacity = ceil(T k / E x factor)`` rows from each rank: ``E cap`` sent, ``E cap etp``
+    computed (exact, not an expectation). ``worst``: every token of the etp x ep group picks this
+    rank's experts, ``T etp ep min(k, E / ep)`` rows (dropless; a capacity caps it at ``E cap etp``).
+    """
+    T = layout.tokens // layout.tp if layout.sp else layout.tokens
+    k, e, etp = moe.moe_router_topk, moe.num_experts, layout.expert_tp
+    sent = T * k
+    cf = moe.capacity_factor
+    cap = math.ceil(T * k / e * cf) if cf is not None else None
+    if cap is not None and moe.moe_pad_expert_input_to_capacity:
+        return e * cap, e * cap * etp
+    if worst:
+        local = T * etp * layout.ep * min(k, e // layout.ep)
+        return sent, local if cap is None else min(local, e // layout.ep * cap * etp * layout.ep)
+    return sent, sent * etp
+
+
+def moe_activation_terms(moe: MoEConfig, layout: MemoryLayout, worst: bool = False) -> dict[str, int]:
+    """Bytes one MoE layer saves for backward (one microbatch, one rank), beyond the attention half
+    and the norm output it reads (counted by :func:`layer_activation_terms`). T: this rank's routed
+    tokens, B: the params' bytes, Bp: the router's (``--moe-router-dtype``, else B); N, n: rows
+    computed here and rows sent (:func:`moe_rows`; ``worst``: the dropless worst case).
+
+    * ``moe_router``: logits's top-k indices (int64 [T, k]) and the top-k softmax (fp32 [T, k]);
+      under ``--moe-router-dtype`` the fp32 / fp64 copy of the input and of the gate (then,
+      without shared experts, nothing saves the norm's output); the aux loss's fp32 scores
+      [T, E] and token counts; token dropping's kept map (bool [T, E]); the z-loss's logits
+      [T, E] and logsumexp [T]; each loss scalar (sigmoid / pre-softmax scores: [T, E]).
+    * ``moe_permute``: the permutation's index (int64 [n]), its mask (bool [E, T]) and the probs
+      it reads ([E, T], Bp), and combine's unpermute input [n, h] (all-gather dispatcher: over the
+      gathered tokens, ``T etp ep`` rows, this rank's ``E / ep`` experts, and N).
+    * ``moe_experts``: the experts' input rows [N, h]; SwiGLU: gate, silu(gate), up, the product
+      and its prob-weighted copy (fc2's input), 5 [N, f/etp] (GELU: 3); the row probs [N] (Bp).
+    * ``moe_shared``: the shared experts as the dense MLP (SwiGLU 4, GELU 2 x [T, fs/t]) and the
+      gate's ``sigmoid(x g)`` [T, 1] and the output it scales [T/t, h].
+    """
+    B = dtype_bytes(layout.params_dtype)
+    Bp = {"fp32": 4, "fp64": 8}.get(moe.moe_router_dtype, B)
+    T = layout.tokens // layout.tp if layout.sp else layout.tokens
+    e, h, k = moe.num_experts, moe.hidden_size, moe.moe_router_topk
+    n, N = moe_rows(moe, layout, worst)
+    router = 8 * T * k
+    if Bp != B:  # gating's input and gate cast to the router dtype
+        router += Bp * T * h + Bp * e * h
+    softmax = moe.moe_router_score_function == "softmax"
+    if softmax and moe.moe_router_pre_softmax:
+        router += 4 * T * e
+    elif softmax:
+        router += 4 * T * k
+    else:  # sigmoid: fp32 scores [T, E]; probs normalised over the k picks (scores and their sum)
+        router += 4 * T * e + (Bp * T * k + Bp * T if k > 1 else 0)
+    lb = moe.moe_router_load_balancing_type
+    if moe.moe_aux_loss_coeff > 0 and lb.endswith("aux_loss"):
+        scores = 4 * T * e if softmax else Bp * T * e + Bp * T
+        counts = 4 * e * (layout.micro_batch_size if lb == "seq_aux_loss" else 1)
+        router += scores + counts + 4  # its top-k's indices die with the unused values
+    if moe.capacity_factor is not None:  # token dropping: the probs times the kept map (bool [T, E])
+        router += T * e
+    if moe.moe_z_loss_coeff:
+        router += Bp * T * e + Bp * T + Bp
+    allgather = moe.moe_token_dispatcher_type == "allgather"
+    g = layout.expert_tp * layout.ep
+    local = e // layout.ep
+    permute = (
+        (8 * N + (1 + Bp) * local * T * g + B * N * h)
+        if allgather
+        else (8 * n + (1 + Bp) * e * T + B * n * h)
+    )
+    f = moe.moe_ffn_hidden_size // layout.expert_tp
+    terms = {
+        "moe_router": router,
+        "moe_permute": permute,
+        "moe_experts": N * (B * h + (5 if moe.swiglu else 3) * B * f + Bp),
+    }
+    fs = moe.moe_shared_expert_intermediate_size
+    if fs:
+        Ts = layout.tokens
+        shared = (4 if moe.swiglu else 2) * B * (fs // layout.tp) * Ts
+        if moe.moe_shared_expert_gate:
+            shared += B * T + B * T * h
+        terms["moe_shared"] = shared
+    return terms
 
 
 def chunk_layer_counts(layout: MemoryLayout, num_layers: int) -> dict[str, int]:
@@ -625,6 +824,27 @@ def chunk_layer_counts(layout: MemoryLayout, num_layers: int) -> dict[str, int]:
         "full": sum(1 for _, _, recompute in units if recompute),
         "none": sum(end - start for start, end, recompute in units if not recompute),
     }
+
+
+def chunk_layer_kinds(
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec
+) -> dict[tuple[str, bool], int]:
+    """How many layers of a chunk save in each (mode, MoE layer) kind: :func:`chunk_layer_counts`
+    per layer, a recomputed unit counted by its first layer (the one whose input it keeps)."""
+    moe = moe_layers(config)[chunk.layer_range[0] : chunk.layer_range[1]]
+    out: dict[tuple[str, bool], int] = {}
+    if layout.recompute_granularity != "full":
+        for m in moe:
+            key = (layout.recompute_granularity or "none", m)
+            out[key] = out.get(key, 0) + 1
+        return out
+    for start, end, recompute in recompute_units(
+        chunk.num_layers, layout.recompute_method, layout.recompute_num_layers
+    ):
+        for i in range(start, start + 1 if recompute else end):
+            key = ("full" if recompute else "none", False if recompute else moe[i])
+            out[key] = out.get(key, 0) + 1
+    return out
 
 
 def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> dict[str, int]:
@@ -645,9 +865,10 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
             emb += (1 if cuda else B) * h * rows
         terms["embedding"] = emb
     counts = chunk_layer_counts(layout, chunk.num_layers)
-    for mode, n in counts.items():
+    for (mode, moe), n in chunk_layer_kinds(config, layout, chunk).items():
         if n:
-            terms[f"layers_{mode}"] = n * layer_activation_bytes(config, layout, mode)
+            key = f"layers_{mode}"
+            terms[key] = terms.get(key, 0) + n * layer_activation_bytes(config, layout, mode, moe)
     if config.position_embedding_type == "rope" and counts.get("none", 0) + counts.get("selective", 0):
         # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE
         # (recomputed units get them from the closure, not as saved inputs).
@@ -689,12 +910,15 @@ def activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) ->
 
 def recompute_transient_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
     """Extra bytes alive while one recomputed unit runs its backward (not a saved tensor)."""
+    kinds = set(moe_layers(config))  # an MoE model's largest layer decides (a dense one's: dense)
     if layout.recompute_granularity == "full":
         n = layout.recompute_num_layers if layout.recompute_method == "uniform" else 1
-        return n * layer_activation_bytes(config, layout, "none")
+        return n * max(layer_activation_bytes(config, layout, "none", m) for m in kinds)
     if layout.recompute_granularity == "selective":
-        return layer_activation_bytes(config, layout, "none") - layer_activation_bytes(
-            config, layout, "selective"
+        return max(
+            layer_activation_bytes(config, layout, "none", m)
+            - layer_activation_bytes(config, layout, "selective", m)
+            for m in kinds
         )
     return 0
 
@@ -719,20 +943,23 @@ class RankMemory:
         return sum(self.categories().values()) + sum(self.extra.values())
 
 
-def predict_rank(config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0) -> RankMemory:
-    """Bytes rank (pp_rank, dp_rank) holds (any tp_rank: TP ranks hold equal shapes)."""
+def predict_rank(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> RankMemory:
+    """Bytes rank (pp_rank, dp_rank) holds (any tp_rank: TP ranks hold equal shapes); ``edp_rank``:
+    its expert-data-parallel rank (the routed experts' ZeRO shard, when they have a buffer apart)."""
     layout.validate()
     config.validate(layout.tp)
     return RankMemory(
         params=param_bytes(config, layout, pp_rank)
         - sum(v for k, v in offloaded_param_bytes(config, layout, pp_rank).items() if k != "device"),
         grads=grad_buffer_bytes(config, layout, pp_rank),
-        optimizer=optimizer_device_bytes(config, layout, pp_rank, dp_rank),
+        optimizer=optimizer_device_bytes(config, layout, pp_rank, dp_rank, edp_rank),
         activations=activation_bytes(config, layout, pp_rank),
         extra=extra_bytes(config, layout, pp_rank),
-        host=optimizer_host_bytes(config, layout, pp_rank, dp_rank)
+        host=optimizer_host_bytes(config, layout, pp_rank, dp_rank, edp_rank)
         + offloaded_param_bytes(config, layout, pp_rank)["host"],
-        nvme=optimizer_nvme_bytes(config, layout, pp_rank, dp_rank)
+        nvme=optimizer_nvme_bytes(config, layout, pp_rank, dp_rank, edp_rank)
         + offloaded_param_bytes(config, layout, pp_rank)["nvme"],
     )
 
@@ -867,6 +1094,11 @@ def _param_shardings(model_chunks) -> list:
     ]
 
 
+def _experts_grad_bytes(chunk) -> int:
+    experts = getattr(chunk, "experts", None)
+    return experts.grad_buffer.nbytes if experts is not None else 0
+
+
 def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves: the params'
     storages as allocated now (each once: ZeRO-3's are bucket buffers, freed between uses) plus
@@ -877,7 +1109,8 @@ def measure_state_bytes(model_chunks, optimizer) -> dict[str, int]:
     shards = sum(s.shard_bytes() for s in _param_shardings(model_chunks) if s.tier.kind == "none")
     return {
         "params": sum(storages.values()) + shards,
-        "grads": sum(c.grad_buffer.nbytes for c in model_chunks),
+        # the routed experts' buffer (DDP.experts, over edp) beside the dense one
+        "grads": sum(c.grad_buffer.nbytes + _experts_grad_bytes(c) for c in model_chunks),
         "optimizer": optimizer.device_bytes(),
     }
 
@@ -941,7 +1174,8 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     """This rank's ``{"kind": "memory", ...}`` record: measured vs predicted bytes."""
     mesh = state.mesh
     layout = MemoryLayout.from_configs(state.configs, mesh.device.type)
-    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank)  # ZeRO: dp x cp
+    # ZeRO shards dense params over dp x cp, routed experts over edp
+    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     offloaded = measure_offloaded_param_bytes(state.model)

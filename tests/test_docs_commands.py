@@ -266,11 +266,12 @@ def test_megatron_config_counts_are_the_benchs():
     prose = _prose("docs/training.md")
     reasons = {k.removeprefix("refused: ").split(" (")[0]: n for k, n in starts["by_reason"].items()}
     kinds = starts["by_kind"]
+    gpt, moe = starts["families"]["gpt"], starts["families"]["moe"]
     sentence = (
-        f"At Megatron-LM {starts['megatron_lm_commit'][:7]}: {starts['start']} of {starts['total']} start; "
-        f"the rest are {kinds['RefusedFlagError']} refused features (MoE {reasons['MoE']}, squared ReLU "
-        f"{reasons['the squared-ReLU MLP activation']}, fp8 / fp4 {reasons['fp8 / fp4 training']}, ...) and "
-        f"{kinds['ArgumentError']} layouts"
+        f"At Megatron-LM {starts['megatron_lm_commit'][:7]}: {starts['start']} of {starts['total']} start "
+        f"(GPT configs {gpt['start']} of {gpt['total']}, MoE recipes {moe['start']} of {moe['total']}); "
+        f"the rest are {kinds['RefusedFlagError']} refused features (fp8 / fp4 {reasons['fp8 / fp4 training']}, "
+        f"query/key layer norms {reasons['query/key layer norms']}, ...) and {kinds['ArgumentError']} layouts"
     )
     assert sentence in prose, sentence
     trained = json.loads((REPO / "bench" / "results" / "megatron_configs_train.json").read_text())

@@ -20,6 +20,24 @@ _MODEL = [
     "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1",
     "--lr", "1e-3", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
+_MOE = [
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-ffn-hidden-size",
+    "32",
+]
+_MOE += [
+    "--swiglu",
+    "--disable-bias-linear",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+]
 _TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 
 
@@ -111,6 +129,16 @@ FEATURES = [
         + ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"],
         12,
     ),
+    # MoE (balanced routing, expert_parallel.balanced_routing): the exchange sized without values
+    ("moe tp2 sp ep2 alltoall", _TP2_PP2 + ["--sequence-parallel", *_MOE], 8),
+    (
+        "moe tp2 sp etp1 ep4 allgather, deepseek router",
+        _TP2_PP2 + ["--sequence-parallel", *_MOE, "--expert-model-parallel-size", "4"]
+        + ["--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "allgather"]
+        + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+        + ["--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "([0]+[1]*3)"],
+        8,
+    ),
 ]  # fmt: skip
 
 
@@ -153,3 +181,20 @@ def test_verify_runs_the_first_and_last_stage_once_each(pipeline, ranks):
     lines = [line for line in verify_layout(argv, 8) if line.startswith("  rank ")]
     assert [int(line.split()[1]) for line in lines] == ranks
     assert all("the prediction held" in line for line in lines)
+
+
+def test_balanced_routing_gives_every_expert_its_share_and_permutes_as_the_mask_does():
+    """The fake rank's routing: each expert T k / E tokens, k distinct per token; the permutation's
+    balanced path (real indices) equals the masked one on real tensors."""
+    import torch
+
+    from megalite.parallel.expert_parallel import balanced_routing, balanced_routing_map, permute
+
+    m = balanced_routing_map(32, 8, 2, "cpu")
+    assert m.sum(dim=1).tolist() == [2] * 32 and m.sum(dim=0).tolist() == [8] * 8
+    tokens, probs = torch.randn(32, 4), torch.rand(32, 8) * m
+    plain = permute(tokens, m, probs)
+    with balanced_routing():
+        balanced = permute(tokens, m, probs)
+    for a, b in zip(plain, balanced):
+        assert torch.equal(a, b)

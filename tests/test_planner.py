@@ -65,6 +65,8 @@ def _candidate(args) -> planner.Candidate:
         rc,
         args.data_parallel_sharding_strategy,
         args.context_parallel_size,
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
     )
 
 
@@ -600,3 +602,28 @@ def test_step_time_reads_for_a_toy_model_too():
 
     assert _step_time(0.06) == "0.060 s" and _step_time(2.5) == "2.500 s"
     assert _step_time(3.14e-4) == "0.314 ms" and _step_time(0.0042) == "4.2 ms"
+
+
+def test_moe_candidates_are_launches_validation_accepts_with_their_expert_layout():
+    """An MoE model: every layout the planner proposes, as its launch line, passes parse_args +
+    validate_args and means the same ep / etp; ep > 1 is among them, ZeRO only with experts not
+    apart (what main builds), and the time model charges the token exchange."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--swiglu"]
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", *moe]
+    base = VALIDATION_BASE + model + ["--seq-length", "32", "--global-batch-size", "8"]
+    args = parse_args(base)
+    cfg = model_config(args, vocab_size=300)
+    p = planner.Problem(cfg, planner.Cluster(4, 4, planner.GPUS["H100-SXM"]), 32, 8)
+    parser, seen = build_parser(), set()
+    for c in planner.layouts(p):
+        flags = planner.launch_flags(c, cfg.num_layers)
+        got = validate_args(parser.parse_args(base + flags.split()), 4)
+        assert (
+            got.expert_model_parallel_size,
+            got.expert_tensor_parallel_size or got.tensor_model_parallel_size,
+        ) == (c.ep, c.etp or c.tp), flags
+        seen.add((c.ep, c.etp or c.tp, c.sharding != "no_shard"))
+        if c.ep > 1:
+            assert planner.ep_exchange_s(p, c) > 0
+    assert {(4, 1, False), (2, 1, False), (1, 1, True)} <= seen
+    assert not any(ep > 1 and zero for ep, _, zero in seen)

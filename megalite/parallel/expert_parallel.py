@@ -18,15 +18,56 @@ Groups (``Mesh``, see ``mesh.expert_rank_layout``): ``ep`` (ranks holding differ
   (reduce-scatter over etp sums the partials).
 
 Collectives of variable size are ``all_to_all_single`` (gloo and NCCL both have it).
+
+Planning (:func:`balanced_routing`, a fake rank's step, megalite/planning/fake_rank.py): fake
+tensors have no values, so the token counts the exchange sizes itself by cannot be read. Inside
+it the router hands over :func:`balanced_routing_map` (token t to experts ``(t k + j) mod E``: every
+expert gets ``T k / E`` of each rank's tokens, the memory model's balanced expectation) as a real
+tensor, every rank is taken to route alike (the counts are this rank's, not gathered), and the
+bookkeeping (indices, counts) runs on real tensors while the tokens stay fake.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from megalite.parallel.mappings import _rank, _world, all_gather_flat
+
+# ---- planning: balanced routing on fake tensors ------------------------------------------------------
+_BALANCED: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Route every token as :func:`balanced_routing_map` says while active (fake ranks only)."""
+    _BALANCED.append(True)
+    try:
+        yield
+    finally:
+        _BALANCED.pop()
+
+
+def routing_is_balanced() -> bool:
+    return _BALANCED[-1]
+
+
+def balanced_routing_map(num_tokens: int, num_experts: int, topk: int, device) -> torch.Tensor:
+    """A real bool ``[T, E]`` map: token t picks experts ``(t k + j) mod E``, j < k (distinct for
+    k <= E); each expert gets ``T k / E`` tokens when E divides T k."""
+    with unset_fake_temporarily():
+        picks = (torch.arange(num_tokens).unsqueeze(1) * topk + torch.arange(topk)) % num_experts
+        out = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, picks, True)
+        return out.to(device)
+
+
+def _host():
+    """Where the exchange's bookkeeping runs: on real tensors under :func:`balanced_routing`."""
+    return unset_fake_temporarily() if routing_is_balanced() else contextlib.nullcontext()
 
 
 # ---- variable-size collectives along dim 0, with their adjoints --------------------------------------
@@ -105,10 +146,14 @@ def reduce_scatter_rows(x: torch.Tensor, group, sizes: list[int] | None = None) 
 
 
 def gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``counts`` [E] stacked ``[n, E]`` in group-rank order (no autograd)."""
+    """Every rank's ``counts`` [E] stacked ``[n, E]`` in group-rank order (no autograd); under
+    :func:`balanced_routing` this rank's, n times (every rank routes alike)."""
     n = _world(group)
     if n == 1:
         return counts.unsqueeze(0)
+    if routing_is_balanced():
+        with _host():
+            return counts.reshape(1, -1).repeat(n, 1)
     out = counts.new_empty(n * counts.numel())
     all_gather_flat(out, counts.contiguous().view(-1), group)
     return out.view(n, -1)
@@ -119,6 +164,12 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     """Tokens ``[T, h]`` -> one row per (token, chosen expert), grouped by expert in token order;
     with ``probs`` ``[T, E]`` also the row's prob. Returns (rows, row_probs, token index of each row)."""
     num_tokens = tokens.shape[0]
+    if routing_is_balanced():  # real indices, fake rows: no data-dependent shape
+        with _host():
+            flat = routing_map.bool().T.reshape(-1).nonzero().squeeze(1)
+            index = flat % num_tokens
+        row_probs = None if probs is None else probs.T.reshape(-1).index_select(0, flat)
+        return tokens.index_select(0, index), row_probs, index
     mask = routing_map.bool().T.contiguous()  # [E, T]
     index = torch.arange(num_tokens, device=tokens.device).unsqueeze(0).expand_as(mask).masked_select(mask)
     row_probs = None if probs is None else probs.T.contiguous().masked_select(mask)
@@ -159,16 +210,17 @@ class AllGatherDispatcher(_Dispatcher):
         """-> (rows ``[N, h]`` grouped by local expert, tokens per local expert, row probs ``[N]``)."""
         self.num_tokens = tokens.shape[0]
         group = self.etp_ep_group
-        with torch.no_grad():
+        with torch.no_grad(), _host():
             routing_map = gather_counts(routing_map.to(torch.uint8).reshape(-1), group).view(
                 -1, self.num_experts
             )
+            self.local_map = routing_map[:, self.local_experts].bool()
+            counts = self.local_map.sum(dim=0).tolist()
         probs, tokens = gather_rows(probs, group), gather_rows(tokens, group)
-        self.local_map = routing_map[:, self.local_experts].bool()
         local_probs = probs[:, self.local_experts]
         rows, row_probs, self.index = permute(tokens, self.local_map, local_probs)
         self.gathered_tokens = tokens.shape[0]
-        return rows, self.local_map.sum(dim=0).tolist(), row_probs
+        return rows, counts, row_probs
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs (weighted, partial over etp) -> this rank's ``[T, h]``."""
@@ -180,6 +232,10 @@ class AllToAllDispatcher(_Dispatcher):
     """Megatron's ``alltoall`` dispatcher: A2A over ep, then all-gather over etp, then sort by expert."""
 
     def _plan(self, routing_map: torch.Tensor) -> None:
+        with _host():
+            self._plan_counts(routing_map)
+
+    def _plan_counts(self, routing_map: torch.Tensor) -> None:
         counts = routing_map.sum(dim=0).long()  # [E] from this rank
         nle = self.num_local_experts
         self.input_splits = counts.view(self.ep, nle).sum(dim=1).tolist()
@@ -189,7 +245,10 @@ class AllToAllDispatcher(_Dispatcher):
         per_rank = per_local.sum(dim=2)  # [etp, ep]
         self.output_splits = per_rank[self.etp_rank].tolist()
         self.output_splits_tp = per_rank.sum(dim=1).tolist()
-        self.chunk_sizes = per_local.view(-1, nle)  # [etp * ep, nle], chunk (r, l) = r * nle + l
+        chunk_sizes = per_local.view(-1, nle)  # [etp * ep, nle], chunk (r, l) = r * nle + l
+        self.chunks = chunk_sizes.shape[0]
+        self.chunk_sizes = chunk_sizes.view(-1).tolist()  # [source rank][local expert]
+        self.chunk_sizes_by_expert = chunk_sizes.T.reshape(-1).tolist()  # [local expert][source rank]
         self.tokens_per_expert = per_local.sum(dim=(0, 1)).tolist()
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
@@ -202,7 +261,7 @@ class AllToAllDispatcher(_Dispatcher):
         rows = gather_rows(rows, self.etp_group, self.output_splits_tp)
         row_probs = gather_rows(row_probs, self.etp_group, self.output_splits_tp)
         if self.num_local_experts > 1:  # chunks arrive [source rank][local expert]: regroup by expert
-            sizes, r = self.chunk_sizes.view(-1).tolist(), self.chunk_sizes.shape[0]
+            sizes, r = self.chunk_sizes, self.chunks
             order = [i * self.num_local_experts + x for x in range(self.num_local_experts) for i in range(r)]
             rows, row_probs = sort_chunks(rows, sizes, order), sort_chunks(row_probs, sizes, order)
         return rows, self.tokens_per_expert, row_probs
@@ -210,8 +269,7 @@ class AllToAllDispatcher(_Dispatcher):
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs (weighted, partial over etp) -> this rank's ``[T, h]``."""
         if self.num_local_experts > 1:
-            sizes = self.chunk_sizes.T.reshape(-1).tolist()  # [expert][source rank]
-            r = self.chunk_sizes.shape[0]
+            sizes, r = self.chunk_sizes_by_expert, self.chunks
             order = [x * r + i for i in range(r) for x in range(self.num_local_experts)]
             rows = sort_chunks(rows, sizes, order)
         rows = reduce_scatter_rows(rows, self.etp_group, self.output_splits_tp)

@@ -14,6 +14,9 @@ memory model's prediction for the same rank.
   (no skip, no stop). Only shapes, dtypes and lifetimes are real.
 * **Real tensors** (``--fake-real-tensors``, the default on a GPU): real memory and compute on the
   device, communication left out (the received tensors hold whatever the buffers held).
+
+MoE layers route by the balanced expectation (``expert_parallel.balanced_routing``: each expert
+gets ``T k / E`` of every rank's tokens), as the memory model predicts them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megalite.arguments import resolve
 from megalite.errors import ArgumentError
 from megalite.memory import MemoryProbe, format_memory_table, rank_record
+from megalite.parallel.expert_parallel import balanced_routing
 from megalite.training import context_parallel_batch, needs_data, setup, train_step
 
 
@@ -189,12 +193,13 @@ def run_fake_rank(args) -> dict:
     init_fake_process_group(args.fake_world_size, args.fake_rank)
     reads, live = HostReads(), LiveStorageMeter()
     try:
+        # MoE: no rank's tokens arrive, so every rank routes by the balanced expectation
         if fake:
-            with FakeTensorMode(allow_non_fake_inputs=True), reads, live:
+            with FakeTensorMode(allow_non_fake_inputs=True), reads, live, balanced_routing():
                 state = setup(run, with_data=False)
                 step, probe, seconds = _one_step(state, live)
         else:
-            with live:
+            with live, balanced_routing():
                 state = setup(run, with_data=False)
                 step, probe, seconds = _one_step(state, live)
         record = rank_record(state, probe.meter)

@@ -53,6 +53,8 @@ from megalite.memory import (
     extra_bytes,
     gathered_param_bytes,
     grad_buffer_bytes,
+    moe_layers,
+    moe_rows,
     optimizer_device_bytes,
     param_bytes,
     stage_chunks,
@@ -134,6 +136,8 @@ class Candidate:
     recompute: str
     sharding: str
     cp: int = 1  # context parallelism (the ring's p2p K/V exchange); dp counts the other replicas
+    ep: int = 1  # MoE: --expert-model-parallel-size (each stage's tp x cp x dp re-cut as etp x ep x edp)
+    etp: int | None = None  # MoE: --expert-tensor-parallel-size (None: tp)
     memory_per_rank_gb: float = 0.0
     overhead_gb: float = 0.0
     step_time_s: float = 0.0
@@ -185,6 +189,8 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
         device_type=p.device_type,
+        ep=c.ep,
+        etp=c.etp,
         **SHARDING[c.sharding],
     )
 
@@ -196,7 +202,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 _STATE_FIELDS = (
     "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
-    "offload_optimizer_device", "offload_param_device",
+    "offload_optimizer_device", "offload_param_device", "ep", "etp",
 )  # fmt: skip
 _GATHER_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "overlap_param_gather")
 _state_cache: dict = {}
@@ -232,7 +238,7 @@ def _activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -
 def _rank_state(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of ``predict_rank``, cached per model split."""
     split = dict((f, getattr(layout, f)) for f in _STATE_FIELDS)
-    if not layout.use_distributed_optimizer:
+    if not layout.use_distributed_optimizer and not layout.experts_apart:
         split["dp"] = split["cp"] = 1  # only the distributed optimizer pads or shards by dp x cp
     key = (config, tuple(split.values()), pp_rank)
     if key not in _state_cache:
@@ -294,12 +300,15 @@ class StateFloor:
 _numel_cache: dict = {}
 
 
-def model_numel(config: ModelConfig) -> int:
-    """Parameter elements of the whole model, one copy of each (tp = pp = 1)."""
-    if config not in _numel_cache:
+def model_numel(config: ModelConfig, experts: bool | None = None) -> int:
+    """Parameter elements of the whole model, one copy of each (tp = pp = 1); ``experts``: only the
+    routed experts' (True) or only the rest (False)."""
+    key = (config, experts)
+    if key not in _numel_cache:
         chunks = stage_chunks(config, MemoryLayout())[0]
-        _numel_cache[config] = sum(s.numel for c in chunks for s in chunk_param_shapes(config, 1, c))
-    return _numel_cache[config]
+        shapes = [s for c in chunks for s in chunk_param_shapes(config, 1, c)]
+        _numel_cache[key] = sum(s.numel for s in shapes if experts is None or s.expert == experts)
+    return _numel_cache[key]
 
 
 def state_floor(p: Problem, tp: int, pp: int, dp: int, sharding: str) -> StateFloor:
@@ -308,12 +317,14 @@ def state_floor(p: Problem, tp: int, pp: int, dp: int, sharding: str) -> StateFl
     last stage at least the average; each ZeRO level divides its category by ``dp`` (pass dp x cp:
     ZeRO shards over both)."""
     sh = SHARDING[sharding]
-    per_rank = model_numel(p.config) / (tp * pp)
+    per_rank = model_numel(p.config, False) / (tp * pp)
+    # routed experts: over etp x ep <= tp x dp x cp ranks of a stage, whatever ep and ZeRO
+    experts = model_numel(p.config, True) / (tp * dp * pp)
     main_copy = 0 if p.params_dtype == torch.float32 else 4  # memory.optimizer_device_bytes
     return StateFloor(
-        params=dtype_bytes(p.params_dtype) * per_rank / (dp if sh.get("shard_params") else 1),
-        grads=4 * per_rank / (dp if sh.get("shard_grads") else 1),
-        optimizer=(8 + main_copy) * per_rank / (dp if sh.get("use_distributed_optimizer") else 1),
+        params=dtype_bytes(p.params_dtype) * (per_rank / (dp if sh.get("shard_params") else 1) + experts),
+        grads=4 * (per_rank / (dp if sh.get("shard_grads") else 1) + experts),
+        optimizer=(8 + main_copy) * (per_rank / (dp if sh.get("use_distributed_optimizer") else 1) + experts),
     )
 
 
@@ -547,6 +558,37 @@ def cp_exposed_s(p: Problem, c: Candidate, eff: float) -> float:
     return max(0.0, cp_bytes(p, c) / (bw * 1e9) - attention * (c.cp - 1) / c.cp)
 
 
+def moe_exchange_bytes(p: Problem, c: Candidate) -> dict[str, float]:
+    """Bytes one rank sends per MoE layer and microbatch, forward + backward (the alltoall
+    dispatcher, the balanced expectation of ``memory.moe_rows``): dispatch and combine are each an
+    all-to-all over ep of its ``T k`` rows of h (``(ep - 1) / ep`` of them leave the rank) in
+    forward and again in backward (4); with etp > 1 the rows are all-gathered over etp
+    (dispatch) and reduce-scattered (combine), ``T k (etp - 1)`` rows each, forward and backward (4)."""
+    moe = p.config.moe
+    if moe is None:
+        return {"alltoall": 0.0, "etp": 0.0}
+    layout = memory_layout(p, c)
+    sent, _ = moe_rows(moe, layout)
+    row = dtype_bytes(p.params_dtype) * moe.hidden_size
+    return {
+        "alltoall": 4 * sent * row * (c.ep - 1) / c.ep,
+        "etp": 4 * sent * row * (layout.expert_tp - 1),
+    }
+
+
+def ep_exchange_s(p: Problem, c: Candidate) -> float:
+    """Seconds of MoE token exchange per microbatch on this rank (not overlapped: Megatron's
+    alltoall dispatcher waits for its tokens), over the MoE layers of one stage; the ep group's
+    ranks are etp x ep consecutive ranks of a stage: inside a node when they fit one."""
+    cfg = p.config
+    if cfg.moe is None or (c.ep == 1 and (c.etp or c.tp) == 1):
+        return 0.0
+    gpu, gpn = p.cluster.gpu, p.cluster.gpus_per_node
+    bw = gpu.intra_node_gbps if c.ep * (c.etp or c.tp) <= gpn else gpu.inter_node_gbps
+    layers = sum(moe_layers(cfg)) / c.pp
+    return layers * sum(moe_exchange_bytes(p, c).values()) / (bw * 1e9)
+
+
 def with_time(p: Problem, c: Candidate) -> Candidate:
     if p.calibration is not None:
         return with_calibrated_time(p, c)
@@ -573,7 +615,8 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
     pp = 0.0 if c.pp == 1 else 2 * m * c.vp * p2p_bytes / (pp_bw * 1e9)
     cp = m * layers_per_rank * cp_exposed_s(p, c, eff)
 
-    busy = compute + tp + pp + cp
+    ep = m * ep_exchange_s(p, c)
+    busy = compute + tp + pp + cp + ep
     bubble = busy * bubble_fraction(c.pp, c.vp, m) / (1 - bubble_fraction(c.pp, c.vp, m))
 
     dp = 0.0
@@ -601,7 +644,9 @@ def with_time(p: Problem, c: Candidate) -> Candidate:
     step = busy + bubble + dp
     tokens_per_sec = p.global_batch_size * s / step
     mfu = model_flops_gpu / step / (gpu.peak_tflops * 1e12)
-    parts = (("compute", compute), ("tp", tp), ("cp", cp), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp))
+    parts = (
+        ("compute", compute), ("tp", tp), ("cp", cp), ("ep", ep), ("pp_p2p", pp), ("bubble", bubble), ("dp", dp),
+    )  # fmt: skip
     return dataclasses.replace(
         c,
         step_time_s=step,
@@ -624,6 +669,27 @@ def cp_choices(p: Problem, n: int) -> list[int]:
     s = p.seq_length
     wanted = p.context_parallel_choices or [2**k for k in range(s.bit_length()) if s >> k >= CP_MIN_TOKENS]
     return [cp for cp in sorted({1, *wanted}) if n % cp == 0 and (cp == 1 or s % (2 * cp) == 0)]
+
+
+def expert_choices(p: Problem, tp: int, cp: int, dp: int, sp: bool) -> list[tuple[int, int | None]]:
+    """MoE: the (ep, etp) to try for a (tp, cp, dp) split: ep dividing the experts with etp x ep
+    dividing tp x cp x dp (Megatron's folding), etp 1 or tp; ``[(1, None)]`` for a dense model.
+    What validation refuses is never proposed: an MoE layer at tp > 1 needs SP. Every ZeRO level
+    shards the experts apart (ep > 1 or etp != tp) over edp, the dense params over dp x cp."""
+    moe = p.config.moe
+    if moe is None:
+        return [(1, None)]
+    if tp > 1 and not sp:
+        return []
+    out = []
+    for etp in sorted({1, tp}):
+        if moe.moe_ffn_hidden_size % etp:
+            continue
+        for ep in divisors(tp * cp * dp // etp):
+            if moe.num_experts % ep or (tp * cp * dp) % (etp * ep):
+                continue
+            out.append((ep, None if etp == tp else etp))
+    return out
 
 
 def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False) -> Iterator[Candidate]:
@@ -660,7 +726,8 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                             for sharding in p.sharding_choices:
                                 if sharding != "no_shard" and dp * cp == 1:
                                     continue
-                                yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp)
+                                for ep, etp in expert_choices(p, tp, cp, dp, sp):
+                                    yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp, ep, etp)
 
 
 def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
@@ -834,6 +901,8 @@ def from_configs(
         run.recompute.granularity or "none",
         sharding,
         par.context_parallel_size,
+        par.expert_model_parallel_size,
+        par.expert_tensor_parallel_size,
     )
     return problem, cand
 
@@ -889,17 +958,21 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
         f.append(f"--data-parallel-sharding-strategy {c.sharding}")
     if c.dp * c.cp > 1:
         f.append("--overlap-grad-reduce")
+    if c.ep > 1:
+        f.append(f"--expert-model-parallel-size {c.ep} --moe-token-dispatcher-type alltoall")
+    if c.etp is not None and c.etp != c.tp:
+        f.append(f"--expert-tensor-parallel-size {c.etp}")
     return " ".join(f)
 
 
 COLUMNS = (
-    "tp", "cp", "pp", "vp", "dp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
+    "tp", "cp", "pp", "vp", "dp", "ep", "etp", "mbs", "SP", "recompute", "ZeRO", "mem GB", "+ovh GB", "step s", "MFU", "tokens/s",
 )  # fmt: skip
 
 
 def _row(c: Candidate) -> list[str]:
     return [
-        str(c.tp), str(c.cp), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
+        str(c.tp), str(c.cp), str(c.pp), str(c.vp), str(c.dp), str(c.ep), str(c.etp or c.tp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
         c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
     ]  # fmt: skip
@@ -927,7 +1000,8 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
         f"{name} {100 * _share(best, name):.0f}%" for name, _ in best.parts if dict(best.parts)[name]
     )
     lines = [
-        f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} mbs={best.micro_batch_size}: "
+        f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} ep={best.ep} "
+        f"etp={best.etp or best.tp} mbs={best.micro_batch_size}: "
         f"{_step_time(best.step_time_s)}/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
         f"{p.cluster.gpu.memory_gb:g} GB, {best.tflops_per_gpu:.0f} TFLOP/s per GPU (recompute counted)"
     ]

@@ -60,7 +60,8 @@ def _expert_weight(full: torch.Tensor, experts: slice, dim: int, rank: int, size
     if size > 1:
         n = shard.shape[dim] // size
         shard = shard.narrow(dim, rank * n, n)
-    p = nn.Parameter(shard.contiguous().to(**ctx.tensor_kwargs()))
+    # a copy: a slice of dim 0 is already contiguous, and would keep every expert's storage alive
+    p = nn.Parameter(shard.to(**ctx.tensor_kwargs()).clone(memory_format=torch.contiguous_format))
     param_attributes.set_tensor_model_parallel(p, size > 1, dim)
     param_attributes.mark_expert_parallel(p)
     return p

@@ -28,6 +28,7 @@ from torch import nn
 from megalite.model.moe.config import MoEConfig
 from megalite.parallel import param_attributes
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.expert_parallel import balanced_routing_map, routing_is_balanced
 
 
 # ---- Megatron's moe_utils, same math ----------------------------------------------------------------
@@ -277,6 +278,8 @@ class TopKRouter(nn.Module):
                 self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity,
             )  # fmt: skip
             probs, routing_map = sb(probs, s, b), sb(routing_map, s, b)
+        if routing_is_balanced():  # a fake rank: the balanced expectation, as a real map
+            routing_map = balanced_routing_map(b * s, self.config.num_experts, self.topk, x.device)
         if self.training and torch.is_grad_enabled():  # each load-balancing loss on, in Megatron's order
             for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
                 if (coeff := self.config.aux_loss_coeff(kind)) > 0:
