@@ -778,11 +778,11 @@ def moe_activation_terms(moe: MoEConfig, layout: MemoryLayout, worst: bool = Fal
         router += 4 * T * k
     else:  # sigmoid: fp32 scores [T, E]; probs normalised over the k picks (scores and their sum)
         router += 4 * T * e + (Bp * T * k + Bp * T if k > 1 else 0)
-    lb = moe.moe_router_load_balancing_type
-    if moe.moe_aux_loss_coeff > 0 and lb.endswith("aux_loss"):
-        scores = 4 * T * e if softmax else Bp * T * e + Bp * T
-        counts = 4 * e * (layout.micro_batch_size if lb == "seq_aux_loss" else 1)
-        router += scores + counts + 4  # its top-k's indices die with the unused values
+    for lb in ("aux_loss", "seq_aux_loss", "global_aux_loss"):  # each load-balancing loss that is on
+        if moe.aux_loss_coeff(lb) > 0:
+            scores = 4 * T * e if softmax else Bp * T * e + Bp * T
+            counts = 4 * e * (layout.micro_batch_size if lb == "seq_aux_loss" else 1)
+            router += scores + counts + 4  # its top-k's indices die with the unused values
     if moe.capacity_factor is not None:  # token dropping: the probs times the kept map (bool [T, E])
         router += T * e
     if moe.moe_z_loss_coeff:
