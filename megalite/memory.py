@@ -217,15 +217,17 @@ def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[P
     shared = tied and chunk.pre_process != chunk.post_process
     out: list[ParamShape] = []
 
-    def linear(prefix: str, out_features: int, in_features: int, bias_size: int | None) -> None:
+    def linear(
+        prefix: str, out_features: int, in_features: int, bias_size: int | None, has_bias=bias
+    ) -> None:
         out.append(ParamShape(f"{prefix}.weight", (out_features, in_features)))
-        if bias and bias_size is not None:
+        if has_bias and bias_size is not None:
             out.append(ParamShape(f"{prefix}.bias", (bias_size,)))
 
-    def norm(prefix: str) -> None:
-        out.append(ParamShape(f"{prefix}.weight", (h,)))
+    def norm(prefix: str, size: int = h) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (size,)))
         if layernorm:
-            out.append(ParamShape(f"{prefix}.bias", (h,)))
+            out.append(ParamShape(f"{prefix}.bias", (size,)))
 
     if chunk.pre_process:
         out.append(ParamShape("embedding.word_embeddings.weight", (vocab // tp, h), shared))
@@ -237,7 +239,10 @@ def chunk_param_shapes(config: ModelConfig, tp: int, chunk: ChunkSpec) -> list[P
     for i in range(*chunk.layer_range):
         p = f"decoder.layers.{i}"
         norm(f"{p}.input_layernorm")
-        linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv)
+        linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv, config.qkv_bias)  # --add-qkv-bias
+        if config.qk_layernorm:  # one norm over head_dim each for q and k, replicated over TP
+            norm(f"{p}.self_attention.q_layernorm", d)
+            norm(f"{p}.self_attention.k_layernorm", d)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, h)
         norm(f"{p}.pre_mlp_layernorm")
         for name in ("linear_fc1_gate", "linear_fc1_up") if config.swiglu else ("linear_fc1",):
@@ -468,6 +473,21 @@ def rms_norm_saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_typ
     return (4 if one_p else elem_bytes) * h + 4
 
 
+def _qk_norm_bytes(config: ModelConfig, rows: int, B: int, device_type: str) -> tuple[int, bool]:
+    """Bytes the ``--qk-layernorm`` norms save for ``rows`` head-tokens beyond their input itself
+    (statistics; an fp32 copy of the input, or ``x / rms``, where the norm makes one), and whether
+    they keep the input itself (q and k: views of the QKV output, or q's GQA copy)."""
+    d, one_p = config.head_dim, config.apply_layernorm_1p
+    if config.normalization == "LayerNorm":  # LayerNorm1P normalizes an fp32 copy (fp32 stats too)
+        stats, copy = (4 if device_type == "cuda" or one_p else B), one_p and B != 4
+        return rows * (2 * stats + (4 * d if copy else 0)), not copy
+    fused = _gpt.fused_rms_norm_kernel(device_type)
+    itself = (fused and not one_p) or (not fused and B == 4)
+    return rows * (
+        rms_norm_saved_bytes_per_token(d, B, device_type, one_p) - (B * d if itself else 0)
+    ), itself
+
+
 def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str = "none") -> dict[str, int]:
     """Bytes one transformer layer saves for one microbatch on one rank, by what saves them.
 
@@ -500,8 +520,10 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
     # model makes one (no SDPA enable_gqa: the model's own gpt.repeats_kv decides). A saved view
     # keeps the whole QKV buffer alive (counted once per storage).
     qkv_buffer = B * (heads + 2 * groups) * d * T
-    fresh_q = rope or gqa
+    qk_norm = config.qk_layernorm  # q, k normed before RoPE: fresh, the norms' inputs kept
+    fresh_q, fresh_k = rope or gqa or qk_norm, rope or qk_norm
     repeat = gqa and _gpt.repeats_kv(heads // groups, _gpt.SDPA_ENABLE_GQA)
+    buffer_counted = True
     if _attention_uses_math_kernel(config, layout) and mode != "selective":
         # Math kernel: q, k scaled fp32 copies; softmax out, dropout noise, dropped probs
         # [b, a/t, s, s] in fp32; its output is copied back to the dtype for linear_proj. v is an
@@ -510,13 +532,19 @@ def layer_activation_terms(config: ModelConfig, layout: MemoryLayout, mode: str 
         # or one group per rank): then the bmm saves that view, which keeps the QKV buffer.
         v_view = B == 4 and not gqa and (layout.micro_batch_size == 1 or groups == 1)
         terms["attention_qkv"] = 2 * 4 * hq * T + (qkv_buffer if v_view else 4 * hq * T)
+        buffer_counted = v_view
         terms["attention_scores"] = 3 * 4 * heads * layout.seq_length * T
     elif mode == "selective" or not repeat:
         # selective: the recompute's inputs (q, k after RoPE, v a view before any repeat); SDPA
         # with enable_gqa (or no GQA) saves the same inputs, plus its fp32 logsumexp below.
-        terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + rope * groups * d) * T
+        terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + fresh_k * groups * d) * T
     else:  # SDPA's inputs after the GQA repeat: q, k, v all fresh [b, a/t, s, d]
         terms["attention_qkv"] = 3 * B * hq * T
+        buffer_counted = False
+    if qk_norm:  # k's input is a view of the QKV output; q's is one too, or its GQA copy
+        extra, itself = _qk_norm_bytes(config, (heads + groups) * T, B, layout.device_type)
+        inputs = (0 if buffer_counted else qkv_buffer) + (B * hq * T if gqa else 0)
+        terms["qk_norms"] = extra + (inputs if itself else 0)
     if not _attention_uses_math_kernel(config, layout) and mode != "selective":
         terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
     terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
