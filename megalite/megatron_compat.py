@@ -312,7 +312,7 @@ REFUSED: tuple[CompatFlag, ...] = (
     CompatFlag("--qk-head-dim", 1, _MLA),
     CompatFlag("--qk-pos-emb-head-dim", 1, _MLA),
     CompatFlag("--v-head-dim", 1, _MLA),
-    CompatFlag("--apply-wd-to-qk-layernorm", 0, "query/key layer norms"),
+    CompatFlag("--apply-wd-to-qk-layernorm", 0, "weight decay on the query/key layer norms"),
     CompatFlag("--experimental-attention-variant", 1, _LINEAR_ATTN),
     CompatFlag("--linear-attention-freq", 1, _LINEAR_ATTN),
     CompatFlag("--linear-conv-kernel-dim", 1, _LINEAR_ATTN),

@@ -268,8 +268,8 @@ def test_megatron_config_counts_are_the_benchs():
     kinds = starts["by_kind"]
     sentence = (
         f"At Megatron-LM {starts['megatron_lm_commit'][:7]}: {starts['start']} of {starts['total']} start; "
-        f"the rest are {kinds['RefusedFlagError']} refused features (MoE {reasons['MoE']}, squared ReLU "
-        f"{reasons['the squared-ReLU MLP activation']}, fp8 / fp4 {reasons['fp8 / fp4 training']}, ...) and "
+        f"the rest are {kinds['RefusedFlagError']} refused features (fp8 / fp4 {reasons['fp8 / fp4 training']}, "
+        f"partial ZeRO-1 {reasons['partial ZeRO-1 sharding']}, ...) and "
         f"{kinds['ArgumentError']} layouts"
     )
     assert sentence in prose, sentence
