@@ -544,7 +544,9 @@ def model_flags(config: ModelConfig) -> list[str]:
         flags += ["--norm-epsilon", c.norm_epsilon]
     switches = {"--swiglu": c.swiglu, "--openai-gelu": c.openai_gelu, "--apply-layernorm-1p": c.apply_layernorm_1p,
                 "--untie-embeddings-and-output-weights": c.untie_embeddings_and_output_weights,
-                "--disable-bias-linear": not c.add_bias_linear}  # fmt: skip
+                "--disable-bias-linear": not c.add_bias_linear, "--squared-relu": c.squared_relu,
+                "--rotary-interleaved": c.rotary_interleaved, "--qk-layernorm": c.qk_layernorm,
+                "--add-qkv-bias": c.add_qkv_bias and not c.add_bias_linear}  # fmt: skip
     return [str(f) for f in flags] + [s for s, on in switches.items() if on]
 
 
