@@ -49,6 +49,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
+from megalite.parallel.context_parallel import a2a_kv_repeats
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
@@ -708,10 +709,19 @@ def cp_kv_buffer_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
 
     Under GQA one block's K/V expanded to the query heads, and the kernel's grads of them, are
     added: 4 b (a/t) (s/cp) d B.
+
+    * ``a2a`` (an estimate, not yet checked against a measured run): the all-to-alls' send and
+      receive buffers of q, k and v, 2 (Q + 2 KV) with Q = b (a/t) (s/cp) d B and KV that of K with
+      its heads repeated as ``a2a_kv_repeats`` says, and the output's copy back in sequence order, Q.
     """
     if layout.cp == 1:
         return 0
     B, d, t = dtype_bytes(layout.params_dtype), config.head_dim, layout.tp
+    if layout.cp_comm_type == "a2a":
+        heads, groups = config.num_attention_heads // t, config.query_groups // t
+        q = layout.tokens * heads * d * B
+        kv = layout.tokens * groups * a2a_kv_repeats(heads, groups, layout.cp) * d * B
+        return 2 * (q + 2 * kv) + q
     shard = 2 * layout.tokens * (config.query_groups // t) * d * B
     held = 7 * shard if layout.cp_comm_type == "p2p" else (2 * layout.cp + 2) * shard
     if config.num_attention_heads != config.query_groups:
