@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.configs import RunConfig
-from megalite.errors import MegaliteError
+from megalite.errors import ArgumentError, MegaliteError
 from megalite.memory import (
     MemoryLayout,
     RankMemory,
@@ -59,7 +59,7 @@ from megalite.memory import (
 )
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
-from megalite.parallel.context_parallel import context_parallel_comm_bytes
+from megalite.parallel.context_parallel import check_a2a_heads, context_parallel_comm_bytes
 from megalite.parallel.schedules import schedule_plan
 from megalite.planning import calibration as cm
 
@@ -133,7 +133,8 @@ class Candidate:
     sequence_parallel: bool
     recompute: str
     sharding: str
-    cp: int = 1  # context parallelism (the ring's p2p K/V exchange); dp counts the other replicas
+    cp: int = 1  # context parallelism; dp counts the other replicas
+    cp_comm_type: str = "p2p"  # the ring's K/V exchange, or a2a (Ulysses: heads for sequence)
     memory_per_rank_gb: float = 0.0
     overhead_gb: float = 0.0
     step_time_s: float = 0.0
@@ -174,6 +175,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         pp=c.pp,
         dp=c.dp,
         cp=c.cp,
+        cp_comm_type=c.cp_comm_type,
         vp=c.vp,
         micro_batch_size=c.micro_batch_size,
         seq_length=p.seq_length,
@@ -527,8 +529,9 @@ def cp_bytes(p: Problem, c: Candidate) -> int:
     backward; a recompute reruns the forward's)."""
     cfg = p.config
     sent = context_parallel_comm_bytes(
-        comm_type="p2p", cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
+        comm_type=c.cp_comm_type, cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
         kv_heads=cfg.query_groups // c.tp, head_dim=cfg.head_dim, bytes_per_element=dtype_bytes(p.params_dtype),
+        heads=cfg.num_attention_heads // c.tp,
     )  # fmt: skip
     return sent["forward"] * (2 if c.recompute != "none" else 1) + sent["backward"]
 
@@ -543,7 +546,8 @@ def cp_exposed_s(p: Problem, c: Candidate, eff: float) -> float:
     bw = cl.gpu.intra_node_gbps if c.tp * c.cp <= cl.gpus_per_node else cl.gpu.inter_node_gbps
     hq = cfg.num_attention_heads * cfg.head_dim // c.tp
     attention = 3 * 4 * s * hq * (c.micro_batch_size * s // c.cp) / 2 / (cl.gpu.peak_tflops * 1e12 * eff)
-    return max(0.0, cp_bytes(p, c) / (bw * 1e9) - attention * (c.cp - 1) / c.cp)
+    hidden = 0.0 if c.cp_comm_type == "a2a" else attention * (c.cp - 1) / c.cp  # a2a: nothing overlaps
+    return max(0.0, cp_bytes(p, c) / (bw * 1e9) - hidden)
 
 
 def with_time(p: Problem, c: Candidate) -> Candidate:
@@ -659,7 +663,19 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                             for sharding in p.sharding_choices:
                                 if sharding != "no_shard" and dp * cp == 1:
                                     continue
-                                yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp)
+                                for comm in cp_comm_types(cfg, tp, cp):
+                                    yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp, comm)
+
+
+def cp_comm_types(cfg: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
+    """The CP exchanges a layout may use: the p2p ring, and a2a where each TP rank's heads split over cp."""
+    if cp == 1:
+        return ("p2p",)
+    try:
+        check_a2a_heads(cfg.num_attention_heads // tp, cfg.query_groups // tp, cp)
+    except ArgumentError:
+        return ("p2p",)
+    return ("p2p", "a2a")
 
 
 def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
@@ -872,7 +888,7 @@ def fit_warning(p: Problem, c: Candidate, limit: int = STARTUP_SEARCH_LIMIT) -> 
 def launch_flags(c: Candidate, num_layers: int) -> str:
     f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
     if c.cp > 1:
-        f.append(f"--context-parallel-size {c.cp} --cp-comm-type p2p")
+        f.append(f"--context-parallel-size {c.cp} --cp-comm-type {c.cp_comm_type}")
     f.append(f"--micro-batch-size {c.micro_batch_size}")
     if c.vp > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
@@ -898,7 +914,7 @@ COLUMNS = (
 
 def _row(c: Candidate) -> list[str]:
     return [
-        str(c.tp), str(c.cp), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
+        str(c.tp), str(c.cp) + (" a2a" if c.cp_comm_type == "a2a" else ""), str(c.pp), str(c.vp), str(c.dp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
         c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
     ]  # fmt: skip
