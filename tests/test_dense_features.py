@@ -223,3 +223,22 @@ def test_flags_reach_the_model_config():
     cfg = model_config(validate_args(parse_args(base + flags), 1), 50)
     assert (cfg.squared_relu, cfg.rotary_interleaved, cfg.qk_layernorm, cfg.add_qkv_bias) == (True,) * 4
     assert cfg.qkv_bias and not cfg.add_bias_linear
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (dict(squared_relu=True, swiglu=False), "--squared-relu"),
+        (dict(qk_layernorm=True), "--qk-layernorm"),
+        (dict(rotary_interleaved=True), "--rotary-interleaved"),
+        (dict(add_qkv_bias=True), "--add-qkv-bias"),
+    ],
+)
+def test_hf_export_refuses_what_llama_cannot_compute(extra, flag):
+    """Each switch alone on a Llama would export as a different transformers model: one line instead."""
+    from megalite.checkpoint.hf import HFConversionError, hf_flavour
+
+    assert hf_flavour(ModelConfig.llama(**BASE)) == "llama"
+    with pytest.raises(HFConversionError, match=flag) as e:
+        hf_flavour(ModelConfig.llama(**BASE, **extra))
+    assert "\n" not in str(e.value)
