@@ -52,6 +52,7 @@ from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
 from megalite.optim.step import sub_groups
+from megalite.parallel.context_parallel import a2a_kv_repeats
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
@@ -257,15 +258,17 @@ def chunk_param_shapes(
     shared = tied and chunk.pre_process != chunk.post_process
     out: list[ParamShape] = []
 
-    def linear(prefix: str, out_features: int, in_features: int, bias_size: int | None) -> None:
+    def linear(
+        prefix: str, out_features: int, in_features: int, bias_size: int | None, has_bias=bias
+    ) -> None:
         out.append(ParamShape(f"{prefix}.weight", (out_features, in_features)))
-        if bias and bias_size is not None:
+        if has_bias and bias_size is not None:
             out.append(ParamShape(f"{prefix}.bias", (bias_size,)))
 
-    def norm(prefix: str) -> None:
-        out.append(ParamShape(f"{prefix}.weight", (h,)))
+    def norm(prefix: str, size: int = h) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (size,)))
         if layernorm:
-            out.append(ParamShape(f"{prefix}.bias", (h,)))
+            out.append(ParamShape(f"{prefix}.bias", (size,)))
 
     if chunk.pre_process:
         out.append(ParamShape("embedding.word_embeddings.weight", (vocab // tp, h), shared))
@@ -278,7 +281,10 @@ def chunk_param_shapes(
     for i in range(*chunk.layer_range):
         p = f"decoder.layers.{i}"
         norm(f"{p}.input_layernorm")
-        linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv)
+        linear(f"{p}.self_attention.linear_qkv", qkv, h, qkv, config.qkv_bias)  # --add-qkv-bias
+        if config.qk_layernorm:  # one norm over head_dim each for q and k, replicated over TP
+            norm(f"{p}.self_attention.q_layernorm", d)
+            norm(f"{p}.self_attention.k_layernorm", d)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, h)
         norm(f"{p}.pre_mlp_layernorm")
         if moe[i]:
@@ -643,6 +649,21 @@ def rms_norm_saved_bytes_per_token(hidden_size: int, elem_bytes: int, device_typ
     return (4 if one_p else elem_bytes) * h + 4
 
 
+def _qk_norm_bytes(config: ModelConfig, rows: int, B: int, device_type: str) -> tuple[int, bool]:
+    """Bytes the ``--qk-layernorm`` norms save for ``rows`` head-tokens beyond their input itself
+    (statistics; an fp32 copy of the input, or ``x / rms``, where the norm makes one), and whether
+    they keep the input itself (q and k: views of the QKV output, or q's GQA copy)."""
+    d, one_p = config.head_dim, config.apply_layernorm_1p
+    if config.normalization == "LayerNorm":  # LayerNorm1P normalizes an fp32 copy (fp32 stats too)
+        stats, copy = (4 if device_type == "cuda" or one_p else B), one_p and B != 4
+        return rows * (2 * stats + (4 * d if copy else 0)), not copy
+    fused = _gpt.fused_rms_norm_kernel(device_type)
+    itself = (fused and not one_p) or (not fused and B == 4)
+    return rows * (
+        rms_norm_saved_bytes_per_token(d, B, device_type, one_p) - (B * d if itself else 0)
+    ), itself
+
+
 def layer_activation_terms(
     config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False
 ) -> dict[str, int]:
@@ -677,8 +698,10 @@ def layer_activation_terms(
     # model makes one (no SDPA enable_gqa: the model's own gpt.repeats_kv decides). A saved view
     # keeps the whole QKV buffer alive (counted once per storage).
     qkv_buffer = B * (heads + 2 * groups) * d * T
-    fresh_q = rope or gqa
+    qk_norm = config.qk_layernorm  # q, k normed before RoPE: fresh, the norms' inputs kept
+    fresh_q, fresh_k = rope or gqa or qk_norm, rope or qk_norm
     repeat = gqa and _gpt.repeats_kv(heads // groups, _gpt.SDPA_ENABLE_GQA)
+    buffer_counted = True
     if _attention_uses_math_kernel(config, layout) and mode != "selective":
         # Math kernel: q, k scaled fp32 copies; softmax out, dropout noise, dropped probs
         # [b, a/t, s, s] in fp32; its output is copied back to the dtype for linear_proj. v is an
@@ -687,13 +710,19 @@ def layer_activation_terms(
         # or one group per rank): then the bmm saves that view, which keeps the QKV buffer.
         v_view = B == 4 and not gqa and (layout.micro_batch_size == 1 or groups == 1)
         terms["attention_qkv"] = 2 * 4 * hq * T + (qkv_buffer if v_view else 4 * hq * T)
+        buffer_counted = v_view
         terms["attention_scores"] = 3 * 4 * heads * layout.seq_length * T
     elif mode == "selective" or not repeat:
         # selective: the recompute's inputs (q, k after RoPE, v a view before any repeat); SDPA
         # with enable_gqa (or no GQA) saves the same inputs, plus its fp32 logsumexp below.
-        terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + rope * groups * d) * T
+        terms["attention_qkv"] = qkv_buffer + B * (fresh_q * hq + fresh_k * groups * d) * T
     else:  # SDPA's inputs after the GQA repeat: q, k, v all fresh [b, a/t, s, d]
         terms["attention_qkv"] = 3 * B * hq * T
+        buffer_counted = False
+    if qk_norm:  # k's input is a view of the QKV output; q's is one too, or its GQA copy
+        extra, itself = _qk_norm_bytes(config, (heads + groups) * T, B, layout.device_type)
+        inputs = (0 if buffer_counted else qkv_buffer) + (B * hq * T if gqa else 0)
+        terms["qk_norms"] = extra + (inputs if itself else 0)
     if not _attention_uses_math_kernel(config, layout) and mode != "selective":
         terms["attention_logsumexp"] = 4 * heads * T  # fp32 [b, a/t, s]: flash keeps no s x s
     terms["attention_out"] = B * hq * T  # SDPA's output = linear_proj's input (a view)
@@ -992,10 +1021,19 @@ def cp_kv_buffer_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
 
     Under GQA one block's K/V expanded to the query heads, and the kernel's grads of them, are
     added: 4 b (a/t) (s/cp) d B.
+
+    * ``a2a`` (an estimate, not yet checked against a measured run): the all-to-alls' send and
+      receive buffers of q, k and v, 2 (Q + 2 KV) with Q = b (a/t) (s/cp) d B and KV that of K with
+      its heads repeated as ``a2a_kv_repeats`` says, and the output's copy back in sequence order, Q.
     """
     if layout.cp == 1:
         return 0
     B, d, t = dtype_bytes(layout.params_dtype), config.head_dim, layout.tp
+    if layout.cp_comm_type == "a2a":
+        heads, groups = config.num_attention_heads // t, config.query_groups // t
+        q = layout.tokens * heads * d * B
+        kv = layout.tokens * groups * a2a_kv_repeats(heads, groups, layout.cp) * d * B
+        return 2 * (q + 2 * kv) + q
     shard = 2 * layout.tokens * (config.query_groups // t) * d * B
     held = 7 * shard if layout.cp_comm_type == "p2p" else (2 * layout.cp + 2) * shard
     if config.num_attention_heads != config.query_groups:

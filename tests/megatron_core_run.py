@@ -50,7 +50,21 @@ FLAVOURS = {
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=2,
     ),
+    # Megatron's dense features (Qwen-like): QKV bias only, RMSNorm q/k norms, interleaved RoPE,
+    # squared-ReLU MLP, GQA, untied; tp2 x pp2.
+    "qwen": dict(
+        num_layers=2, save_rng=False, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=False, squared_relu=True,
+        qk_layernorm=True, rotary_interleaved=True, add_qkv_bias=True,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=None,
+    ),
 }  # fmt: skip
+# The feature switches a flavour may set (off where it does not).
+FEATURES = ("squared_relu", "qk_layernorm", "rotary_interleaved", "add_qkv_bias")
+
+
+def feature(f: dict, name: str) -> bool:
+    return bool(f.get(name, False))
 
 
 def stub_cuda() -> None:
@@ -76,8 +90,9 @@ def megatron_args(f: dict, tp: int, pp: int, fmt: str) -> argparse.Namespace:
         num_query_groups=f["num_query_groups"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
         max_position_embeddings=SEQ, seq_length=SEQ, position_embedding_type=f["position_embedding_type"],
         rotary_base=10000, rotary_percent=1.0, normalization=f["normalization"], norm_epsilon=1e-5,
-        apply_layernorm_1p=False, swiglu=f["swiglu"], openai_gelu=False, squared_relu=False,
-        add_bias_linear=f["add_bias_linear"], add_qkv_bias=f["add_bias_linear"],
+        apply_layernorm_1p=False, swiglu=f["swiglu"], openai_gelu=False, squared_relu=feature(f, "squared_relu"),
+        qk_layernorm=feature(f, "qk_layernorm"), rotary_interleaved=feature(f, "rotary_interleaved"),
+        add_bias_linear=f["add_bias_linear"], add_qkv_bias=f["add_bias_linear"] or feature(f, "add_qkv_bias"),
         untie_embeddings_and_output_weights=f["untie_embeddings_and_output_weights"],
         padded_vocab_size=f["vocab"], vocab_size=None, make_vocab_size_divisible_by=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -91,15 +106,19 @@ def megatron_args(f: dict, tp: int, pp: int, fmt: str) -> argparse.Namespace:
 def build_chunks(f: dict, tp: int, pp: int) -> list:
     """This rank's megatron-core GPTModel chunks (one per virtual stage), weights drawn below."""
     from megatron.core import parallel_state as ps
+    from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    activation = torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu
     config = TransformerConfig(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
         normalization=f["normalization"], gated_linear_unit=f["swiglu"],
-        activation_func=torch.nn.functional.silu if f["swiglu"] else torch.nn.functional.gelu,
+        activation_func=squared_relu if feature(f, "squared_relu") else activation,
+        qk_layernorm=feature(f, "qk_layernorm"), rotary_interleaved=feature(f, "rotary_interleaved"),
+        add_qkv_bias=feature(f, "add_qkv_bias"),
         add_bias_linear=f["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=f["vp"], use_cpu_initialization=True,
@@ -107,7 +126,7 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(normalization=f["normalization"])
+    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=feature(f, "qk_layernorm"))
     chunks = []
     for v in range(f["vp"] or 1):
         vp = v if f["vp"] else None
@@ -466,7 +485,21 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
         if i > 0:
             dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     _sum_tied_embedding_grads(chunks)
+    _sum_qk_layernorm_grads(chunks)
     optimizer.step()
+
+
+def _sum_qk_layernorm_grads(chunks: list) -> None:
+    """Megatron's ``finalize_model_grads``: with ``qk_layernorm`` the ``q_layernorm`` /
+    ``k_layernorm`` grads (each TP rank's heads only) are summed over TP."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        if not chunk.config.qk_layernorm:
+            continue
+        for name, p in chunk.named_parameters():
+            if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
 def _sum_tied_embedding_grads(chunks: list) -> None:

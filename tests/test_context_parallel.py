@@ -1,5 +1,6 @@
 """Context parallelism end to end: pretrain() at cp 2 / cp 4 / tp2 x cp2 x pp2 (SP) / cp2 x dp2
-(ZeRO-3) against one process, for GPT-2 and Llama GQA, with both comm types; resume at the same
+(ZeRO-3) against one process, for GPT-2 and Llama GQA, with both comm types (and a2a at cp 4 and
+tp2 x cp2 x pp2 SP); resume at the same
 layout and across cp sizes; the mesh's CP groups; a Megatron-LM script's CP flags.
 
 One spawn per world size (2, 4, 8); the one-process references run in this process. fp32, dropout
@@ -25,6 +26,8 @@ for flag, value in (("--train-iters", ITERS), ("--num-layers", 2), ("--global-ba
     BASE[BASE.index(flag) + 1] = str(value)
 FLAVOURS = {"gpt2": [], "llama": LLAMA}
 COMMS = ("p2p", "all_gather")
+# a2a (Ulysses) at two of the layouts (the test's time): cp 4 alone, and with TP + SP and PP
+A2A_LAYOUTS = ("cp4", "tp2-cp2-pp2-sp")
 
 
 def cp(size: int, comm: str) -> list[str]:
@@ -112,6 +115,9 @@ def runs(tmp_path_factory):
                 if (flavour, comm, name) == SAVED:
                     argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
                 plan[world].append(argv)
+        for name in A2A_LAYOUTS:
+            world, lflags = LAYOUTS[name]
+            plan[world].append(BASE + fflags + lflags + cp(CP_OF[name], "a2a") + out(f"{flavour}-a2a-{name}"))
     plan[4].append(BASE + LAYOUTS["cp2-dp2-zero3"][1] + cp(2, "p2p") + resume(out("resume-cp2")))
     plan[4].append(FOUR_LAYERS + COMPOSED + cp(2, "all_gather") + out("composed"))
     plan[2].append(llama3_8b_cp2(d))
@@ -137,6 +143,13 @@ def test_matches_one_process(runs, flavour, comm, name):
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
         )
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains: the comparison is not of constants
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("name", A2A_LAYOUTS)
+def test_a2a_matches_one_process(runs, flavour, name):
+    """--cp-comm-type a2a: the same losses and grad norms as one process (MHA and GQA, TP + SP)."""
+    test_matches_one_process(runs, flavour, "a2a", name)
 
 
 def test_composed_layout_matches_one_process(runs):
@@ -216,7 +229,10 @@ def test_flags_and_their_checks():
         ("2 x --context-parallel-size (8)", ["--context-parallel-size", "4", "--seq-length", "20"], 4),
         ("--sequence-parallel", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4",
                                  "--sequence-parallel", "--seq-length", "20"], 8),
-        ("--cp-comm-type a2a is not built", ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4),
+        ("--cp-comm-type a2a+p2p is not built", ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 4),
+        # 4 heads over tp 2: 2 per rank, which cp 4 cannot split
+        ("--cp-comm-type a2a splits the attention heads", ["--context-parallel-size", "4", "--cp-comm-type", "a2a",
+                                                           "--tensor-model-parallel-size", "2"], 8),
         ("one type for every layer", ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "all_gather"], 4),
         ("--context-parallel-size (2) x", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6),
     ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 One 4-rank gloo spawn runs every case: cp = 4 over all ranks and cp = 2 over the groups {0, 2} and
 {1, 3} (so the ring's neighbours are not consecutive global ranks), each with ``p2p`` and
-``all_gather``, MHA and GQA, several (b, s, d). Each rank compares its shard of the output and of
+``all_gather`` and ``a2a`` (Ulysses), MHA and GQA, several (b, s, d). Each rank compares its shard of the output and of
 the grads of q, k, v with ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on
 the whole sequence, fp32, rtol 1e-5; and the bytes its collectives send (counted at the calls by
 ``comm_meter``) with ``context_parallel_comm_bytes``.
@@ -33,7 +33,12 @@ CASES = [
     (3, 24, 6, 3, 4, 0.3),  # GQA, odd batch, an explicit scale
     (1, 8, 2, 1, 32, None),  # one token per chunk at cp = 4 (multi-query)
 ]
-COMM_TYPES = ("p2p", "all_gather")
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _a2a_splits(case, cp: int) -> bool:
+    """Whether a2a can split the case's heads over cp (query heads divide; GQA K/V heads repeat)."""
+    return case[2] % cp == 0
 
 
 def _full_inputs(case, seed: int):
@@ -56,6 +61,10 @@ def _one_case(case, comm_type: str, group, cp: int, cp_rank: int, seed: int) -> 
     full = _full_inputs(case, seed)
     expected = [shard_sequence(t, 2, cp, cp_rank) for t in _reference(case, *full)]
     q, k, v, dout = (shard_sequence(t, 2, cp, cp_rank).requires_grad_() for t in full)
+    if comm_type == "a2a" and not _a2a_splits(case, cp):  # refused in one line, nothing sent
+        with pytest.raises(ArgumentError, match="--cp-comm-type a2a splits the attention heads"):
+            context_parallel_attention(q, k, v, group=group, comm_type=comm_type, softmax_scale=case[5])
+        return {"refused": True}
     with comm_meter() as fwd:
         out = context_parallel_attention(q, k, v, group=group, comm_type=comm_type, softmax_scale=case[5])
     with comm_meter() as bwd:
@@ -67,7 +76,7 @@ def _one_case(case, comm_type: str, group, cp: int, cp_rank: int, seed: int) -> 
     b, s, _, hkv, d, _ = case
     formula = context_parallel_comm_bytes(
         comm_type=comm_type, cp_size=cp, micro_batch_size=b, seq_length=s, kv_heads=hkv, head_dim=d,
-        bytes_per_element=4,
+        bytes_per_element=4, heads=case[2],
     )  # fmt: skip
     return {
         "counted": {"forward": fwd.bytes_sent(group), "backward": bwd.bytes_sent(group)},
@@ -148,12 +157,22 @@ def test_ring_posts_each_transfer_before_the_kernel_it_overlaps(ranks):
 
 
 def test_bytes_sent_match_the_formula(ranks):
+    refused = set()
     for results in ranks:
         for (cp, case, comm_type), r in results["cases"].items():
+            if r.get("refused"):
+                refused.add((cp, case))
+                continue
             assert r["counted"] == r["formula"], (cp, case, comm_type)
             assert r["elsewhere"] == 0  # nothing off the CP group
-            want = ["send"] if comm_type == "p2p" else ["all_gather", "reduce_scatter"]
-            assert r["kinds"] == sorted(want + (["recv"] if comm_type == "p2p" else []))
+            want = {
+                "p2p": ["send", "recv"],
+                "all_gather": ["all_gather", "reduce_scatter"],
+                "a2a": ["all_to_all"],
+            }
+            assert r["kinds"] == sorted(want[comm_type])
+    # a2a ran at cp 2 and 4 with MHA and GQA (K/V heads 2 < cp 4 repeated), refused where hq % cp
+    assert refused == {(4, CASES[2]), (4, CASES[3])}
 
 
 def test_load_balanced_chunks_cover_the_sequence_once():
@@ -167,7 +186,7 @@ def test_load_balanced_chunks_cover_the_sequence_once():
     assert shard_sequence(x, 0, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_cp1_is_causal_attention_and_a2a_is_refused():
+def test_cp1_is_causal_attention_and_a2a_p2p_is_refused():
     case = CASES[1]
     q, k, v, dout = _full_inputs(case, seed=7)
     want = _reference(case, q, k, v, dout)
@@ -175,8 +194,10 @@ def test_cp1_is_causal_attention_and_a2a_is_refused():
     out = context_parallel_attention(q, k, v, group=None, comm_type="all_gather")
     for got, exp in zip((out, *torch.autograd.grad(out, (q, k, v), dout)), want):
         torch.testing.assert_close(got, exp, **TOL)
-    with pytest.raises(ArgumentError, match="--cp-comm-type a2a"):
-        context_parallel_attention(q, k, v, group=None, comm_type="a2a")
+    out = context_parallel_attention(q, k, v, group=None, comm_type="a2a")  # cp 1: the same attention
+    torch.testing.assert_close(out, want[0], **TOL)
+    with pytest.raises(ArgumentError, match="--cp-comm-type a2a\\+p2p"):
+        context_parallel_attention(q, k, v, group=None, comm_type="a2a+p2p")
 
 
 # ---- every CP rank in one process: the kernels and the block plan, on any device -----------------

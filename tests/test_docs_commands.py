@@ -271,7 +271,7 @@ def test_megatron_config_counts_are_the_benchs():
         f"At Megatron-LM {starts['megatron_lm_commit'][:7]}: {starts['start']} of {starts['total']} start "
         f"(GPT configs {gpt['start']} of {gpt['total']}, MoE recipes {moe['start']} of {moe['total']}); "
         f"the rest are {kinds['RefusedFlagError']} refused features (fp8 / fp4 {reasons['fp8 / fp4 training']}, "
-        f"query/key layer norms {reasons['query/key layer norms']}, ...) and {kinds['ArgumentError']} layouts"
+        f"RoPE frequency scaling {reasons['RoPE frequency scaling']}, ...) and {kinds['ArgumentError']} layouts"
     )
     assert sentence in prose, sentence
     trained = json.loads((REPO / "bench" / "results" / "megatron_configs_train.json").read_text())

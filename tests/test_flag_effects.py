@@ -497,6 +497,10 @@ MODEL_FLAGS = {  # flag argv -> what it must change in the built model (eval log
     "--openai-gelu": ["--openai-gelu"],
     "--untie-embeddings-and-output-weights": ["--untie-embeddings-and-output-weights"],
     "--disable-bias-linear": ["--disable-bias-linear"],
+    "--squared-relu": ["--squared-relu"],
+    "--rotary-interleaved": ["--position-embedding-type", "rope", "--rotary-interleaved"],
+    "--qk-layernorm": ["--qk-layernorm"],
+    "--add-qkv-bias": ["--disable-bias-linear", "--add-qkv-bias"],
     "--init-method-std": ["--init-method-std", "0.05"],
     "--make-vocab-size-divisible-by": ["--make-vocab-size-divisible-by", "7"],
     "--seed": ["--seed", "9"],
@@ -512,6 +516,11 @@ SAME_FUNCTION = {
     "--disable-bias-linear": lambda ref, got: (
         {n for n in ref if "bias" in n and "linear" in n}
         and not any("bias" in n and "linear" in n for n in got)
+    ),
+    # with --disable-bias-linear: one bias, on linear_qkv (zero at init)
+    "--add-qkv-bias": lambda ref, got: (
+        {n.split(".", 3)[-1] for n in got if n.endswith(".bias") and "linear" in n}
+        == {"self_attention.linear_qkv.bias"}
     ),
     # the padded rows: 300 -> 301 (a multiple of 7), not 384 (of 128); the real ones the same
     "--make-vocab-size-divisible-by": lambda ref, got: (

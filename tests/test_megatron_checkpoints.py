@@ -33,7 +33,7 @@ from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "megatron"
-FLAVOURS = ("gpt2", "llama")
+FLAVOURS = ("gpt2", "llama", "qwen")  # qwen: Megatron's dense features (tests/megatron_core_run.py)
 FORMATS = ("torch", "torch_dist")
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 

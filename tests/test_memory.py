@@ -59,6 +59,18 @@ class _FakeMesh:
 
 CONFIGS = {
     "gpt2": ModelConfig.gpt2(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300),
+    "gpt2_qk": ModelConfig.gpt2(
+        num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, qk_layernorm=True
+    ),
+    "qwen": ModelConfig.llama(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=300,
+        qk_layernorm=True,
+        add_qkv_bias=True,
+    ),
     "llama_gqa": ModelConfig.llama(
         num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=300
     ),
@@ -206,9 +218,10 @@ BLOCK_1 = dict(recompute_granularity="full", recompute_method="block", recompute
         ("llama_gqa", torch.float32, (0.0, 0.1), {}),
     ],
 )
-def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, b=3):
+def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, b=3, extra=None):
     """Every term of chunk_activation_bytes, checked on a whole 3-layer model in this process."""
     kw = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=200, max_position_embeddings=16)
+    kw.update(extra or {})
     kw.update(hidden_dropout=dropout[0], attention_dropout=dropout[1])
     if flavour.endswith("_gqa"):
         kw["num_query_groups"] = 2
@@ -226,6 +239,24 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     assert meter.peak == chunk_activation_bytes(config, layout, ChunkSpec(True, True, (0, 3)))
     loss.backward()
     assert meter.live == 0  # every saved storage was released by backward
+
+
+QK = dict(qk_layernorm=True)
+DENSE_FEATURES = [  # (flavour, dtype, dropout, recompute, the features)
+    ("gpt2", torch.float32, (0.0, 0.0), {}, dict(squared_relu=True, qk_layernorm=True)),
+    ("gpt2_gqa", torch.bfloat16, (0.0, 0.0), {}, QK),  # the norms keep q's GQA copy
+    ("gpt2", torch.float32, (0.0, 0.1), {}, QK),  # math kernel: the norms keep the QKV buffer
+    ("llama", torch.float32, (0.0, 0.0), {}, dict(QK, rotary_interleaved=True, add_qkv_bias=True)),
+    ("llama_gqa", torch.bfloat16, (0.0, 0.0), {}, QK),
+    ("llama_gqa", torch.float32, (0.1, 0.0), SELECTIVE, QK),
+    ("llama_gqa", torch.bfloat16, (0.0, 0.1), {}, QK),
+]  # (not with --apply-layernorm-1p: the model leaves out its fp32 1 + gamma, h floats per norm)
+
+
+@pytest.mark.parametrize("flavour,dtype,dropout,recompute,extra", DENSE_FEATURES)
+def test_dense_features_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, extra):
+    """--qk-layernorm (its statistics, its inputs), --squared-relu, --rotary-interleaved, --add-qkv-bias."""
+    test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, extra=extra)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -65,8 +65,9 @@ def _candidate(args) -> planner.Candidate:
         rc,
         args.data_parallel_sharding_strategy,
         args.context_parallel_size,
-        args.expert_model_parallel_size,
-        args.expert_tensor_parallel_size,
+        args.cp_comm_type,
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size,
     )
 
 
@@ -448,6 +449,28 @@ def test_planner_proposes_context_parallelism_for_long_sequences():
     # the model FLOPs (MFU's numerator) count attention once: the same for every cp
     no_cp = planner.with_time(p, cands[1])
     assert best.mfu * best.step_time_s == pytest.approx(no_cp.mfu * no_cp.step_time_s)
+
+
+def test_planner_may_pick_a2a_where_the_heads_split():
+    """--cp-comm-type a2a is a layout the planner tries beside the ring where each TP rank's heads
+    divide by cp (Llama-3 70B: 64 heads, 8 groups; at tp 8, 8 heads and 1 group: cp 2, 4, 8 by
+    repeating the group); its bytes are the all-to-alls', none hidden behind attention, and its
+    launch line names it. Where the heads do not split, only p2p."""
+    config = ModelConfig.llama(**LLAMA3_70B)
+    p = planner.Problem(config, planner.Cluster(256, 8, planner.GPUS["H100-SXM"]), 32768, 64)
+    assert planner.cp_comm_types(config, 8, 8) == ("p2p", "a2a")
+    assert planner.cp_comm_types(config, 8, 16) == ("p2p",)  # 8 heads per rank over 16
+    assert planner.cp_comm_types(config, 8, 1) == ("p2p",)
+    ring, a2a = (planner.Candidate(8, 1, 1, 4, 1, True, "none", "optim", 8, t) for t in ("p2p", "a2a"))
+    # q and the output (8 heads), k and v (1 group repeated to 8), each all but 1/8 sent, both passes
+    B = planner.dtype_bytes(p.params_dtype)
+    assert planner.cp_bytes(p, a2a) == 2 * (2 * 8 + 2 * 8) * (32768 // 8) * 128 * B * 7 // 8
+    got = planner.with_time(p, planner.with_memory(p, a2a))
+    assert "--context-parallel-size 8 --cp-comm-type a2a" in planner.launch_flags(got, 80)
+    # tp x cp = 64 GPUs span nodes (45 GB/s): every a2a byte is exposed, the ring hides some
+    assert planner.cp_exposed_s(p, a2a, 0.5) == pytest.approx(planner.cp_bytes(p, a2a) / 45e9)
+    assert planner.cp_exposed_s(p, ring, 0.5) < planner.cp_bytes(p, ring) / 45e9
+    assert any(c.cp_comm_type == "a2a" for c in planner.layouts(p))
 
 
 # ---- bounded time: the state floor prunes, the answer says what does not fit (issue #25) ---------

@@ -4,7 +4,8 @@ One 8-rank spawn checks, for both flavours (GPT-2: learned positions, LayerNorm,
 tied embeddings; Llama: RoPE, RMSNorm, SwiGLU, GQA, untied head), fp32, dropout 0, that
 the loss and every parameter gradient equal one process (rtol 1e-5) at tp=2 and tp=4, alone
 and with pp=2 (1F1B and interleaved) and dp=2 (DistributedDataParallel), with selective and
-full recompute on top; plus the sequence-dim collectives and their adjoints, and that a
+full recompute on top (and, at two of the layouts, two flavours with Megatron's dense features:
+--squared-relu, --qk-layernorm in both norms, --add-qkv-bias, --rotary-interleaved); plus the sequence-dim collectives and their adjoints, and that a
 column-parallel layer saves only its sequence shard for backward. A second spawn runs
 pretrain() with --sequence-parallel and dropout, saved and resumed: bitwise the same losses;
 and with dropout 0 the same losses as without --sequence-parallel (optimizer, ZeRO-1, clip).
@@ -64,7 +65,23 @@ def flavours() -> dict[str, ModelConfig]:
     return {
         "gpt2": ModelConfig.gpt2(num_attention_heads=4, **SMALL),
         "llama": ModelConfig.llama(num_attention_heads=8, num_query_groups=4, **SMALL),
-    }
+        # Megatron's dense features: squared ReLU, query/key LayerNorms (grads partial over TP)
+        "gpt2_features": ModelConfig.gpt2(num_attention_heads=4, squared_relu=True, qk_layernorm=True, **SMALL),
+        # Qwen-like: QKV bias only, RMSNorm q/k norms, interleaved RoPE on half the head dims, GQA
+        "qwen": ModelConfig.llama(
+            num_attention_heads=8, num_query_groups=4, qk_layernorm=True, add_qkv_bias=True,
+            rotary_interleaved=True, rotary_percent=0.5, **SMALL,
+        ),
+    }  # fmt: skip
+
+
+# The feature flavours run at two of the layouts only (the test's time): TP + SP alone, and with
+# pp 2, interleaved, at tp 4.
+FEATURE_LAYOUTS = {(2, 1, False, "1f1b", 1), (4, 2, False, "interleaved", 2)}
+
+
+def _runs(flavour: str, tp, pp, ddp, schedule, vp) -> bool:
+    return flavour in ("gpt2", "llama") or (tp, pp, ddp, schedule, vp) in FEATURE_LAYOUTS
 
 
 # ---- inside the ranks ---------------------------------------------------------------------------
@@ -123,6 +140,8 @@ def _run():
         mesh = meshes[tp, pp]
         m = 2 * pp
         for flavour, config in flavours().items():
+            if not _runs(flavour, tp, pp, ddp, schedule, vp):
+                continue
             sp = ParallelConfig(virtual_pipeline_model_parallel_size=vp, sequence_parallel=True)
             chunks = build_model_chunks(config, ParallelContext(mesh, sp, **recompute))
             if ddp:  # small buckets: DP all-reduces start while the schedule's backwards run
@@ -164,7 +183,7 @@ def _sp_params_expected(name: str, flavour: str) -> bool:
     """The replicated params that see [b, s/t, h] and so have their grads summed over TP."""
     if "norm" in name:
         return True
-    if flavour == "gpt2":
+    if flavour.startswith("gpt2"):
         return name.endswith(("linear_proj.bias", "linear_fc2.bias", "position_embeddings.weight"))
     return False
 
@@ -203,6 +222,8 @@ def test_sequence_parallel_parity_world8():
         for s in stages:
             assert all(_sp_params_expected(n, flavour) for n in s["sp_params"]), (what, s["sp_params"])
             assert any("norm" in n for n in s["sp_params"]), what
+            if configs[flavour].qk_layernorm:  # on each rank's heads only: summed over TP
+                assert any("q_layernorm" in n for n in s["sp_params"]), what
             for name, g in s["grads"].items():
                 if name == "output_layer.weight" and not configs[flavour].untie_embeddings_and_output_weights:
                     # The last stage's copy of the tied embedding: the full grad after finalize.

@@ -124,7 +124,10 @@ def log(msg: str) -> None:
 
 
 def describe(config) -> str:
-    flavour = hf.hf_flavour(config)
+    try:
+        flavour = hf.hf_flavour(config)
+    except hf.HFConversionError:  # a model of its own (e.g. --qk-layernorm): it converts all the same
+        flavour = "megalite"
     return (
         f"{flavour}: {config.num_layers} layers, hidden {config.hidden_size}, heads "
         f"{config.num_attention_heads} (kv groups {config.query_groups}), ffn {config.ffn_size}, "

@@ -53,11 +53,26 @@ FLAGS = (
     ),
     switch("--swiglu", "SwiGLU MLP (Llama) instead of GELU."),
     switch("--openai-gelu", "tanh-approximated GELU (HF GPT-2's gelu_new)."),
+    switch("--squared-relu", "Squared-ReLU MLP activation, relu(x)^2, instead of GELU."),
+    switch(
+        "--rotary-interleaved",
+        "Interleaved (GPT-J style) rotary embeddings: RoPE rotates each pair of adjacent head dims "
+        "(2i, 2i+1) instead of (i, i + d/2).",
+    ),
+    switch(
+        "--qk-layernorm",
+        "A norm (the --normalization type) over each query and key head, after the QKV projection "
+        "and before RoPE (Qwen3, OLMo 2's per-head variant).",
+    ),
     switch(
         "--untie-embeddings-and-output-weights",
         "Separate output layer instead of reusing the input embedding.",
     ),
     switch("--disable-bias-linear", "No biases in linear layers (Llama)."),
+    switch(
+        "--add-qkv-bias",
+        "A bias in the QKV projection even with --disable-bias-linear (Qwen2's attention).",
+    ),
     value("--hidden-dropout", float, 0.1, "Dropout on residual branches (Megatron's 0.1)."),
     value("--attention-dropout", float, 0.1, "Dropout on attention probabilities (Megatron's 0.1)."),
     value("--init-method-std", float, 0.02, "Std of the normal weight init."),

@@ -8,6 +8,7 @@ from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.log import get_logger
 from megalite.parallel.context_parallel import COMM_TYPES as CP_BUILT
+from megalite.parallel.context_parallel import check_a2a_heads
 from megalite.parallel.mesh import ParallelConfigError, check_parallel_sizes
 
 SHARDING_STRATEGIES = tuple(s.value for s in ShardingStrategy)
@@ -35,7 +36,8 @@ LAYOUT_FLAGS = (
         default=["p2p"],
         metavar="{" + ",".join(CP_COMM_TYPES) + "}",
         help="How attention exchanges K/V over the CP group: p2p (a ring passing K/V chunks, "
-        "overlapped with compute) or all_gather (K/V gathered once per layer; cheap with GQA). "
+        "overlapped with compute), all_gather (K/V gathered once per layer; cheap with GQA) or a2a "
+        "(Ulysses: all-to-alls trade sequence shards for heads; needs heads / tp divisible by CP). "
         "Megatron's per-layer list is accepted when every layer names the same type.",
     ),
     value(
@@ -336,6 +338,11 @@ def check_context_parallel(args: argparse.Namespace) -> list[str]:
         f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the CP attention "
         "kernel has no dropout; add --attention-dropout 0.0",
     )
+    if cp_comm_type(args) == "a2a":  # the heads of each TP rank are split over CP
+        heads = args.num_attention_heads
+        groups = args.num_query_groups if args.group_query_attention and args.num_query_groups else heads
+        if heads % tp == 0 and groups % tp == 0:  # else the model's own check names TP
+            check_a2a_heads(heads // tp, groups // tp, cp)
     return []
 
 

@@ -29,6 +29,7 @@ POLICY = _classes(
     model="apply_layernorm_1p disable_bias_linear ffn_hidden_size group_query_attention hidden_size "
     "kv_channels max_position_embeddings norm_epsilon normalization num_attention_heads num_layers "
     "num_query_groups openai_gelu position_embedding_type rotary_base rotary_percent swiglu "
+    "squared_relu rotary_interleaved qk_layernorm add_qkv_bias "
     "untie_embeddings_and_output_weights vocab_size num_experts moe_ffn_hidden_size moe_layer_freq moe_router_topk "
     "moe_router_score_function moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups "
     "moe_router_group_topk moe_router_dtype moe_router_enable_expert_bias moe_shared_expert_intermediate_size "

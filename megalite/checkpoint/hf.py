@@ -116,6 +116,15 @@ def hf_flavour(config: ModelConfig) -> str:
         return _mixtral_flavour(c)
     # transformers' GPT-2 / Llama norms scale by gamma itself and rotate whole heads: a
     # zero-centred gamma or a partial rotary would convert into a different model.
+    features = {"--squared-relu": c.squared_relu, "--qk-layernorm": c.qk_layernorm,
+                "--rotary-interleaved": c.rotary_interleaved and c.position_embedding_type == "rope",
+                "--add-qkv-bias": c.add_qkv_bias and not c.add_bias_linear}  # fmt: skip
+    if any(features.values()):
+        raise HFConversionError(
+            f"this model has no transformers equivalent here: {', '.join(f for f, on in features.items() if on)} "
+            "(GPT2LMHeadModel and LlamaForCausalLM have none; Qwen2 / Qwen3 are not among the converter's "
+            "architectures); convert to megalite or megatron"
+        )
     if c.apply_layernorm_1p or c.rotary_percent != 1.0:
         raise HFConversionError(
             "this model has no transformers equivalent: --apply-layernorm-1p "

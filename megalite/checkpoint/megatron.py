@@ -201,9 +201,6 @@ _REFUSED_ARGS = (
     ("fp8", (None, False), "fp8 scales"),
     ("fp4", (None, False), "fp4 scales"),
     ("multi_latent_attention", (None, False), "multi-latent attention"),
-    ("qk_layernorm", (None, False), "query/key layer norms"),
-    ("squared_relu", (None, False), "the squared-ReLU MLP"),
-    ("rotary_interleaved", (None, False), "interleaved rotary embeddings"),
     ("mtp_num_layers", (None, 0), "multi-token prediction layers"),
 )
 
@@ -217,8 +214,6 @@ def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
                 "so this checkpoint cannot be read"
             )
     bias = getattr(args, "add_bias_linear", True)
-    if getattr(args, "add_qkv_bias", bias) != bias:
-        raise MegatronCheckpointError(f"{where}: args.add_qkv_bias differs from args.add_bias_linear")
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
     if vocab is None:
         raise MegatronCheckpointError(
@@ -244,6 +239,10 @@ def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
         apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+        squared_relu=bool(getattr(args, "squared_relu", False)),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)) and not bias,  # Megatron: True with biases
         init_method_std=float(getattr(args, "init_method_std", 0.02)),
         hidden_dropout=float(getattr(args, "hidden_dropout", 0.1)),  # Megatron's defaults
         attention_dropout=float(getattr(args, "attention_dropout", 0.1)),
@@ -295,7 +294,7 @@ def refuse_unreadable(keys: Iterable[str], fmt: str, where: str) -> None:
             raise MegatronCheckpointError(
                 f"{where}: {fmt} checkpoint with MoE experts (key {key}): megalite trains dense models only"
             )
-        if re.search(r"q_layernorm|k_layernorm|linear_q_down_proj|linear_kv_down_proj|mtp\.", key):
+        if re.search(r"linear_q_down_proj|linear_kv_down_proj|mtp\.", key):
             raise MegatronCheckpointError(
                 f"{where}: {fmt} checkpoint with layers megalite does not build (key {key})"
             )
@@ -545,7 +544,9 @@ def model_flags(config: ModelConfig) -> list[str]:
         flags += ["--norm-epsilon", c.norm_epsilon]
     switches = {"--swiglu": c.swiglu, "--openai-gelu": c.openai_gelu, "--apply-layernorm-1p": c.apply_layernorm_1p,
                 "--untie-embeddings-and-output-weights": c.untie_embeddings_and_output_weights,
-                "--disable-bias-linear": not c.add_bias_linear}  # fmt: skip
+                "--disable-bias-linear": not c.add_bias_linear, "--squared-relu": c.squared_relu,
+                "--rotary-interleaved": c.rotary_interleaved, "--qk-layernorm": c.qk_layernorm,
+                "--add-qkv-bias": c.add_qkv_bias and not c.add_bias_linear}  # fmt: skip
     return [str(f) for f in flags] + [s for s, on in switches.items() if on]
 
 

@@ -48,6 +48,8 @@ ONLY_WHEN = {
     "max_position_embeddings": ("position_embedding_type", "learned_absolute"),  # RoPE has no table
     "rotary_base": ("position_embedding_type", "rope"),
     "rotary_percent": ("position_embedding_type", "rope"),
+    "rotary_interleaved": ("position_embedding_type", "rope"),
+    "add_qkv_bias": ("add_bias_linear", False),  # with --add-bias-linear every linear has one already
 }
 # The flag that sets a field, where it is not ``--`` + the field's name with dashes.
 FLAG_OF = {
@@ -84,6 +86,10 @@ class ModelConfig:
     rotary_percent: float = 1.0  # fraction of each head's dims RoPE rotates (--rotary-percent)
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False  # zero-centred gamma: norm weight stored as gamma - 1
+    squared_relu: bool = False  # MLP activation relu(x)^2 (Megatron's --squared-relu)
+    rotary_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1), GPT-J style, not (i, i + d/2)
+    qk_layernorm: bool = False  # a norm (--normalization) over each query and key head, before RoPE
+    add_qkv_bias: bool = False  # a bias in linear_qkv even with --disable-bias-linear (Qwen2)
 
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -132,6 +138,11 @@ class ModelConfig:
         if self.rotary_percent < 1.0:
             return int(self.head_dim * self.rotary_percent)
         return self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether linear_qkv has a bias: Megatron's ``add_bias_linear or add_qkv_bias``."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def query_groups(self) -> int:
@@ -235,6 +246,10 @@ class ModelConfig:
             ),
             f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of {self.head_dim} head dims; "
             "pick a fraction giving an even number >= 2",
+        )
+        need(
+            not (self.squared_relu and (self.swiglu or self.openai_gelu)),
+            "--squared-relu picks the MLP's activation, as --swiglu and --openai-gelu do; pass one of them",
         )
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)

@@ -163,21 +163,26 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
-def build_norm(config: ModelConfig, ctx: ParallelContext) -> nn.Module:
-    """LayerNorm (with bias) or RMSNorm; its params are replicated over TP.
+def build_norm(config: ModelConfig, ctx: ParallelContext, per_head: bool = False) -> nn.Module:
+    """LayerNorm (with bias) or RMSNorm over the hidden size; its params are replicated over TP.
 
     Under sequence parallelism the norm sees only this rank's tokens, so its grads are
-    partial: tagged to be summed over TP.
+    partial: tagged to be summed over TP. ``per_head`` (``--qk-layernorm``): a norm over each
+    query or key head's ``head_dim``, one weight shared by every head; each TP rank applies it to
+    its own heads only, so its grads are partial at any tp > 1 (Megatron sums ``q_layernorm`` /
+    ``k_layernorm`` grads over TP by name).
     """
     zc, kw = config.apply_layernorm_1p, ctx.tensor_kwargs()
+    size = config.head_dim if per_head else config.hidden_size
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw, zero_centered_gamma=zc)
+        norm = RMSNorm(size, config.norm_epsilon, **kw, zero_centered_gamma=zc)
     else:
         cls = LayerNorm1P if zc else nn.LayerNorm
-        norm = cls(config.hidden_size, eps=config.norm_epsilon, **kw)
+        norm = cls(size, eps=config.norm_epsilon, **kw)
+    partial = ctx.mesh.tp_size > 1 if per_head else ctx.sequence_parallel
     for p in norm.parameters():
         mark_replicated(p)
-        if ctx.sequence_parallel:
+        if partial:
             mark_sequence_parallel(p)
     return norm
 
@@ -201,35 +206,44 @@ def dropout(x: torch.Tensor, p: float, rng) -> torch.Tensor:
 
 
 def rotary_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [b, 1, s, head_dim] for ``position_ids`` [b, s].
 
     Frequencies are computed in fp32 on the fly (cheap, and no buffer for
-    ``model.to(bf16)`` to round or for checkpoints to carry).
+    ``model.to(bf16)`` to round or for checkpoints to carry). Frequency i sits at dims i and
+    i + d/2, or at 2i and 2i + 1 when ``interleaved`` (``--rotary-interleaved``; Megatron's
+    ``RotaryEmbedding.forward``).
     """
     inv_freq = 1.0 / (
         base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
     )
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [b, s, d/2]
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # [b, 1, s, d]
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
+    emb = emb.unsqueeze(1)  # [b, 1, s, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) for the pairs RoPE rotates: halves, or adjacent dims when interleaved."""
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
     """Rotate ``x`` [b, heads, s, d] by the position angles (cos/sin [b, 1, s, r]).
 
     With r < d (``--rotary-percent`` < 1) the first r dims rotate and the rest pass through.
+    ``interleaved``: the tables of ``rotary_cos_sin(..., interleaved=True)``, pairs (2i, 2i+1).
     """
     r = cos.shape[-1]
     if r < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    return x * cos + _rotate_half(x) * sin
+        return torch.cat([apply_rotary(x[..., :r], cos, sin, interleaved), x[..., r:]], dim=-1)
+    return x * cos + _rotate_half(x, interleaved) * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,9 +303,14 @@ class SelfAttention(nn.Module):
         self.enable_gqa = SDPA_ENABLE_GQA
         self.rng = ctx.rng
         self.selective_recompute = ctx.recompute.selective
+        self.rotary_interleaved = config.rotary_interleaved
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
         common = _linear_kwargs(config, ctx)
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, mesh, **common)
+        qkv_kw = {**common, "bias": config.qkv_bias}  # --add-qkv-bias: a bias here only
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, mesh, **qkv_kw)
+        # --qk-layernorm: Megatron's q_layernorm / k_layernorm, over each head's head_dim
+        self.q_layernorm = build_norm(config, ctx, per_head=True) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, ctx, per_head=True) if config.qk_layernorm else None
         h_q = config.num_attention_heads * self.head_dim
         self.linear_proj = RowParallelLinear(h_q, config.hidden_size, mesh, input_is_parallel=True, **common)
 
@@ -306,11 +325,19 @@ class SelfAttention(nn.Module):
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.q_per_group + 2, d)
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.local_heads, d).transpose(1, 2)  # [b, heads/tp, s, d]
-        k = k.squeeze(3).transpose(1, 2)  # [b, groups/tp, s, d]
+        q, k = q.reshape(b, s, self.local_heads, d), k.squeeze(3)
+        if self.q_layernorm is not None:  # before RoPE, as Megatron's get_query_key_value_tensors
+            # normed in [b, s, heads, d]: SDPA's output keeps q's memory order, so [b, s, ...]
+            # lets linear_proj read it as a view (no copy), as without the norms
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q = q.transpose(1, 2)  # [b, heads/tp, s, d]
+        k = k.transpose(1, 2)  # [b, groups/tp, s, d]
         v = v.squeeze(3).transpose(1, 2)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = (
+                apply_rotary(q, *rope, self.rotary_interleaved),
+                apply_rotary(k, *rope, self.rotary_interleaved),
+            )
         if self.selective_recompute and torch.is_grad_enabled():
             # Megatron's selective recompute: keep q, k, v; rerun the core (the part whose
             # memory grows with s^2) in backward, with the same dropout masks.
@@ -361,6 +388,7 @@ class MLP(nn.Module):
         super().__init__()
         h, ffn, mesh = config.hidden_size, config.ffn_size, ctx.mesh
         self.swiglu = config.swiglu
+        self.squared_relu = config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = _linear_kwargs(config, ctx)
 
@@ -381,6 +409,8 @@ class MLP(nn.Module):
             pairs = [(gate.weight, gate.bias), (up.weight, up.bias)]
             gate, up = column_parallel_linears(x, pairs, gate.tp_group, gate.sequence_parallel)
             y = F.silu(gate) * up  # [b, s, ffn/tp]
+        elif self.squared_relu:  # Megatron's squared_relu: torch.pow(F.relu(x), 2)
+            y = torch.pow(F.relu(self.linear_fc1(x)), 2)
         else:
             y = F.gelu(self.linear_fc1(x), approximate=self.gelu_approximate)
         return self.linear_fc2(y)
@@ -671,7 +701,10 @@ class GPTModel(nn.Module):
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else input_tensor
         rope = None
         if self.config.position_embedding_type == "rope":  # cos, sin [b, 1, s, d]
-            rope = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rotary_base, hidden.dtype)
+            cfg = self.config
+            rope = rotary_cos_sin(
+                position_ids, cfg.rotary_dim, cfg.rotary_base, hidden.dtype, cfg.rotary_interleaved
+            )
         hidden = self.decoder(hidden, rope)  # [b, s, h] ([b, s/t, h])
         if not self.post_process:
             return hidden

@@ -29,6 +29,12 @@ How the K/V shards reach every rank (``comm_type``, Megatron's ``--cp-comm-type`
   cp−1 hops.
 - ``all_gather``: K/V gathered once per layer (forward, and again in backward rather than kept
   for it), the gradients of the gathered K/V reduce-scattered back. Cheap with GQA's few K/V heads.
+- ``a2a`` (Ulysses, Megatron's / Transformer Engine's): one all-to-all trades this rank's sequence
+  shard of every head for the whole sequence of ``1/cp`` of the heads (q, k and v), put back in
+  sequence order; plain causal attention runs on them (the same kernels, through the same seam);
+  a second all-to-all returns the output to the sequence shards. Backward: the adjoint all-to-alls.
+  The query heads and the K/V heads must divide by cp; GQA K/V heads fewer than cp are repeated
+  just enough first (each copy keeps its query heads).
 
 K/V gradients are summed in fp32, as dq is (over blocks, and over ranks: they travel in fp32).
 Both send the same bytes per rank (:func:`context_parallel_comm_bytes`). The kernels are
@@ -47,9 +53,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.errors import ArgumentError
+from megalite.parallel.expert_parallel import all_to_all
 from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
 
-COMM_TYPES = ("p2p", "all_gather")
+COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 # ---------------------------------------------------------------------------- sharding the sequence
@@ -338,7 +345,7 @@ class _AllGather:
 def _exchange(group, comm_type: str):
     if comm_type not in COMM_TYPES:
         raise ArgumentError(
-            f"--cp-comm-type {comm_type}: megalite implements {' and '.join(COMM_TYPES)} (a2a is not built)"
+            f"--cp-comm-type {comm_type}: megalite implements {', '.join(COMM_TYPES)} (a2a+p2p is not built)"
         )
     if group is None or dist.get_world_size(group) == 1:
         return _Local()
@@ -395,6 +402,67 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None, None
 
 
+# ---------------------------------------------------------------------------- a2a (Ulysses)
+def _exchange_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """[cp, ...]: block i goes to CP rank i, block j of the result came from CP rank j (autograd)."""
+    cp = x.size(0)
+    return all_to_all(x.reshape(cp, -1), group, [1] * cp, [1] * cp).view(x.shape)
+
+
+def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's load-balanced shard of every head [b, h, s/cp, d] -> the whole sequence, in order,
+    of its 1/cp of the heads [b, h/cp, s, d] (heads r h/cp ... (r+1) h/cp - 1)."""
+    b, h, sl, d = x.shape
+    cp, c = dist.get_world_size(group), sl // 2
+    got = _exchange_rows(x.view(b, cp, h // cp, sl, d).transpose(0, 1), group)  # [cp, b, h/cp, 2c, d]
+    halves = got.view(cp, b, h // cp, 2, c, d)
+    # chunk k < cp is rank k's early half; chunk 2cp-1-j is rank j's late half
+    chunks = torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(0)])  # [2cp, b, h/cp, c, d]
+    return chunks.permute(1, 2, 0, 3, 4).reshape(b, h // cp, 2 * cp * c, d)
+
+
+def _heads_to_sequence(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_heads`: [b, h/cp, s, d] -> [b, h, s/cp, d]."""
+    b, hl, s, d = y.shape
+    cp = dist.get_world_size(group)
+    c = s // (2 * cp)
+    chunks = y.view(b, hl, 2 * cp, c, d).permute(2, 0, 1, 3, 4)  # [2cp, b, h/cp, c, d]
+    shards = torch.cat([chunks[:cp], chunks[cp:].flip(0)], dim=3)  # [cp, b, h/cp, 2c, d]: rank j's
+    got = _exchange_rows(shards, group)  # block i: heads i h/cp ... of this rank's shard
+    return got.transpose(0, 1).reshape(b, cp * hl, 2 * c, d)
+
+
+def a2a_kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
+    """How many copies of each K/V head ``a2a`` makes so that the K/V heads divide by ``cp`` (the
+    fewest; 1 when they already do): each copy still pairs with query heads of its own group."""
+    per_group = heads // kv_heads
+    return next(m for m in range(1, per_group + 1) if per_group % m == 0 and (kv_heads * m) % cp == 0)
+
+
+def check_a2a_heads(heads: int, kv_heads: int, cp: int) -> None:
+    """One line when ``a2a`` cannot split this rank's heads over the CP group."""
+    ok = heads % cp == 0 and any(
+        (heads // kv_heads) % m == 0 and (kv_heads * m) % cp == 0 for m in range(1, heads // kv_heads + 1)
+    )
+    if not ok:
+        raise ArgumentError(
+            f"--cp-comm-type a2a splits the attention heads over --context-parallel-size {cp}: this rank's "
+            f"{heads} query heads ({kv_heads} K/V heads) per --tensor-model-parallel-size rank do not divide "
+            "by it; use p2p or all_gather, or heads (and --num-query-groups) divisible by tp x cp"
+        )
+
+
+def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    check_a2a_heads(q.size(1), k.size(1), cp)
+    m = a2a_kv_repeats(q.size(1), k.size(1), cp)
+    if m > 1:
+        k, v = k.repeat_interleave(m, dim=1), v.repeat_interleave(m, dim=1)
+    qf, kf, vf = (_sequence_to_heads(t, group) for t in (q, k, v))
+    out = _ContextParallelAttention.apply(qf, kf, vf, None, "a2a", scale)  # local: plain causal
+    return _heads_to_sequence(out, group)
+
+
 def context_parallel_attention(
     q, k, v, *, group, comm_type: str, softmax_scale: float | None = None
 ) -> torch.Tensor:
@@ -402,7 +470,7 @@ def context_parallel_attention(
 
     q: [b, hq, s/cp, d]; k, v: [b, hkv, s/cp, d] with hq % hkv == 0 (GQA: query heads of group g
     adjacent, as SDPA's enable_gqa pairs them); rows in :func:`shard_sequence` order. Returns
-    [b, hq, s/cp, d]. ``comm_type``: ``p2p`` or ``all_gather`` (module docstring); ``group``: the CP
+    [b, hq, s/cp, d]. ``comm_type``: ``p2p``, ``all_gather`` or ``a2a`` (module docstring); ``group``: the CP
     process group (None or a group of one: plain causal attention). Softmax scale: 1/sqrt(d) unless
     given. Exact backward for both; no dropout."""
     b, hq, s, d = q.shape
@@ -412,6 +480,8 @@ def context_parallel_attention(
             "q [b, hq, s/cp, d], k and v [b, hkv, s/cp, d], hq a multiple of hkv, s/cp even"
         )
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    if comm_type == "a2a" and group is not None and dist.get_world_size(group) > 1:
+        return _ulysses(q, k, v, group, scale)
     return _ContextParallelAttention.apply(q, k, v, group, comm_type, scale)
 
 
@@ -446,6 +516,7 @@ def context_parallel_comm_bytes(
     kv_heads: int,
     head_dim: int,
     bytes_per_element: int,
+    heads: int | None = None,
 ) -> dict[str, int]:
     """Bytes one CP rank sends for ONE attention layer and ONE microbatch, as
     ``megalite.planning.comm_meter`` counts them (ring volumes): ``{"forward", "backward"}``.
@@ -459,9 +530,22 @@ def context_parallel_comm_bytes(
         backward = (2N + 2G) (cp-1)   p2p: cp-1 sends of K+V and cp-1 of their fp32 grads;
                                       all_gather: gather K+V again, reduce-scatter their fp32 grads
 
+    ``a2a`` (``heads``: the query heads on this rank, needed then): each all-to-all sends all but
+    1/cp of its input; with Q = micro_batch_size x heads x (seq_length / cp_size) x head_dim x
+    ``bytes_per_element`` and KV that of K (or V), its heads repeated by :func:`a2a_kv_repeats`::
+
+        forward = backward = (2Q + 2KV) (cp-1)/cp    q, k, v out and the output back; backward:
+                                                     the output's grad out, dq, dk, dv back
+
     A layer whose attention is recomputed (selective or full recompute) sends its forward bytes twice."""
     if comm_type not in COMM_TYPES:
         _exchange(None, comm_type)  # the one-line error
+    tokens = micro_batch_size * (seq_length // cp_size) * head_dim * bytes_per_element
+    if comm_type == "a2a":
+        heads = kv_heads if heads is None else heads
+        kv = kv_heads * a2a_kv_repeats(heads, kv_heads, cp_size) if cp_size > 1 else kv_heads
+        each = (2 * heads + 2 * kv) * tokens * (cp_size - 1) // cp_size
+        return {"forward": each, "backward": each}
     elements = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim
     n, g = elements * bytes_per_element, elements * 4
     return {"forward": 2 * n * (cp_size - 1), "backward": (2 * n + 2 * g) * (cp_size - 1)}

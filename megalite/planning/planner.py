@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.configs import RunConfig
-from megalite.errors import MegaliteError
+from megalite.errors import ArgumentError, MegaliteError
 from megalite.memory import (
     MemoryLayout,
     RankMemory,
@@ -61,7 +61,7 @@ from megalite.memory import (
 )
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
-from megalite.parallel.context_parallel import context_parallel_comm_bytes
+from megalite.parallel.context_parallel import check_a2a_heads, context_parallel_comm_bytes
 from megalite.parallel.schedules import schedule_plan
 from megalite.planning import calibration as cm
 
@@ -135,7 +135,8 @@ class Candidate:
     sequence_parallel: bool
     recompute: str
     sharding: str
-    cp: int = 1  # context parallelism (the ring's p2p K/V exchange); dp counts the other replicas
+    cp: int = 1  # context parallelism; dp counts the other replicas
+    cp_comm_type: str = "p2p"  # the ring's K/V exchange, or a2a (Ulysses: heads for sequence)
     ep: int = 1  # MoE: --expert-model-parallel-size (each stage's tp x cp x dp re-cut as etp x ep x edp)
     etp: int | None = None  # MoE: --expert-tensor-parallel-size (None: tp)
     memory_per_rank_gb: float = 0.0
@@ -178,6 +179,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         pp=c.pp,
         dp=c.dp,
         cp=c.cp,
+        cp_comm_type=c.cp_comm_type,
         vp=c.vp,
         micro_batch_size=c.micro_batch_size,
         seq_length=p.seq_length,
@@ -539,8 +541,9 @@ def cp_bytes(p: Problem, c: Candidate) -> int:
     backward; a recompute reruns the forward's)."""
     cfg = p.config
     sent = context_parallel_comm_bytes(
-        comm_type="p2p", cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
+        comm_type=c.cp_comm_type, cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
         kv_heads=cfg.query_groups // c.tp, head_dim=cfg.head_dim, bytes_per_element=dtype_bytes(p.params_dtype),
+        heads=cfg.num_attention_heads // c.tp,
     )  # fmt: skip
     return sent["forward"] * (2 if c.recompute != "none" else 1) + sent["backward"]
 
@@ -555,7 +558,8 @@ def cp_exposed_s(p: Problem, c: Candidate, eff: float) -> float:
     bw = cl.gpu.intra_node_gbps if c.tp * c.cp <= cl.gpus_per_node else cl.gpu.inter_node_gbps
     hq = cfg.num_attention_heads * cfg.head_dim // c.tp
     attention = 3 * 4 * s * hq * (c.micro_batch_size * s // c.cp) / 2 / (cl.gpu.peak_tflops * 1e12 * eff)
-    return max(0.0, cp_bytes(p, c) / (bw * 1e9) - attention * (c.cp - 1) / c.cp)
+    hidden = 0.0 if c.cp_comm_type == "a2a" else attention * (c.cp - 1) / c.cp  # a2a: nothing overlaps
+    return max(0.0, cp_bytes(p, c) / (bw * 1e9) - hidden)
 
 
 def moe_exchange_bytes(p: Problem, c: Candidate) -> dict[str, float]:
@@ -726,8 +730,22 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                             for sharding in p.sharding_choices:
                                 if sharding != "no_shard" and dp * cp == 1:
                                     continue
-                                for ep, etp in expert_choices(p, tp, cp, dp, sp):
-                                    yield Candidate(tp, pp, vp, dp, mbs, sp, rc, sharding, cp, ep, etp)
+                                for comm in cp_comm_types(cfg, tp, cp):
+                                    for ep, etp in expert_choices(p, tp, cp, dp, sp):
+                                        yield Candidate(
+                                            tp, pp, vp, dp, mbs, sp, rc, sharding, cp, comm, ep=ep, etp=etp
+                                        )
+
+
+def cp_comm_types(cfg: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
+    """The CP exchanges a layout may use: the p2p ring, and a2a where each TP rank's heads split over cp."""
+    if cp == 1:
+        return ("p2p",)
+    try:
+        check_a2a_heads(cfg.num_attention_heads // tp, cfg.query_groups // tp, cp)
+    except ArgumentError:
+        return ("p2p",)
+    return ("p2p", "a2a")
 
 
 def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
@@ -901,8 +919,9 @@ def from_configs(
         run.recompute.granularity or "none",
         sharding,
         par.context_parallel_size,
-        par.expert_model_parallel_size,
-        par.expert_tensor_parallel_size,
+        par.cp_comm_type,
+        ep=par.expert_model_parallel_size,
+        etp=par.expert_tensor_parallel_size,
     )
     return problem, cand
 
@@ -942,7 +961,7 @@ def fit_warning(p: Problem, c: Candidate, limit: int = STARTUP_SEARCH_LIMIT) -> 
 def launch_flags(c: Candidate, num_layers: int) -> str:
     f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
     if c.cp > 1:
-        f.append(f"--context-parallel-size {c.cp} --cp-comm-type p2p")
+        f.append(f"--context-parallel-size {c.cp} --cp-comm-type {c.cp_comm_type}")
     f.append(f"--micro-batch-size {c.micro_batch_size}")
     if c.vp > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
@@ -972,7 +991,8 @@ COLUMNS = (
 
 def _row(c: Candidate) -> list[str]:
     return [
-        str(c.tp), str(c.cp), str(c.pp), str(c.vp), str(c.dp), str(c.ep), str(c.etp or c.tp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
+        str(c.tp), str(c.cp) + (" a2a" if c.cp_comm_type == "a2a" else ""), str(c.pp), str(c.vp), str(c.dp),
+        str(c.ep), str(c.etp or c.tp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
         c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
     ]  # fmt: skip

@@ -2,10 +2,12 @@
 """Regenerate the Megatron-LM checkpoints of tests/test_megatron_checkpoints.py with megatron-core.
 
     /work/main/.venv/bin/python -m pip install --no-deps --target /tmp/mcore-site megatron-core==0.16.1
-    PYTHONPATH=$PWD:/tmp/mcore-site OMP_NUM_THREADS=1 python tests/data/megatron/make_fixtures.py
+    PYTHONPATH=$PWD:/tmp/mcore-site OMP_NUM_THREADS=1 python tests/data/megatron/make_fixtures.py [FLAVOUR ...]
 
 Writes, for ``gpt2`` (tp2 x pp2, 2 layers, tied) and ``llama`` (tp2 x pp2 x vp2, 4 layers, GQA,
-SwiGLU, untied), next to this script:
+SwiGLU, untied) and ``qwen`` (tp2 x pp2, 2 layers: Megatron's dense features --squared-relu,
+--qk-layernorm, --rotary-interleaved, --add-qkv-bias without other biases, GQA, untied), next to
+this script:
 
   <flavour>/torch/        Megatron-LM's legacy format (iter_0000005/mp_rank_TT_PPP/model_optim_rng.pt)
   <flavour>/torch_dist/   megatron-core's dist_checkpointing.save (DCP files, metadata.json, common.pt)
@@ -47,7 +49,7 @@ def write_and_continue(flavour: str, out: str, scratch: str):
 
 
 def main() -> None:
-    for flavour in mcr.FLAVOURS:
+    for flavour in sys.argv[1:] or mcr.FLAVOURS:  # the flavours named, or all
         out = HERE / flavour
         shutil.rmtree(out, ignore_errors=True)
         with tempfile.TemporaryDirectory() as scratch:
