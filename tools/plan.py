@@ -140,7 +140,7 @@ def plan(argv=None) -> int:
         f"{len(cands)} layouts fit on {cl.num_gpus} x {cl.gpu.name} ({cl.gpu.memory_gb:g} GB, "
         f"{cl.gpus_per_node} per node), global batch {p.global_batch_size} x {p.seq_length} tokens:"
     )
-    print(planner.format_table(cands, args.top))
+    print(planner.format_table(cands, args.top, moe=p.config.moe is not None))
     print()
     for line in planner.explain(p, cands):
         print(line)

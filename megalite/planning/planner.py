@@ -989,6 +989,9 @@ COLUMNS = (
 )  # fmt: skip
 
 
+EXPERT_COLUMNS = ("ep", "etp")  # shown for a mixture-of-experts model only
+
+
 def _row(c: Candidate) -> list[str]:
     return [
         str(c.tp), str(c.cp) + (" a2a" if c.cp_comm_type == "a2a" else ""), str(c.pp), str(c.vp), str(c.dp),
@@ -998,9 +1001,11 @@ def _row(c: Candidate) -> list[str]:
     ]  # fmt: skip
 
 
-def format_table(cands: list[Candidate], top: int = 10) -> str:
-    rows = [list(COLUMNS)] + [_row(c) for c in cands[:top]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+def format_table(cands: list[Candidate], top: int = 10, moe: bool = True) -> str:
+    """The ``top`` candidates as a table; ``moe=False`` (a dense model) leaves out ep and etp."""
+    keep = [i for i, name in enumerate(COLUMNS) if moe or name not in EXPERT_COLUMNS]
+    rows = [[r[i] for i in keep] for r in [list(COLUMNS)] + [_row(c) for c in cands[:top]]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(keep))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
 
 
@@ -1020,8 +1025,9 @@ def explain(p: Problem, cands: list[Candidate]) -> list[str]:
         f"{name} {100 * _share(best, name):.0f}%" for name, _ in best.parts if dict(best.parts)[name]
     )
     lines = [
-        f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} ep={best.ep} "
-        f"etp={best.etp or best.tp} mbs={best.micro_batch_size}: "
+        f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} "
+        + (f"ep={best.ep} etp={best.etp or best.tp} " if p.config.moe is not None else "")
+        + f"mbs={best.micro_batch_size}: "
         f"{_step_time(best.step_time_s)}/step ({parts}), {best.memory_per_rank_gb + best.overhead_gb:.1f} of "
         f"{p.cluster.gpu.memory_gb:g} GB, {best.tflops_per_gpu:.0f} TFLOP/s per GPU (recompute counted)"
     ]
