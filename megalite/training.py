@@ -385,8 +385,9 @@ def moe_layers(state: TrainState) -> list[MoELayer]:
 
 
 def set_aux_loss_scale(state: TrainState, num_microbatches: int) -> None:
-    """The gradient each aux loss gets: ``loss_scale / num_microbatches``, as Megatron's forward_step
-    sets it (the main loss is divided by the microbatches in the schedule; the aux losses here)."""
+    """The gradient each aux loss gets: ``loss_scale x cp / num_microbatches``, as Megatron-Core's
+    forward_step sets it (``loss_scale * cp_group_size / num_microbatches``; the main loss is divided
+    by the microbatches in the schedule, the aux losses here)."""
     # x cp: each CP rank's aux loss is a partial sum, averaged over dp x cp as the LM loss (which
     # attach_loss_normalizer multiplies by cp for the same reason)
     scale = state.optimizer.get_loss_scale() * state.mesh.cp_size / num_microbatches
