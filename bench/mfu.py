@@ -1,6 +1,6 @@
 """Tokens/s, TFLOP/s per GPU and MFU of megalite's own training loop, eager vs compiled.
 
-    python bench/mfu.py --preset {gpt2-125m,gpt-1.3b,llama-7b-2layer} [--modes eager,compiled]
+    python bench/mfu.py --preset {gpt2-125m,gpt-1.3b,llama-7b-2layer,qwen3-30b-a3b-4layer} [--modes eager,compiled]
         [--peak-tflops T] [--micro-batch-size B] [--microbatches M] [--iters N] [--warmup W]
         [--attention-backend {flash,fused,unfused,local,auto}] [--deterministic-mode]
         [--no-gradient-accumulation-fusion]
@@ -48,14 +48,38 @@ _LLAMA = [
     "--untie-embeddings-and-output-weights", "--disable-bias-linear",
 ]  # fmt: skip
 
+# Qwen3-30B-A3B's layer (h 2048, 32 query heads / 4 KV groups of 128, 128 experts of ffn 768, top-8,
+# every layer MoE, grouped GEMM) with 4 of its 48 layers: about 3.1B parameters (0.85B active per
+# token), which with bf16 params, fp32 grads and Adam (about 56 GB) fits one H100 at seq 4096
+# (issue 35's proxy).
+_QWEN3_MOE = [
+    *_LLAMA, "--group-query-attention", "--num-query-groups", "4", "--kv-channels", "128",
+    "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--moe-grouped-gemm",
+    "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
+    "--moe-token-dispatcher-type", "alltoall",
+]  # fmt: skip
+
 # name: (flavour flags, layers, hidden, heads, ffn (None: 4h), seq, vocab, micro batch)
 PRESETS = {
     "gpt2-125m": (_GPT, 12, 768, 12, None, 1024, 50257, 8),
     "gpt-1.3b": (_GPT, 24, 2048, 16, None, 2048, 50257, 4),
     "llama-7b-2layer": (_LLAMA, 2, 4096, 32, 11008, 4096, 32000, 2),
+    "qwen3-30b-a3b-4layer": (_QWEN3_MOE, 4, 2048, 32, 6144, 4096, 151936, 1),
 }
-# --tiny: the preset's flavour at a size a CPU runs in seconds.
+# --tiny: the preset's flavour at a size a CPU runs in seconds (an MoE flavour: 8 experts of ffn 32,
+# heads of 16 dims in 2 KV groups).
 TINY = dict(layers=2, hidden=64, heads=4, seq=32, vocab=256, micro_batch=2)
+TINY_OVERRIDES = {
+    "--num-experts": "8",
+    "--moe-ffn-hidden-size": "32",
+    "--kv-channels": "16",
+    "--num-query-groups": "2",
+}
+
+
+def tiny_flavour(flavour: list[str]) -> list[str]:
+    """The flavour's flags with the sizes of TINY_OVERRIDES in place of the preset's."""
+    return [TINY_OVERRIDES.get(flavour[i - 1], x) if i else x for i, x in enumerate(flavour)]
 
 
 def pretrain_argv(a, world_size: int) -> list[str]:
@@ -65,6 +89,7 @@ def pretrain_argv(a, world_size: int) -> list[str]:
             TINY[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch")
         )
         ffn = None if ffn is None else 3 * hidden
+        flavour = tiny_flavour(flavour)
     mbs = a.micro_batch_size or mbs
     argv = [
         *flavour, "--num-layers", str(layers), "--hidden-size", str(hidden),

@@ -10,8 +10,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_T
 PY="${PYTHON:-python}"
 LOGS="${GPU_CHECK_LOGS:-$(mktemp -d /tmp/gpu_check.XXXXXX)}"
 mkdir -p "$LOGS"
-MFU_PRESETS=(gpt-1.3b llama-7b-2layer gpt2-125m)
-declare -A MFU_TARGET=([gpt-1.3b]=0.60 [llama-7b-2layer]=0.60 [gpt2-125m]=0.35)
+MFU_PRESETS=(gpt-1.3b llama-7b-2layer gpt2-125m qwen3-30b-a3b-4layer)
+# the MoE proxy's MFU counts the active parameters per token (issue 35's target: 45%)
+declare -A MFU_TARGET=([gpt-1.3b]=0.60 [llama-7b-2layer]=0.60 [gpt2-125m]=0.35 [qwen3-30b-a3b-4layer]=0.45)
 CHECKS=(cuda-tests deterministic-two-runs fake-rank-real-tensors "${MFU_PRESETS[@]/#/mfu-}" fusion-under-compile)
 
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

@@ -518,7 +518,7 @@ def test_cuda_attention_probe_with_gqa_under_deterministic_mode(torch_switches):
 # ---- scripts/gpu_check.sh and the cuda marker (issue 33) ---------------------------------------
 GPU_CHECKS = [
     "cuda-tests", "deterministic-two-runs", "fake-rank-real-tensors",
-    "mfu-gpt-1.3b", "mfu-llama-7b-2layer", "mfu-gpt2-125m", "fusion-under-compile",
+    "mfu-gpt-1.3b", "mfu-llama-7b-2layer", "mfu-gpt2-125m", "mfu-qwen3-30b-a3b-4layer", "fusion-under-compile",
 ]  # fmt: skip
 
 
