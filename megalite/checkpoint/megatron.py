@@ -50,9 +50,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megalite.checkpoint import storage
+from megalite.checkpoint import megatron_args, storage
 from megalite.checkpoint.files import TRACKER
-from megalite.checkpoint.logical import OUTPUT
+from megalite.checkpoint.logical import EMBEDDING, OUTPUT
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
@@ -195,55 +195,78 @@ def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
 
 
 # ------------------------------------------------------------------------------ the model's config
-# Megatron args that change the model and that megalite does not build: (arg, off values, feature).
-_REFUSED_ARGS = (
-    ("num_experts", (None, 0, 1), "MoE experts"),
-    ("fp8", (None, False), "fp8 scales"),
-    ("fp4", (None, False), "fp4 scales"),
-    ("multi_latent_attention", (None, False), "multi-latent attention"),
-    ("qk_layernorm", (None, False), "query/key layer norms"),
-    ("squared_relu", (None, False), "the squared-ReLU MLP"),
-    ("rotary_interleaved", (None, False), "interleaved rotary embeddings"),
-    ("mtp_num_layers", (None, 0), "multi-token prediction layers"),
-)
+def _arg(args: argparse.Namespace, *names: str, default=None):
+    """The first of ``names`` the stored args set (Megatron renamed some: ``norm_epsilon`` is
+    ``layernorm_epsilon`` since megatron-core 0.14, ``apply_layernorm_1p``
+    ``layernorm_zero_centered_gamma``)."""
+    for name in names:
+        if getattr(args, name, None) is not None:
+            return getattr(args, name)
+    return default
 
 
-def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
-    """The ModelConfig of Megatron-LM's stored ``args`` (vocab: its padded size, see the module doc)."""
-    for name, off, feature in _REFUSED_ARGS:
-        if getattr(args, name, None) not in off:
-            raise MegatronCheckpointError(
-                f"{where}: {feature} (args.{name}={getattr(args, name)!r}) — megalite does not build them, "
-                "so this checkpoint cannot be read"
-            )
-    bias = getattr(args, "add_bias_linear", True)
-    if getattr(args, "add_qkv_bias", bias) != bias:
-        raise MegatronCheckpointError(f"{where}: args.add_qkv_bias differs from args.add_bias_linear")
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+def _position_embedding(args: argparse.Namespace, where: str) -> str:
+    kind = getattr(args, "position_embedding_type", None) or "learned_absolute"
+    if getattr(args, "use_rotary_position_embeddings", False):
+        kind = "rope"  # the older switch; Megatron's validation turns it into the type
+    if kind not in ("learned_absolute", "rope"):
+        raise MegatronCheckpointError(
+            f"{where}: args.position_embedding_type={kind!r} — megalite builds learned_absolute or rope"
+        )
+    if kind == "learned_absolute" and getattr(args, "add_position_embedding", True) is False:
+        raise MegatronCheckpointError(
+            f"{where}: args.add_position_embedding=False with learned_absolute positions (a model without "
+            "position embeddings) — megalite does not build it"
+        )
+    return kind
+
+
+def _vocab(args: argparse.Namespace, where: str) -> int:
+    """Megatron's padded vocabulary (its softmax runs over every row), or the true one megalite
+    recorded when it exported (``megalite_vocab_size``): the padding rows stay padding."""
+    vocab = _arg(args, "megalite_vocab_size", "padded_vocab_size", "vocab_size")
     if vocab is None:
         raise MegatronCheckpointError(
             f"{where}: the stored args have neither padded_vocab_size nor vocab_size"
+        )
+    return int(vocab)
+
+
+def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
+    """The ModelConfig of Megatron-LM's stored ``args`` (vocab: see :func:`_vocab`); every stored
+    arg is read, refused or irrelevant (:mod:`megalite.checkpoint.megatron_args`)."""
+    megatron_args.check_args(args, where, MegatronCheckpointError)
+    bias = getattr(args, "add_bias_linear", True)
+    if getattr(args, "add_qkv_bias", bias) != bias:
+        raise MegatronCheckpointError(f"{where}: args.add_qkv_bias differs from args.add_bias_linear")
+    normalization = getattr(args, "normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise MegatronCheckpointError(
+            f"{where}: args.normalization={normalization!r} — megalite builds LayerNorm or RMSNorm"
         )
     gqa = getattr(args, "group_query_attention", False)
     return ModelConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        vocab_size=int(vocab),
+        vocab_size=_vocab(args, where),
         max_position_embeddings=getattr(args, "max_position_embeddings", None) or args.seq_length,
         ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
         num_query_groups=args.num_query_groups if gqa else None,
         kv_channels=getattr(args, "kv_channels", None),
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        normalization=getattr(args, "normalization", "LayerNorm"),
+        position_embedding_type=_position_embedding(args, where),
+        normalization=normalization,
         swiglu=bool(getattr(args, "swiglu", False)),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bool(bias),
         openai_gelu=bool(getattr(args, "openai_gelu", False)),
         rotary_base=float(getattr(args, "rotary_base", 10000)),
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
-        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
-        apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+        norm_epsilon=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        apply_layernorm_1p=bool(
+            getattr(args, "apply_layernorm_1p", False)
+            or getattr(args, "layernorm_zero_centered_gamma", False)
+        ),
         init_method_std=float(getattr(args, "init_method_std", 0.02)),
         hidden_dropout=float(getattr(args, "hidden_dropout", 0.1)),  # Megatron's defaults
         attention_dropout=float(getattr(args, "attention_dropout", 0.1)),
@@ -327,6 +350,16 @@ def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str
 
     def error(msg: str) -> MegatronCheckpointError:
         return MegatronCheckpointError(f"{where}: {msg}")
+
+    for name in (EMBEDDING, OUTPUT):  # megalite's export pads the true vocabulary with zero rows
+        if name in out and out[name].shape[0] > config.vocab_size:
+            if out[name][config.vocab_size :].any():
+                raise error(
+                    f"args.megalite_vocab_size={config.vocab_size} but the padding rows of {name} are not "
+                    "zero (trained on in Megatron-LM, whose softmax gives them mass): this is no longer the "
+                    f"{config.vocab_size}-id model; delete args.megalite_vocab_size to read all rows"
+                )
+            out[name] = out[name][: config.vocab_size]
 
     check_logical_state_dict(out, config, error=error)
     return out
