@@ -35,6 +35,7 @@ other features megalite does not build are refused in one line naming the format
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import io
 import json
@@ -43,6 +44,7 @@ import pickle
 import re
 import signal
 import types
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +99,11 @@ class _MegatronObject:
     def __repr__(self) -> str:
         return f"{type(self).__name__}{self.args}"
 
+    def __eq__(self, other) -> bool:  # the same member / config read from another file
+        return repr(self) == repr(other) and getattr(self, "state", None) == getattr(other, "state", None)
+
+    __hash__ = None
+
 
 # What Megatron-LM stores in its pickles besides tensors and builtins: megatron-core's own
 # allowlist (megatron/core/safe_globals.py) names exactly these.
@@ -125,10 +132,31 @@ def _safe_globals() -> list:
     return plain + numpy_names + stand_ins
 
 
+def _check_zip(path: Path, what: str) -> None:
+    """A ``torch.save`` file is a zip archive with a CRC per entry: a flipped byte anywhere (the
+    pickle or a tensor's data) is named here, before unpickling blames its content."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return  # not a zip: torch.load reads (or names) the older pickle format
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise MegatronCheckpointError(
+            f"{path}: cannot read this {what} ({type(e).__name__}: {e}); the file is truncated or corrupt: "
+            "copy it again from the run that saved it"
+        ) from None
+    if bad is not None:
+        raise MegatronCheckpointError(
+            f"{path}: this {what} is corrupt ({bad} fails its CRC check): copy it again from the run that saved it"
+        )
+
+
 def load_pickle(path: Path, what: str) -> dict:
     """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused."""
     # Only what is not allowed already: leaving the context removes its entries, and must not
     # remove a caller's own (megatron-core registers the same classes when it is imported).
+    _check_zip(path, what)
     registered = torch.serialization.get_safe_globals()
     ours = [g for g in _safe_globals() if g not in registered]
     try:
@@ -141,8 +169,12 @@ def load_pickle(path: Path, what: str) -> dict:
             f"{path}: refusing to unpickle this {what}: it holds more than Megatron-LM stores ({detail}); "
             "only tensors, builtins, argparse.Namespace, numpy RNG states and Megatron's enums are loaded"
         ) from None
-    except (OSError, RuntimeError) as e:
-        raise MegatronCheckpointError(f"{path}: cannot read this {what} ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # truncated or corrupt: RuntimeError, EOFError, BadZipFile, ValueError, ...
+        detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+        raise MegatronCheckpointError(
+            f"{path}: cannot read this {what} ({type(e).__name__}: {detail}); the file is truncated or "
+            "corrupt: copy it again from the run that saved it"
+        ) from None
 
 
 # ------------------------------------------------------------------------------ finding the files
@@ -162,6 +194,33 @@ def iteration_folder(path: str | Path, iteration: int | None = None) -> tuple[Pa
     return root / f"iter_{int(text):07d}", int(text)
 
 
+def _megatron_iterations(root: Path) -> list[str]:
+    """The ``iter_N`` / ``release`` folders of ``root`` that hold a Megatron-LM checkpoint."""
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and (p.name == "release" or _iteration_of(p) is not None)
+    ]
+    return sorted(p.name for p in found if _folder_format(p) is not None)
+
+
+def missing_iteration(path: str | Path, iteration: int | None) -> MegatronCheckpointError | None:
+    """One line when the tracker (or ``--ckpt-step``) names an iteration whose folder is missing
+    from a Megatron-LM save directory, naming what is there."""
+    folder, _ = iteration_folder(path, iteration)
+    root = Path(path)
+    if folder.is_dir() or folder == root:
+        return None
+    present = _megatron_iterations(root)
+    if not present:
+        return None
+    named = f"--ckpt-step {iteration}" if iteration is not None else f"{root / TRACKER} ({folder.name})"
+    return MegatronCheckpointError(
+        f"{named}: {folder} does not exist; this Megatron-LM save directory holds {', '.join(present)}: "
+        f"give --ckpt-step with one of those"
+    )
+
+
 def _iteration_of(folder: Path) -> int | None:
     m = re.fullmatch(r"iter_(\d+)", folder.name)
     return int(m.group(1)) if m else None
@@ -174,8 +233,13 @@ def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
         folder, _ = iteration_folder(path, iteration)
     except MegatronCheckpointError:
         return None
-    if not folder.is_dir():
-        return None
+    if not folder.is_dir():  # the tracker or --ckpt-step names a missing iteration: still Megatron's
+        present = _megatron_iterations(Path(path))
+        return _folder_format(Path(path) / present[-1]) if present else None
+    return _folder_format(folder)
+
+
+def _folder_format(folder: Path) -> str | None:
     if (folder / DIST_METADATA).is_file():
         try:
             backend = json.loads((folder / DIST_METADATA).read_text()).get("sharded_backend")
@@ -413,7 +477,13 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
             raise MegatronCheckpointError(
                 f"{folder}: torch checkpoint with expert-parallel ranks ({p.name}): MoE experts are not read"
             )
-        files[(int(m.group(1)), int(m.group(2) or 0))] = p / LEGACY_FILE
+        rank = (int(m.group(1)), int(m.group(2) or 0))
+        if rank in files:
+            raise MegatronCheckpointError(
+                f"{folder}: {files[rank].parent.name} and {p.name} are both TP rank {rank[0]}, PP rank "
+                f"{rank[1]}: every shard must be present once; remove the stray folder"
+            )
+        files[rank] = p / LEGACY_FILE
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(r for _, r in files)
     missing = [f"mp_rank_{t:02d}_{r:03d}" for t in range(tp) for r in range(pp) if (t, r) not in files]
@@ -460,14 +530,129 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
             "order; load it once in Megatron-LM and save again"
         )
     config = model_config_from_args(first["args"], where)
+    check_rank_files(loaded, files, tp, pp)
     chunks = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
     vp = len(chunks[(0, 0)])
+    if any(len(c) != vp for c in chunks.values()):
+        counts = {files[r].parent.name: len(c) for r, c in chunks.items()}
+        raise MegatronCheckpointError(
+            f"{folder}: the rank files hold different numbers of model chunks {counts}"
+        )
     state = assemble_legacy(chunks, chunks, config, where)
+    refuse_copies(state, config, tp, where)
     layout = {"tp": tp, "pp": pp, "vp": vp}
     it = first.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch", it, folder, first["args"], layout
     )
+
+
+_PER_RANK_ARGS = ("rank", "local_rank")  # what differs between the files of one save
+
+
+def check_rank_files(
+    loaded: dict[tuple[int, int], dict], files: dict[tuple[int, int], Path], tp: int, pp: int
+) -> None:
+    """Every ``mp_rank_*`` file of one save agrees with the folder layout and with the others:
+    the stored TP x PP sizes, the same args (but the rank) and iteration, distinct ranks, and no
+    file a byte copy of another."""
+    first = loaded[(0, 0)]
+    stored = (
+        getattr(first["args"], "tensor_model_parallel_size", tp),
+        getattr(first["args"], "pipeline_model_parallel_size", pp),
+    )
+    if stored != (tp, pp):
+        raise MegatronCheckpointError(
+            f"{files[(0, 0)].parents[1]}: the stored args say tp {stored[0]} x pp {stored[1]} but the folder "
+            f"holds mp_rank_* folders for tp {tp} x pp {pp}: a shard folder is missing or stray"
+        )
+    common = {k: v for k, v in vars(first["args"]).items() if k not in _PER_RANK_ARGS}
+    ranks: dict[object, Path] = {}
+    for rank, state in loaded.items():
+        path = files[rank]
+        args = vars(state.get("args", argparse.Namespace()))
+        differs = sorted(
+            k
+            for k in set(common) | set(args)
+            if k not in _PER_RANK_ARGS and _differ(common.get(k), args.get(k))
+        )
+        if differs or state.get("iteration") != first.get("iteration"):
+            what = f"args.{differs[0]}" if differs else "iteration"
+            raise MegatronCheckpointError(
+                f"{path}: {what} differs from {files[(0, 0)]}: the rank files come from different saves"
+            )
+        if args.get("rank") is not None:
+            if args["rank"] in ranks:
+                raise MegatronCheckpointError(
+                    f"{path}: saved by the same process (args.rank {args['rank']}) as {ranks[args['rank']]}: "
+                    "one shard is a copy of another; copy the right file from the run that saved it"
+                )
+            ranks[args["rank"]] = path
+    _refuse_identical_files(list(files.values()))
+
+
+def _differ(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    try:
+        return bool(a != b)
+    except Exception:  # objects without a plain comparison (stand-ins): compared by their repr
+        return repr(a) != repr(b)
+
+
+def _refuse_identical_files(paths: list[Path]) -> None:
+    """Two shard files with the same bytes: one was copied over the other."""
+    by_size: dict[int, list[Path]] = {}
+    for p in paths:
+        by_size.setdefault(p.stat().st_size, []).append(p)
+    for same in by_size.values():
+        digests: dict[str, Path] = {}
+        for p in same if len(same) > 1 else ():
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            if digest in digests:
+                raise MegatronCheckpointError(
+                    f"{p}: the same bytes as {digests[digest]}: one shard is a copy of another, so part of "
+                    "the model is missing; copy the right file from the run that saved it"
+                )
+            digests[digest] = p
+
+
+def _tp_pieces(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[torch.Tensor, ...]] | None:
+    """TP rank ``i``'s piece(s) of a whole Megatron-Core tensor, or None when it is replicated."""
+    if COLUMN_PARALLEL.search(name):
+        if swiglu and ".mlp.linear_fc1." in name:
+            gate, up = t.chunk(2, dim=0)
+            return list(zip(gate.chunk(tp), up.chunk(tp)))
+        return [(c,) for c in t.chunk(tp, dim=0)]
+    if ROW_PARALLEL.search(name):
+        return [(c,) for c in t.chunk(tp, dim=1)]
+    return None
+
+
+def refuse_copies(state: dict[str, torch.Tensor], config: ModelConfig, tp: int, where: str) -> None:
+    """Whole Megatron-Core tensors (global layer numbers) whose TP pieces, or whole layers, are
+    equal in every tensor: a shard was copied over another (trained weights never coincide)."""
+    pieces = {n: p for n, t in state.items() if t.dim() == 2 and (p := _tp_pieces(n, t, tp, config.swiglu))}
+    for i in range(tp):
+        for j in range(i + 1, tp if pieces else 0):
+            if all(all(torch.equal(a, b) for a, b in zip(p[i], p[j])) for p in pieces.values()):
+                raise MegatronCheckpointError(
+                    f"{where}: TP ranks {i} and {j} hold the same shard of every split weight: one shard "
+                    "file is a copy of another; copy the right file from the run that saved it"
+                )
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        if (m := _LAYER.match(name)) and t.dim() == 2:
+            layers.setdefault(int(m.group(1)), {})[name[m.end() :]] = t
+    for i in sorted(layers):
+        for j in [j for j in sorted(layers) if j > i]:
+            if layers[i].keys() == layers[j].keys() and all(
+                torch.equal(t, layers[j][k]) for k, t in layers[i].items()
+            ):
+                raise MegatronCheckpointError(
+                    f"{where}: layers {i} and {j} are identical: a pipeline stage's shard is a copy of "
+                    "another; copy the right file from the run that saved it"
+                )
 
 
 def assemble_legacy(
@@ -511,14 +696,40 @@ def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     if "args" not in common:
         raise MegatronCheckpointError(f"{where}: no 'args' in common.pt")
     config = model_config_from_args(common["args"], where)
-    shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
+    metadata = storage.read_dcp_metadata(folder)
+    check_dist_files(folder, metadata)
+    shapes = storage.stored_shapes(metadata)
     names = [n for n in shapes if not n.startswith(_NOT_MODEL) and not _SKIP.search(n)]
     refuse_unreadable(names, "torch_dist", where)
     state = read_dist_tensors(folder, names)
+    refuse_copies(state, config, int(getattr(common["args"], "tensor_model_parallel_size", 1) or 1), where)
     it = common.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch_dist", it, folder, common["args"]
     )
+
+
+def check_dist_files(folder: Path, metadata) -> None:
+    """Every ``.distcp`` file the DCP metadata names is there, exactly as long as it records (a
+    cut file, a missing one or one with extra bytes is named before anything is read), and no
+    two are byte copies of each other."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if not path.is_file():
+            raise MegatronCheckpointError(
+                f"{path}: missing (the torch_dist .metadata lists it): copy it from the run that saved it"
+            )
+        size = path.stat().st_size
+        if size != end:
+            how = "truncated" if size < end else "longer than written"
+            raise MegatronCheckpointError(
+                f"{path}: {how} ({size} bytes, the .metadata records {end}): copy it again from the run "
+                "that saved it"
+            )
+    _refuse_identical_files([folder / name for name in sorted(ends)])
 
 
 def read_dist_tensors(folder: Path, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -527,7 +738,16 @@ def read_dist_tensors(folder: Path, names: list[str], prefix: str = "") -> dict[
     metadata = storage.read_dcp_metadata(folder)
     shapes, dtypes = storage.stored_shapes(metadata), storage.stored_dtypes(metadata)
     tensors = {n: torch.empty(shapes[prefix + n], dtype=dtypes[prefix + n]) for n in names}
-    storage.read({prefix + n: t for n, t in tensors.items()}, folder, no_dist=True)
+    try:
+        storage.read({prefix + n: t for n, t in tensors.items()}, folder, no_dist=True)
+    except MegaliteError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; name the folder and the first cause
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise MegatronCheckpointError(
+            f"{folder}: the torch_dist tensors cannot be read ({type(e).__name__}: {detail}); a .distcp file "
+            "is corrupt: copy the folder again from the run that saved it"
+        ) from None
     state = {}
     for name, t in tensors.items():
         if name.startswith("decoder.layers."):  # stacked: [num_layers, ...]
@@ -542,6 +762,9 @@ def read_megatron(path: str | Path, iteration: int | None = None) -> MegatronChe
     """A Megatron-LM checkpoint (save directory or ``iter_N`` folder), format detected."""
     folder, it = iteration_folder(path, iteration)
     fmt = detect_format(path, iteration)
+    missing = missing_iteration(path, iteration)
+    if missing is not None:
+        raise missing
     if fmt == "torch":
         return read_legacy(folder, it)
     if fmt == "torch_dist":
@@ -590,6 +813,9 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
     fmt = detect_format(path, iteration)
     if fmt is None:
         return
+    missing = missing_iteration(path, iteration)
+    if missing is not None:
+        raise missing
     out = f"{str(path).rstrip('/')}-megalite"
     step = f" --ckpt-step {iteration}" if iteration is not None else ""
     try:
