@@ -489,7 +489,21 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
     missing = [f"mp_rank_{t:02d}_{r:03d}" for t in range(tp) for r in range(pp) if (t, r) not in files]
     missing += [str(f) for f in files.values() if not f.is_file()]
     if missing:
-        raise MegatronCheckpointError(f"{folder}: incomplete torch checkpoint, missing {', '.join(missing)}")
+        layout = ""
+        if (0, 0) in files and files[(0, 0)].is_file():
+            args = load_pickle(files[(0, 0)], "torch checkpoint file").get("args")
+            stored = (
+                getattr(args, "tensor_model_parallel_size", tp),
+                getattr(args, "pipeline_model_parallel_size", pp),
+            )
+            if stored != (tp, pp):
+                layout = (
+                    f" (the stored args say tp {stored[0]} x pp {stored[1]}, the mp_rank_* folders reach tp {tp} x "
+                    f"pp {pp}: a folder beyond tp {stored[0]} x pp {stored[1]} is stray)"
+                )
+        raise MegatronCheckpointError(
+            f"{folder}: incomplete torch checkpoint, missing {', '.join(missing)}{layout}"
+        )
     return files
 
 
@@ -630,20 +644,25 @@ def _tp_pieces(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[
 
 
 def refuse_copies(state: dict[str, torch.Tensor], config: ModelConfig, tp: int, where: str) -> None:
-    """Whole Megatron-Core tensors (global layer numbers) whose TP pieces, or whole layers, are
-    equal in every tensor: a shard was copied over another (trained weights never coincide)."""
-    pieces = {n: p for n, t in state.items() if t.dim() == 2 and (p := _tp_pieces(n, t, tp, config.swiglu))}
-    for i in range(tp):
-        for j in range(i + 1, tp if pieces else 0):
-            if all(all(torch.equal(a, b) for a, b in zip(p[i], p[j])) for p in pieces.values()):
-                raise MegatronCheckpointError(
-                    f"{where}: TP ranks {i} and {j} hold the same shard of every split weight: one shard "
-                    "file is a copy of another; copy the right file from the run that saved it"
-                )
-    layers: dict[int, dict[str, torch.Tensor]] = {}
+    """Whole Megatron-Core tensors (global layer numbers): a layer (or the embedding) whose split
+    weights have equal TP pieces, or two layers equal in every weight, mean a shard was copied
+    over another (trained weights never coincide)."""
+    groups: dict[object, dict[str, torch.Tensor]] = {}
     for name, t in state.items():
-        if (m := _LAYER.match(name)) and t.dim() == 2:
-            layers.setdefault(int(m.group(1)), {})[name[m.end() :]] = t
+        if t.dim() == 2:
+            m = _LAYER.match(name)
+            groups.setdefault(int(m.group(1)) if m else name, {})[name[m.end() :] if m else name] = t
+    for key, group in groups.items():
+        pieces = [p for n, t in group.items() if (p := _tp_pieces(n, t, tp, config.swiglu))]
+        for i in range(tp):
+            for j in range(i + 1, tp if pieces else 0):
+                if all(all(torch.equal(a, b) for a, b in zip(p[i], p[j])) for p in pieces):
+                    what = f"layer {key}" if isinstance(key, int) else key
+                    raise MegatronCheckpointError(
+                        f"{where}: TP ranks {i} and {j} hold the same shard of {what}: one shard file is a "
+                        "copy of another; copy the right file from the run that saved it"
+                    )
+    layers = {k: g for k, g in groups.items() if isinstance(k, int)}
     for i in sorted(layers):
         for j in [j for j in sorted(layers) if j > i]:
             if layers[i].keys() == layers[j].keys() and all(
@@ -675,6 +694,13 @@ def assemble_legacy(
             refuse_unreadable(chunks[(0, r)][v], "torch", where)
             layers = {int(m.group(1)) for name in chunks[(0, r)][v] if (m := _LAYER.match(name))}
             shards = [tensors[(t, r)][v] for t in range(tp)]
+            for t in range(1, tp):
+                if shards[t].keys() != shards[0].keys():
+                    name = sorted(shards[t].keys() ^ shards[0].keys())[0]
+                    raise MegatronCheckpointError(
+                        f"{where}: TP ranks 0 and {t} of pipeline stage {r} hold different tensors ({name} in one "
+                        "only): a shard file is from another stage or save; copy the right one"
+                    )
             for name in shards[0]:
                 whole = merge_tp([s[name] for s in shards], name, config)
                 state.setdefault(renumber(name, offset), whole)  # the tied head's copy repeats the embedding

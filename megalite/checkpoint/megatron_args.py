@@ -455,7 +455,7 @@ IRRELEVANT: dict[str, tuple[str, frozenset[str]]] = {
             """
             consumed_train_bins consumed_valid_samples cpu_offloading data_parallel_size grpo_samples_per_iteration
             skipped_train_samples transformer_pipeline_model_parallel_size use_custom_fsdp variable_seq_lengths
-            world_size use_dist_ckpt num_floating_point_operations_so_far use_flash_attn
+            world_size use_dist_ckpt num_floating_point_operations_so_far
             """
         ),
     ),
