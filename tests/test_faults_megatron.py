@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -33,6 +34,7 @@ from megalite.model.config import ModelConfig
 from megalite.model.gpt import GPTModel
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron"
+HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 ITER = "iter_0000005"
 
 
@@ -319,6 +321,8 @@ def test_round_trips_keep_the_model_or_refuse_naming_the_field(fx):
     """megalite -> Megatron (torch, torch_dist at tp 2) / HF -> megalite: the same identity (true
     vocabulary included) and bitwise weights; HF refuses what it cannot express in one line."""
     for config, (target, fmt) in ROUND_TRIPS:
+        if target == "hf" and not HAVE_SAFETENSORS:
+            continue  # the missing extra's own line is tested below
         torch.manual_seed(0)
         src = fx.out()
         save_model_checkpoint(GPTModel(config), config, src)
@@ -346,7 +350,8 @@ def test_export_faults_leave_nothing_behind(fx):
     src = fx.out()
     save_model_checkpoint(GPTModel(config), config, src)
     full = OSError(errno.ENOSPC, "No space left on device")
-    for target, patch in (("hf", "safetensors.torch.save_file"), ("megatron", "torch.save")):
+    targets = (("hf", "safetensors.torch.save_file"),) if HAVE_SAFETENSORS else ()
+    for target, patch in (*targets, ("megatron", "torch.save")):
         out = fx.out()
         argv = ["--input", src, "--output", out, "--output-format", target]
         with mock.patch(patch, side_effect=full):
