@@ -351,9 +351,16 @@ def test_export_faults_leave_nothing_behind(fx):
     save_model_checkpoint(GPTModel(config), config, src)
     full = OSError(errno.ENOSPC, "No space left on device")
     targets = (("hf", "safetensors.torch.save_file"),) if HAVE_SAFETENSORS else ()
-    for target, patch in (*targets, ("megatron", "torch.save")):
+    dcp_write = "torch.distributed.checkpoint.filesystem._write_item"
+    megatron = [("megatron", "torch.save", fmt) for fmt in (T, D)] + [
+        ("megatron", dcp_write, D),
+        ("megalite", dcp_write, None),  # from the stored Megatron checkpoint (below)
+    ]
+    for target, patch, fmt in [(t, p, None) for t, p in targets] + megatron:
         out = fx.out()
-        argv = ["--input", src, "--output", out, "--output-format", target]
+        source = DATA / "gpt2" / T if target == "megalite" else src
+        argv = ["--input", source, "--output", out, "--output-format", target]
+        argv += ["--ckpt-format", fmt] if fmt else []
         with mock.patch(patch, side_effect=full):
             r = convert(*argv)
         assert r.rc == 2 and len(r.error_lines) == 1 and "no space left" in r.err, r.err

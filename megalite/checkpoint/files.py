@@ -429,13 +429,13 @@ def staged_output(path: str | Path, flag: str = "--output"):
         if path.is_dir():
             path.rmdir()  # empty (checked by the caller): replaced by the finished folder
         os.replace(temp, path)
-    except OSError as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException wrapping the OSError
         shutil.rmtree(temp, ignore_errors=True)
-        cause = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+        if not (full or isinstance(e, OSError)):  # a bug, KeyboardInterrupt: nothing half-written stays
+            raise
+        cause = "no space left on the device" if full else (e.strerror or str(e))
         raise CheckpointError(
             f"{flag} {path}: cannot write it ({cause}); nothing was left behind: free space (or pick "
             "another folder) and rerun the same command"
         ) from None
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
