@@ -421,7 +421,7 @@ def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str
                 raise error(
                     f"args.megalite_vocab_size={config.vocab_size} but the padding rows of {name} are not "
                     "zero (trained on in Megatron-LM, whose softmax gives them mass): this is no longer the "
-                    f"{config.vocab_size}-id model; delete args.megalite_vocab_size to read all rows"
+                    f"{config.vocab_size}-id model megalite exported, and no model megalite can say is the same"
                 )
             out[name] = out[name][: config.vocab_size]
 
