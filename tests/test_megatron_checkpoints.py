@@ -143,14 +143,16 @@ def test_export_writes_what_megatron_core_writes(tmp_path):
 
 
 def _rewrite_rank_file(root: Path, change) -> None:
-    """Apply ``change(state)`` to the first rank file of a copied legacy checkpoint."""
-    path = root / "iter_0000005" / "mp_rank_00_000" / mg.LEGACY_FILE
-    state = mg.load_pickle(path, "test")
-    # the stand-ins for Megatron's enums cannot be pickled again without megatron-core: drop them
-    plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
-    state["args"] = argparse.Namespace(**plain)
-    change(state)
-    torch.save(state, path)
+    """Apply ``change(state)`` to the first rank file of a copied legacy checkpoint (the stand-ins
+    for Megatron's enums cannot be pickled again without megatron-core: dropped from every rank
+    file's args, which must stay the same in all)."""
+    for path in sorted((root / "iter_0000005").glob(f"mp_rank_*/{mg.LEGACY_FILE}")):
+        state = mg.load_pickle(path, "test")
+        plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
+        state["args"] = argparse.Namespace(**plain)
+        if path.parent.name == "mp_rank_00_000":
+            change(state)
+        torch.save(state, path)
 
 
 def _one_line_error(path: Path, match: str) -> str:

@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 # Runnable as a plain script from a checkout: make the repository importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,7 +127,7 @@ def log(msg: str) -> None:
 def describe(config) -> str:
     try:
         flavour = hf.hf_flavour(config)
-    except hf.HFConversionError:  # a model of its own (e.g. --qk-layernorm): it converts all the same
+    except MegaliteError:  # no transformers counterpart (e.g. --qk-layernorm): only an HF output refuses it
         flavour = "megalite"
     return (
         f"{flavour}: {config.num_layers} layers, hidden {config.hidden_size}, heads "
@@ -259,7 +260,8 @@ def convert(args: argparse.Namespace) -> None:
             )
         bar.update(1)
         log(f"writing transformers checkpoint ({hf_config['architectures'][0]}) to {args.output}")
-        files = hf.write_hf_checkpoint(args.output, hf_state, hf_config, max_shard_bytes=max_shard)
+        with ckpt_files.staged_output(args.output) as out:
+            files = hf.write_hf_checkpoint(str(out), hf_state, hf_config, max_shard_bytes=max_shard)
         log(f"wrote config.json and {', '.join(files)}")
     elif args.output_format == "megatron":
         from megalite.checkpoint.megatron_export import write_megatron
@@ -267,12 +269,15 @@ def convert(args: argparse.Namespace) -> None:
         bar.update(1)
         tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
         log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}) to {args.output}")
-        log(f"wrote {write_megatron(state, config, args.output, args.ckpt_format, tp, pp)}")
+        with ckpt_files.staged_output(args.output) as out:
+            folder = write_megatron(state, config, out, args.ckpt_format, tp, pp)
+        log(f"wrote {Path(args.output) / folder.name}")
     else:
         bar.update(1)
         log(f"writing megalite checkpoint to {args.output}")
-        where = write_megalite(state, config, args.output, *(resume or ()))
-        log(f"wrote {where}")
+        with ckpt_files.staged_output(args.output) as out:
+            where = Path(write_megalite(state, config, str(out), *(resume or ())))
+        log(f"wrote {Path(args.output) / where.relative_to(out)}")
     bar.update(1, params=n_params)
     bar.close()
     log(f"done in {time.perf_counter() - start:.1f} s")

@@ -18,6 +18,8 @@ instant of the swap; a reader falls back to it.)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -408,3 +410,32 @@ class SaveLock:
         if self.held and self._read_holder().get("pid") == os.getpid():
             self.path.unlink(missing_ok=True)
         self.held = False
+
+
+@contextlib.contextmanager
+def staged_output(path: str | Path, flag: str = "--output"):
+    """Write a whole output folder under a temporary sibling, renamed to ``path`` only when every
+    file is written: a failure (a full disk, a bug) leaves no partial folder, so a retry works.
+
+    ``path`` must be absent or an empty directory. An ``OSError`` while writing (ENOSPC, EACCES,
+    ...) stops in one line naming ``flag`` and the cause.
+    """
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    try:
+        yield temp
+        if path.is_dir():
+            path.rmdir()  # empty (checked by the caller): replaced by the finished folder
+        os.replace(temp, path)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException wrapping the OSError
+        shutil.rmtree(temp, ignore_errors=True)
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+        if not (full or isinstance(e, OSError)):  # a bug, KeyboardInterrupt: nothing half-written stays
+            raise
+        cause = "no space left on the device" if full else (e.strerror or str(e))
+        raise CheckpointError(
+            f"{flag} {path}: cannot write it ({cause}); nothing was left behind: free space (or pick "
+            "another folder) and rerun the same command"
+        ) from None

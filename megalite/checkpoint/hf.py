@@ -32,6 +32,7 @@ The file I/O helpers at the bottom read/write ``config.json`` + safetensors
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -630,14 +631,25 @@ BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
+def _safetensors(function: str, what: str):
+    """``safetensors.torch.<function>``, or one line naming the missing extra."""
+    try:
+        module = importlib.import_module("safetensors.torch")
+    except ImportError:
+        raise HFConversionError(
+            f"{what} needs the safetensors package, which is not installed: pip install 'megalite[hf]' "
+            "(or pip install safetensors)"
+        ) from None
+    return getattr(module, function)
+
+
 def read_hf_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Read ``config.json`` and the weights of a transformers checkpoint directory.
 
     Weights: ``model.safetensors``, a sharded ``model.safetensors.index.json``, or as a
     fallback ``pytorch_model.bin`` (+ index) loaded with ``weights_only=True`` (no pickled code runs).
     """
-    from safetensors.torch import load_file
-
+    load_file = _safetensors("load_file", "--input-format hf")
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise HFFileError(f"--input {directory}: no such directory")
@@ -690,8 +702,7 @@ def write_hf_checkpoint(
 
     Returns the weight file names written. ``from_pretrained(directory)`` loads the result.
     """
-    from safetensors.torch import save_file
-
+    save_file = _safetensors("save_file", "--output-format hf")
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(dict(hf_config), f, indent=2, sort_keys=True)

@@ -35,6 +35,7 @@ other features megalite does not build are refused in one line naming the format
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import io
 import json
@@ -43,6 +44,7 @@ import pickle
 import re
 import signal
 import types
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megalite.checkpoint import storage
+from megalite.checkpoint import megatron_args, storage
 from megalite.checkpoint.files import TRACKER
-from megalite.checkpoint.logical import OUTPUT
+from megalite.checkpoint.logical import EMBEDDING, OUTPUT
 from megalite.errors import MegaliteError
 from megalite.model.config import ModelConfig
 
@@ -97,6 +99,11 @@ class _MegatronObject:
     def __repr__(self) -> str:
         return f"{type(self).__name__}{self.args}"
 
+    def __eq__(self, other) -> bool:  # the same member / config read from another file
+        return repr(self) == repr(other) and getattr(self, "state", None) == getattr(other, "state", None)
+
+    __hash__ = None
+
 
 # What Megatron-LM stores in its pickles besides tensors and builtins: megatron-core's own
 # allowlist (megatron/core/safe_globals.py) names exactly these.
@@ -125,10 +132,31 @@ def _safe_globals() -> list:
     return plain + numpy_names + stand_ins
 
 
+def _check_zip(path: Path, what: str) -> None:
+    """A ``torch.save`` file is a zip archive with a CRC per entry: a flipped byte anywhere (the
+    pickle or a tensor's data) is named here, before unpickling blames its content."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return  # not a zip: torch.load reads (or names) the older pickle format
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise MegatronCheckpointError(
+            f"{path}: cannot read this {what} ({type(e).__name__}: {e}); the file is truncated or corrupt: "
+            "copy it again from the run that saved it"
+        ) from None
+    if bad is not None:
+        raise MegatronCheckpointError(
+            f"{path}: this {what} is corrupt ({bad} fails its CRC check): copy it again from the run that saved it"
+        )
+
+
 def load_pickle(path: Path, what: str) -> dict:
     """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused."""
     # Only what is not allowed already: leaving the context removes its entries, and must not
     # remove a caller's own (megatron-core registers the same classes when it is imported).
+    _check_zip(path, what)
     registered = torch.serialization.get_safe_globals()
     ours = [g for g in _safe_globals() if g not in registered]
     try:
@@ -141,8 +169,12 @@ def load_pickle(path: Path, what: str) -> dict:
             f"{path}: refusing to unpickle this {what}: it holds more than Megatron-LM stores ({detail}); "
             "only tensors, builtins, argparse.Namespace, numpy RNG states and Megatron's enums are loaded"
         ) from None
-    except (OSError, RuntimeError) as e:
-        raise MegatronCheckpointError(f"{path}: cannot read this {what} ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # truncated or corrupt: RuntimeError, EOFError, BadZipFile, ValueError, ...
+        detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+        raise MegatronCheckpointError(
+            f"{path}: cannot read this {what} ({type(e).__name__}: {detail}); the file is truncated or "
+            "corrupt: copy it again from the run that saved it"
+        ) from None
 
 
 # ------------------------------------------------------------------------------ finding the files
@@ -162,6 +194,33 @@ def iteration_folder(path: str | Path, iteration: int | None = None) -> tuple[Pa
     return root / f"iter_{int(text):07d}", int(text)
 
 
+def _megatron_iterations(root: Path) -> list[str]:
+    """The ``iter_N`` / ``release`` folders of ``root`` that hold a Megatron-LM checkpoint."""
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and (p.name == "release" or _iteration_of(p) is not None)
+    ]
+    return sorted(p.name for p in found if _folder_format(p) is not None)
+
+
+def missing_iteration(path: str | Path, iteration: int | None) -> MegatronCheckpointError | None:
+    """One line when the tracker (or ``--ckpt-step``) names an iteration whose folder is missing
+    from a Megatron-LM save directory, naming what is there."""
+    folder, _ = iteration_folder(path, iteration)
+    root = Path(path)
+    if folder.is_dir() or folder == root:
+        return None
+    present = _megatron_iterations(root)
+    if not present:
+        return None
+    named = f"--ckpt-step {iteration}" if iteration is not None else f"{root / TRACKER} ({folder.name})"
+    return MegatronCheckpointError(
+        f"{named}: {folder} does not exist; this Megatron-LM save directory holds {', '.join(present)}: "
+        f"give --ckpt-step with one of those"
+    )
+
+
 def _iteration_of(folder: Path) -> int | None:
     m = re.fullmatch(r"iter_(\d+)", folder.name)
     return int(m.group(1)) if m else None
@@ -174,8 +233,13 @@ def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
         folder, _ = iteration_folder(path, iteration)
     except MegatronCheckpointError:
         return None
-    if not folder.is_dir():
-        return None
+    if not folder.is_dir():  # the tracker or --ckpt-step names a missing iteration: still Megatron's
+        present = _megatron_iterations(Path(path))
+        return _folder_format(Path(path) / present[-1]) if present else None
+    return _folder_format(folder)
+
+
+def _folder_format(folder: Path) -> str | None:
     if (folder / DIST_METADATA).is_file():
         try:
             backend = json.loads((folder / DIST_METADATA).read_text()).get("sharded_backend")
@@ -195,50 +259,76 @@ def detect_format(path: str | Path, iteration: int | None = None) -> str | None:
 
 
 # ------------------------------------------------------------------------------ the model's config
-# Megatron args that change the model and that megalite does not build: (arg, off values, feature).
-_REFUSED_ARGS = (
-    ("num_experts", (None, 0, 1), "MoE experts"),
-    ("fp8", (None, False), "fp8 scales"),
-    ("fp4", (None, False), "fp4 scales"),
-    ("multi_latent_attention", (None, False), "multi-latent attention"),
-    ("mtp_num_layers", (None, 0), "multi-token prediction layers"),
-)
+def _arg(args: argparse.Namespace, *names: str, default=None):
+    """The first of ``names`` the stored args set (Megatron renamed some: ``norm_epsilon`` is
+    ``layernorm_epsilon`` since megatron-core 0.14, ``apply_layernorm_1p``
+    ``layernorm_zero_centered_gamma``)."""
+    for name in names:
+        if getattr(args, name, None) is not None:
+            return getattr(args, name)
+    return default
 
 
-def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
-    """The ModelConfig of Megatron-LM's stored ``args`` (vocab: its padded size, see the module doc)."""
-    for name, off, feature in _REFUSED_ARGS:
-        if getattr(args, name, None) not in off:
-            raise MegatronCheckpointError(
-                f"{where}: {feature} (args.{name}={getattr(args, name)!r}) — megalite does not build them, "
-                "so this checkpoint cannot be read"
-            )
-    bias = getattr(args, "add_bias_linear", True)
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+def _position_embedding(args: argparse.Namespace, where: str) -> str:
+    kind = getattr(args, "position_embedding_type", None) or "learned_absolute"
+    if getattr(args, "use_rotary_position_embeddings", False):
+        kind = "rope"  # the older switch; Megatron's validation turns it into the type
+    if kind not in ("learned_absolute", "rope"):
+        raise MegatronCheckpointError(
+            f"{where}: args.position_embedding_type={kind!r} — megalite builds learned_absolute or rope"
+        )
+    if kind == "learned_absolute" and getattr(args, "add_position_embedding", True) is False:
+        raise MegatronCheckpointError(
+            f"{where}: args.add_position_embedding=False with learned_absolute positions (a model without "
+            "position embeddings) — megalite does not build it"
+        )
+    return kind
+
+
+def _vocab(args: argparse.Namespace, where: str) -> int:
+    """Megatron's padded vocabulary (its softmax runs over every row), or the true one megalite
+    recorded when it exported (``megalite_vocab_size``): the padding rows stay padding."""
+    vocab = _arg(args, "megalite_vocab_size", "padded_vocab_size", "vocab_size")
     if vocab is None:
         raise MegatronCheckpointError(
             f"{where}: the stored args have neither padded_vocab_size nor vocab_size"
+        )
+    return int(vocab)
+
+
+def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
+    """The ModelConfig of Megatron-LM's stored ``args`` (vocab: see :func:`_vocab`); every stored
+    arg is read, refused or irrelevant (:mod:`megalite.checkpoint.megatron_args`)."""
+    megatron_args.check_args(args, where, MegatronCheckpointError)
+    bias = getattr(args, "add_bias_linear", True)  # linear_qkv's bias: add_bias_linear or add_qkv_bias
+    normalization = getattr(args, "normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise MegatronCheckpointError(
+            f"{where}: args.normalization={normalization!r} — megalite builds LayerNorm or RMSNorm"
         )
     gqa = getattr(args, "group_query_attention", False)
     return ModelConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        vocab_size=int(vocab),
+        vocab_size=_vocab(args, where),
         max_position_embeddings=getattr(args, "max_position_embeddings", None) or args.seq_length,
         ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
         num_query_groups=args.num_query_groups if gqa else None,
         kv_channels=getattr(args, "kv_channels", None),
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        normalization=getattr(args, "normalization", "LayerNorm"),
+        position_embedding_type=_position_embedding(args, where),
+        normalization=normalization,
         swiglu=bool(getattr(args, "swiglu", False)),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bool(bias),
         openai_gelu=bool(getattr(args, "openai_gelu", False)),
         rotary_base=float(getattr(args, "rotary_base", 10000)),
         rotary_percent=float(getattr(args, "rotary_percent", 1.0)),
-        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
-        apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+        norm_epsilon=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        apply_layernorm_1p=bool(
+            getattr(args, "apply_layernorm_1p", False)
+            or getattr(args, "layernorm_zero_centered_gamma", False)
+        ),
         squared_relu=bool(getattr(args, "squared_relu", False)),
         rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
@@ -327,6 +417,16 @@ def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str
     def error(msg: str) -> MegatronCheckpointError:
         return MegatronCheckpointError(f"{where}: {msg}")
 
+    for name in (EMBEDDING, OUTPUT):  # megalite's export pads the true vocabulary with zero rows
+        if name in out and out[name].shape[0] > config.vocab_size:
+            if out[name][config.vocab_size :].any():
+                raise error(
+                    f"args.megalite_vocab_size={config.vocab_size} but the padding rows of {name} are not "
+                    "zero (trained on in Megatron-LM, whose softmax gives them mass): this is no longer the "
+                    f"{config.vocab_size}-id model megalite exported, and no model megalite can say is the same"
+                )
+            out[name] = out[name][: config.vocab_size]
+
     check_logical_state_dict(out, config, error=error)
     return out
 
@@ -379,13 +479,33 @@ def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
             raise MegatronCheckpointError(
                 f"{folder}: torch checkpoint with expert-parallel ranks ({p.name}): MoE experts are not read"
             )
-        files[(int(m.group(1)), int(m.group(2) or 0))] = p / LEGACY_FILE
+        rank = (int(m.group(1)), int(m.group(2) or 0))
+        if rank in files:
+            raise MegatronCheckpointError(
+                f"{folder}: {files[rank].parent.name} and {p.name} are both TP rank {rank[0]}, PP rank "
+                f"{rank[1]}: every shard must be present once; remove the stray folder"
+            )
+        files[rank] = p / LEGACY_FILE
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(r for _, r in files)
     missing = [f"mp_rank_{t:02d}_{r:03d}" for t in range(tp) for r in range(pp) if (t, r) not in files]
     missing += [str(f) for f in files.values() if not f.is_file()]
     if missing:
-        raise MegatronCheckpointError(f"{folder}: incomplete torch checkpoint, missing {', '.join(missing)}")
+        layout = ""
+        if (0, 0) in files and files[(0, 0)].is_file():
+            args = load_pickle(files[(0, 0)], "torch checkpoint file").get("args")
+            stored = (
+                getattr(args, "tensor_model_parallel_size", tp),
+                getattr(args, "pipeline_model_parallel_size", pp),
+            )
+            if stored != (tp, pp):
+                layout = (
+                    f" (the stored args say tp {stored[0]} x pp {stored[1]}, the mp_rank_* folders reach tp {tp} x "
+                    f"pp {pp}: a folder beyond tp {stored[0]} x pp {stored[1]} is stray)"
+                )
+        raise MegatronCheckpointError(
+            f"{folder}: incomplete torch checkpoint, missing {', '.join(missing)}{layout}"
+        )
     return files
 
 
@@ -426,14 +546,134 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
             "order; load it once in Megatron-LM and save again"
         )
     config = model_config_from_args(first["args"], where)
+    check_rank_files(loaded, files, tp, pp)
     chunks = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
     vp = len(chunks[(0, 0)])
+    if any(len(c) != vp for c in chunks.values()):
+        counts = {files[r].parent.name: len(c) for r, c in chunks.items()}
+        raise MegatronCheckpointError(
+            f"{folder}: the rank files hold different numbers of model chunks {counts}"
+        )
     state = assemble_legacy(chunks, chunks, config, where)
+    refuse_copies(state, config, tp, where)
     layout = {"tp": tp, "pp": pp, "vp": vp}
     it = first.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch", it, folder, first["args"], layout
     )
+
+
+_PER_RANK_ARGS = ("rank", "local_rank")  # what differs between the files of one save
+
+
+def check_rank_files(
+    loaded: dict[tuple[int, int], dict], files: dict[tuple[int, int], Path], tp: int, pp: int
+) -> None:
+    """Every ``mp_rank_*`` file of one save agrees with the folder layout and with the others:
+    the stored TP x PP sizes, the same args (but the rank) and iteration, distinct ranks, and no
+    file a byte copy of another."""
+    first = loaded[(0, 0)]
+    stored = (
+        getattr(first["args"], "tensor_model_parallel_size", tp),
+        getattr(first["args"], "pipeline_model_parallel_size", pp),
+    )
+    if stored != (tp, pp):
+        raise MegatronCheckpointError(
+            f"{files[(0, 0)].parents[1]}: the stored args say tp {stored[0]} x pp {stored[1]} but the folder "
+            f"holds mp_rank_* folders for tp {tp} x pp {pp}: a shard folder is missing or stray"
+        )
+    common = {k: v for k, v in vars(first["args"]).items() if k not in _PER_RANK_ARGS}
+    ranks: dict[object, Path] = {}
+    for rank, state in loaded.items():
+        path = files[rank]
+        args = vars(state.get("args", argparse.Namespace()))
+        differs = sorted(
+            k
+            for k in set(common) | set(args)
+            if k not in _PER_RANK_ARGS and _differ(common.get(k), args.get(k))
+        )
+        if differs or state.get("iteration") != first.get("iteration"):
+            what = f"args.{differs[0]}" if differs else "iteration"
+            raise MegatronCheckpointError(
+                f"{path}: {what} differs from {files[(0, 0)]}: the rank files come from different saves"
+            )
+        if args.get("rank") is not None:
+            if args["rank"] in ranks:
+                raise MegatronCheckpointError(
+                    f"{path}: saved by the same process (args.rank {args['rank']}) as {ranks[args['rank']]}: "
+                    "one shard is a copy of another; copy the right file from the run that saved it"
+                )
+            ranks[args["rank"]] = path
+    _refuse_identical_files(list(files.values()))
+
+
+def _differ(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    try:
+        return bool(a != b)
+    except Exception:  # objects without a plain comparison (stand-ins): compared by their repr
+        return repr(a) != repr(b)
+
+
+def _refuse_identical_files(paths: list[Path]) -> None:
+    """Two shard files with the same bytes: one was copied over the other."""
+    by_size: dict[int, list[Path]] = {}
+    for p in paths:
+        by_size.setdefault(p.stat().st_size, []).append(p)
+    for same in by_size.values():
+        digests: dict[str, Path] = {}
+        for p in same if len(same) > 1 else ():
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            if digest in digests:
+                raise MegatronCheckpointError(
+                    f"{p}: the same bytes as {digests[digest]}: one shard is a copy of another, so part of "
+                    "the model is missing; copy the right file from the run that saved it"
+                )
+            digests[digest] = p
+
+
+def _tp_pieces(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[torch.Tensor, ...]] | None:
+    """TP rank ``i``'s piece(s) of a whole Megatron-Core tensor, or None when it is replicated."""
+    if COLUMN_PARALLEL.search(name):
+        if swiglu and ".mlp.linear_fc1." in name:
+            gate, up = t.chunk(2, dim=0)
+            return list(zip(gate.chunk(tp), up.chunk(tp)))
+        return [(c,) for c in t.chunk(tp, dim=0)]
+    if ROW_PARALLEL.search(name):
+        return [(c,) for c in t.chunk(tp, dim=1)]
+    return None
+
+
+def refuse_copies(state: dict[str, torch.Tensor], config: ModelConfig, tp: int, where: str) -> None:
+    """Whole Megatron-Core tensors (global layer numbers): a layer (or the embedding) whose split
+    weights have equal TP pieces, or two layers equal in every weight, mean a shard was copied
+    over another (trained weights never coincide)."""
+    groups: dict[object, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        if t.dim() == 2:
+            m = _LAYER.match(name)
+            groups.setdefault(int(m.group(1)) if m else name, {})[name[m.end() :] if m else name] = t
+    for key, group in groups.items():
+        pieces = [p for n, t in group.items() if (p := _tp_pieces(n, t, tp, config.swiglu))]
+        for i in range(tp):
+            for j in range(i + 1, tp if pieces else 0):
+                if all(all(torch.equal(a, b) for a, b in zip(p[i], p[j])) for p in pieces):
+                    what = f"layer {key}" if isinstance(key, int) else key
+                    raise MegatronCheckpointError(
+                        f"{where}: TP ranks {i} and {j} hold the same shard of {what}: one shard file is a "
+                        "copy of another; copy the right file from the run that saved it"
+                    )
+    layers = {k: g for k, g in groups.items() if isinstance(k, int)}
+    for i in sorted(layers):
+        for j in [j for j in sorted(layers) if j > i]:
+            if layers[i].keys() == layers[j].keys() and all(
+                torch.equal(t, layers[j][k]) for k, t in layers[i].items()
+            ):
+                raise MegatronCheckpointError(
+                    f"{where}: layers {i} and {j} are identical: a pipeline stage's shard is a copy of "
+                    "another; copy the right file from the run that saved it"
+                )
 
 
 def assemble_legacy(
@@ -456,6 +696,13 @@ def assemble_legacy(
             refuse_unreadable(chunks[(0, r)][v], "torch", where)
             layers = {int(m.group(1)) for name in chunks[(0, r)][v] if (m := _LAYER.match(name))}
             shards = [tensors[(t, r)][v] for t in range(tp)]
+            for t in range(1, tp):
+                if shards[t].keys() != shards[0].keys():
+                    name = sorted(shards[t].keys() ^ shards[0].keys())[0]
+                    raise MegatronCheckpointError(
+                        f"{where}: TP ranks 0 and {t} of pipeline stage {r} hold different tensors ({name} in one "
+                        "only): a shard file is from another stage or save; copy the right one"
+                    )
             for name in shards[0]:
                 whole = merge_tp([s[name] for s in shards], name, config)
                 state.setdefault(renumber(name, offset), whole)  # the tied head's copy repeats the embedding
@@ -477,14 +724,40 @@ def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     if "args" not in common:
         raise MegatronCheckpointError(f"{where}: no 'args' in common.pt")
     config = model_config_from_args(common["args"], where)
-    shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
+    metadata = storage.read_dcp_metadata(folder)
+    check_dist_files(folder, metadata)
+    shapes = storage.stored_shapes(metadata)
     names = [n for n in shapes if not n.startswith(_NOT_MODEL) and not _SKIP.search(n)]
     refuse_unreadable(names, "torch_dist", where)
     state = read_dist_tensors(folder, names)
+    refuse_copies(state, config, int(getattr(common["args"], "tensor_model_parallel_size", 1) or 1), where)
     it = common.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch_dist", it, folder, common["args"]
     )
+
+
+def check_dist_files(folder: Path, metadata) -> None:
+    """Every ``.distcp`` file the DCP metadata names is there, exactly as long as it records (a
+    cut file, a missing one or one with extra bytes is named before anything is read), and no
+    two are byte copies of each other."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if not path.is_file():
+            raise MegatronCheckpointError(
+                f"{path}: missing (the torch_dist .metadata lists it): copy it from the run that saved it"
+            )
+        size = path.stat().st_size
+        if size != end:
+            how = "truncated" if size < end else "longer than written"
+            raise MegatronCheckpointError(
+                f"{path}: {how} ({size} bytes, the .metadata records {end}): copy it again from the run "
+                "that saved it"
+            )
+    _refuse_identical_files([folder / name for name in sorted(ends)])
 
 
 def read_dist_tensors(folder: Path, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -493,7 +766,16 @@ def read_dist_tensors(folder: Path, names: list[str], prefix: str = "") -> dict[
     metadata = storage.read_dcp_metadata(folder)
     shapes, dtypes = storage.stored_shapes(metadata), storage.stored_dtypes(metadata)
     tensors = {n: torch.empty(shapes[prefix + n], dtype=dtypes[prefix + n]) for n in names}
-    storage.read({prefix + n: t for n, t in tensors.items()}, folder, no_dist=True)
+    try:
+        storage.read({prefix + n: t for n, t in tensors.items()}, folder, no_dist=True)
+    except MegaliteError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; name the folder and the first cause
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise MegatronCheckpointError(
+            f"{folder}: the torch_dist tensors cannot be read ({type(e).__name__}: {detail}); a .distcp file "
+            "is corrupt: copy the folder again from the run that saved it"
+        ) from None
     state = {}
     for name, t in tensors.items():
         if name.startswith("decoder.layers."):  # stacked: [num_layers, ...]
@@ -508,6 +790,9 @@ def read_megatron(path: str | Path, iteration: int | None = None) -> MegatronChe
     """A Megatron-LM checkpoint (save directory or ``iter_N`` folder), format detected."""
     folder, it = iteration_folder(path, iteration)
     fmt = detect_format(path, iteration)
+    missing = missing_iteration(path, iteration)
+    if missing is not None:
+        raise missing
     if fmt == "torch":
         return read_legacy(folder, it)
     if fmt == "torch_dist":
@@ -558,6 +843,9 @@ def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--l
     fmt = detect_format(path, iteration)
     if fmt is None:
         return
+    missing = missing_iteration(path, iteration)
+    if missing is not None:
+        raise missing
     out = f"{str(path).rstrip('/')}-megalite"
     step = f" --ckpt-step {iteration}" if iteration is not None else ""
     try:

@@ -76,11 +76,12 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.
         num_query_groups=c.query_groups, kv_channels=c.head_dim, max_position_embeddings=c.max_position_embeddings,
         seq_length=c.max_position_embeddings, position_embedding_type=c.position_embedding_type,
         rotary_base=int(c.rotary_base), rotary_percent=c.rotary_percent, normalization=c.normalization,
-        norm_epsilon=c.norm_epsilon, apply_layernorm_1p=c.apply_layernorm_1p, swiglu=c.swiglu,
+        norm_epsilon=c.norm_epsilon, layernorm_epsilon=c.norm_epsilon, apply_layernorm_1p=c.apply_layernorm_1p,
+        layernorm_zero_centered_gamma=c.apply_layernorm_1p, swiglu=c.swiglu,
         openai_gelu=c.openai_gelu, add_bias_linear=c.add_bias_linear, add_qkv_bias=c.qkv_bias,
         squared_relu=c.squared_relu, rotary_interleaved=c.rotary_interleaved, qk_layernorm=c.qk_layernorm,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
-        padded_vocab_size=padded_vocab(c, tp), vocab_size=c.vocab_size,
+        padded_vocab_size=padded_vocab(c, tp), vocab_size=c.vocab_size, megalite_vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=c.make_vocab_size_divisible_by, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, num_experts=None, fp8=None,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype, transformer_impl="local",
@@ -209,6 +210,13 @@ def write_megatron(
     state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0
 ):
     """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp``."""
+    if config.query_groups % tp:
+        raise MegatronCheckpointError(
+            f"--target-tensor-parallel-size {tp}: Megatron-LM gives each TP rank whole query groups, and this "
+            f"model has {config.query_groups}; the model is exportable, the layout is not: pick a "
+            f"--target-tensor-parallel-size that divides {config.query_groups} (a torch_dist checkpoint then "
+            "loads in Megatron-LM at any such TP size)"
+        )
     config.validate(tp)
     if config.num_layers % pp:
         raise MegatronCheckpointError(
