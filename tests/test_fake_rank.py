@@ -198,3 +198,27 @@ def test_balanced_routing_gives_every_expert_its_share_and_permutes_as_the_mask_
         balanced = permute(tokens, m, probs)
     for a, b in zip(plain, balanced):
         assert torch.equal(a, b)
+
+
+def test_verify_says_did_not_hold_for_a_wrong_memory_model(monkeypatch):
+    """The checker must be able to fail: a memory model that predicts half the activations (every
+    other category right) makes ``--verify`` say, for each stage, that the prediction did NOT hold,
+    naming activations as the worst category; 3% off still holds (the 5% tolerance)."""
+    import dataclasses
+
+    from megalite import memory
+
+    right = memory.predict_rank
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv = _MODEL + layout + ["--num-layers", "4", "--global-batch-size", "8", "--fake-tensors"]
+    for factor, verdict in ((0.5, "the prediction did NOT hold (over 5%)"), (1.03, "the prediction held")):
+
+        def off(*a, factor=factor, **kw):
+            p = right(*a, **kw)
+            return dataclasses.replace(p, activations=int(p.activations * factor))
+
+        monkeypatch.setattr(memory, "predict_rank", off)
+        lines = [line for line in verify_layout(argv, 8) if line.startswith("  rank ")]
+        assert len(lines) == 2 and all(line.endswith(verdict) for line in lines), (factor, lines)
+        if factor == 0.5:
+            assert all("worst category activations" in line for line in lines), lines
