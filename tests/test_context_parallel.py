@@ -40,20 +40,19 @@ LAYOUTS = {
 }
 CP_OF = {"cp2": 2, "cp4": 4, "cp2-dp2-zero3": 2, "tp2-cp2-pp2-sp": 2}
 # The interaction matrix, pairwise (issue 41): a loss / schedule feature on some (comm, layout) runs,
-# each leaving the math equal to the same one-process reference (--mock-data masks no token, so
-# the per-token normalisation is the mean's). Every CP comm type meets the per-token loss and a
-# recompute kind; the per-token count is summed over dp x cp (cp4: dp 1, cp 4; zero3: dp 2, cp 2).
-FULL_RECOMPUTE = [
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-]
+# each against a one-process run with the same loss flags (REFERENCES; the plain reference for the
+# rest). Every CP comm type meets the per-token loss and a recompute kind; the per-token count is
+# summed over dp x cp (cp4: dp 1, cp 4; zero3: dp 2, cp 2). With --eod-mask-loss (mock documents
+# end inside a sample) the CP ranks count different numbers of tokens: only then does a normaliser
+# over the wrong group show (without it every rank holds s / cp tokens and the error cancels).
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+FULL_RECOMPUTE += ["--recompute-num-layers", "1"]
 PER_TOKEN = ["--calculate-per-token-loss"]
+EOD = ["--eod-mask-loss"]
+REFERENCES = {"per-token-eod": PER_TOKEN + EOD, "eod": EOD}  # name -> the loss flags of its runs
 PAIRS = {
-    ("p2p", "cp4"): PER_TOKEN,
+    ("p2p", "cp4"): REFERENCES["per-token-eod"],
+    ("p2p", "cp2"): REFERENCES["eod"],
     ("all_gather", "cp4"): FULL_RECOMPUTE + ["--no-gradient-accumulation-fusion"],
     ("all_gather", "cp2"): PER_TOKEN,
     ("all_gather", "cp2-dp2-zero3"): PER_TOKEN + ["--recompute-activations"],
@@ -169,6 +168,8 @@ def runs(tmp_path_factory):
     results = {w: run_distributed(_rank_work, w, plan[w], mesh_sizes[w], timeout=300) for w in (2, 4, 8)}
     with one_thread():  # the references, and the cp2 checkpoint resumed on one process
         pretrain_runs([BASE + f + out(f"{n}-reference") for n, f in FLAVOURS.items()])
+        pretrain_runs([BASE + f + loss + out(f"{n}-{r}-reference") for n, f in FLAVOURS.items()
+                       for r, loss in REFERENCES.items()])  # fmt: skip
         pretrain_runs([BASE + resume(out("resume-cp1")), FOUR_LAYERS + out("four-layers-reference")])
     return results, d
 
@@ -179,7 +180,9 @@ def runs(tmp_path_factory):
 def test_matches_one_process(runs, flavour, comm, name):
     """Every iteration's loss and grad norm equal one process's over the same global batches."""
     _, d = runs
-    ref, got = rows(d / f"{flavour}-reference.jsonl"), rows(d / f"{flavour}-{comm}-{name}.jsonl")
+    loss = {tuple(f): r for r, f in REFERENCES.items()}.get(tuple(PAIRS.get((comm, name), [])))
+    ref = rows(d / (f"{flavour}-{loss}-reference.jsonl" if loss else f"{flavour}-reference.jsonl"))
+    got = rows(d / f"{flavour}-{comm}-{name}.jsonl")
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(

@@ -422,3 +422,31 @@ def test_zero3_overlap_param_gather_bitwise(runs, name):
 def test_zero3_overlap_param_gather_resumes_bitwise(runs):
     saved, got = metrics(runs / "llama-tp2-dp2-z3-opg.jsonl"), metrics(runs / "llama-resumed-z3-opg.jsonl")
     assert got == saved[5:] and len(got) == ITERS - 5
+
+
+def test_zero2_stages_at_most_two_buckets(monkeypatch):
+    """A resource bound (issue 41): ZeRO-2 with --overlap-grad-reduce keeps a bucket's full grad only
+    from its first grad to its reduce-scatter; at any grad, at most two buckets hold a staging buffer
+    (the one launched last, the one filling), none after the step, each its bucket's padded size.
+    Losses cannot see a staging that is never freed (same values, more memory): this counts it.
+    One process (dp 1: the reduce-scatter is a copy), 8 small buckets, 2 microbatches, 3 steps."""
+    from megalite.parallel.sharding import optim_grads
+    from megalite.training import pretrain
+
+    seen, buffers = [], []
+    real_ready = optim_grads.ShardOptimGrads.grad_ready
+
+    def counting(self, param, bucket, sync):
+        out = real_ready(self, param, bucket, sync)
+        staged = [b for b in self.buffer.buckets if b.grad_data is not None]
+        assert all(b.grad_data.numel() == b.numel_padded for b in staged)
+        seen.append(len(staged))
+        buffers.append(self.buffer)
+        return out
+
+    monkeypatch.setattr(optim_grads.ShardOptimGrads, "grad_ready", counting)
+    argv = BASE + Z2 + ["--ddp-bucket-size", "2000", "--train-iters", "3", "--global-batch-size", "4"]
+    pretrain(argv + ["--overlap-grad-reduce"])
+    assert len({id(b) for b in buffers}) == 1 and len(buffers[0].buckets) >= 4
+    assert seen and max(seen) <= 2, seen
+    assert all(b.grad_data is None for b in buffers[0].buckets)  # nothing staged outlives the step
