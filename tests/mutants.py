@@ -1687,4 +1687,20 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_megatron_compat.py::test_decoupled_lr_and_min_lr_are_the_lrs_their_group_trains_with",),
         "--use-checkpoint-opt_param-scheduler keeps the decoupled group's schedule too, not only --lr's",
     ),
+    Mutant(
+        "planner-sp-rule-ignores-cp",
+        "megalite/planning/planner.py",
+        "                        if not sp or (tp > 1 and p.seq_length // cp % tp == 0)\n",
+        "                        if not sp or (tp > 1 and p.seq_length % tp == 0)\n",
+        ("tests/test_planner.py::test_sequence_parallel_candidates_follow_the_rule_both_ways",),
+        "SP splits each CP rank's s / cp tokens over tp: the rule is on s / cp, not s",
+    ),
+    Mutant(
+        "planner-cp-selective-recompute-not-resent",
+        "megalite/planning/planner.py",
+        '    return sent["forward"] * (2 if c.recompute != "none" else 1) + sent["backward"]\n',
+        '    return sent["forward"] * (2 if c.recompute == "full" else 1) + sent["backward"]\n',
+        ("tests/test_planner.py::test_cp_ring_bytes_resend_the_forward_under_every_recompute",),
+        "selective recompute reruns core attention too: its K/V ring is sent again",
+    ),
 ]
