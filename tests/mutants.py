@@ -1703,4 +1703,14 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_planner.py::test_cp_ring_bytes_resend_the_forward_under_every_recompute",),
         "selective recompute reruns core attention too: its K/V ring is sent again",
     ),
+    Mutant(
+        "megatron-import-reads-groups-without-gqa",
+        "megalite/checkpoint/megatron.py",
+        "        num_query_groups=args.num_query_groups if gqa else None,\n",
+        "        num_query_groups=args.num_query_groups,\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_megatrons_own_argument_defaults_import_as_megatron_reads_them",
+        ),
+        "Megatron's default num_query_groups is 1 with GQA off: read alone it imports MHA as MQA",
+    ),
 ]
