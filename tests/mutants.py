@@ -1713,4 +1713,12 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ),
         "Megatron's default num_query_groups is 1 with GQA off: read alone it imports MHA as MQA",
     ),
+    Mutant(
+        "fake-rank-kept-state-not-live-from-the-start",
+        "megalite/planning/fake_rank.py",
+        "        steady = [(live + kept_after[i], saved) for i, (live, saved) in enumerate(timeline)]\n",
+        "        steady = [(live, saved) for i, (live, saved) in enumerate(timeline)]\n",
+        ("tests/test_fake_rank.py::test_live_storage_meter_peak_and_temporaries_exact_on_a_script",),
+        "a steady step holds the optimizer state the first step makes at its end: the peak misses it",
+    ),
 ]
