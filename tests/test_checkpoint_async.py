@@ -205,6 +205,10 @@ def test_staging_copies_reuses_buffers_and_plans_the_cuda_copy():
     again, _ = staging.stage(pieces)
     assert {k: b.data_ptr() for k, b in staging.buffers.items()} == buffers  # reused, not reallocated
     assert torch.equal(again["w"].tensor, w[1:]) and staging.nbytes == 8 * 4 + 2 * 8
+    # A piece whose dtype or shape changed gets a buffer of its own (a reused one would cast or fail).
+    changed, _ = staging.stage({"w": w[1:].double(), "rng": torch.tensor([1, 2, 3], dtype=torch.int64)})
+    assert changed["w"].dtype == torch.float64 and torch.equal(changed["w"], w[1:].double())
+    assert changed["rng"].tolist() == [1, 2, 3] and staging.nbytes == 8 * 8 + 3 * 8
 
     # What the CUDA path hands its copy: pinned buffers of the source's shape and dtype, async copies
     # for device tensors; the RNG states (host tensors on a GPU run too) a plain copy.

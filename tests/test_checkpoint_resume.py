@@ -1,6 +1,7 @@
 """Checkpoints in training: exact resume, resharding to other layouts, the flags around --load,
 a kill during a save, and SIGTERM / --exit-* (pretrain() with --mock-data, tiny models)."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -318,3 +319,52 @@ def test_pretrain_gpt_exits_0_on_sigterm(tmp_path):
     assert "exiting at iteration" in rest and "SIGTERM" in rest
     saved = int((tmp_path / "ck" / files.TRACKER).read_text())
     assert saved >= 1 and (tmp_path / "ck" / f"iter_{saved:07d}").is_dir()
+
+
+# ---- predicates, one factor at a time (issue 41): pure, no processes ----------------------------
+def test_rng_layout_predicate_one_factor_at_a_time():
+    """RNG states are restored only at the same tp, pp, dp and cp: each size changed ALONE refuses
+    them (a predicate that ignores cp passes any test that changes cp with dp); the virtual stages,
+    the optimizer's sharding and the world size alone do not (they follow from the four)."""
+    from megalite.checkpoint.checkpointing import RNG_LAYOUT, same_rng_layout
+
+    base = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "data_parallel_size": 2,
+            "context_parallel_size": 2, "virtual_pipeline_model_parallel_size": 1,
+            "use_distributed_optimizer": False, "world_size": 16}  # fmt: skip
+    assert same_rng_layout(base, dict(base))
+    for key in RNG_LAYOUT:
+        assert not same_rng_layout({**base, key: 4}, base), key
+        assert not same_rng_layout(base, {**base, key: 1}), key
+    assert set(RNG_LAYOUT) == {k for k in base if k.endswith("parallel_size") and "virtual" not in k}
+    for key, value in (("virtual_pipeline_model_parallel_size", 2), ("use_distributed_optimizer", True)):
+        assert same_rng_layout({**base, key: value}, base), key
+    # A checkpoint written before context parallelism: cp 1, so it matches cp 1 only.
+    old = {k: v for k, v in base.items() if k != "context_parallel_size"}
+    assert same_rng_layout(old, {**base, "context_parallel_size": 1})
+    assert not same_rng_layout(old, base)
+
+
+def test_same_command_guard_one_factor_at_a_time(tmp_path):
+    """The requeue guard's predicate: the recorded --load, --ckpt-step and --finetune, each changed
+    alone, make another command; a requeued finetune (same --load, --finetune) is the same; a
+    finetune onto a plain run's --save (recorded: no --load, no --finetune) is not, even with the
+    plain run's own (absent) --load; a relative and an absolute --load of one folder are the same."""
+    from megalite.checkpoint.checkpointing import _same_command
+    from megalite.configs import CheckpointConfig
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    recorded = {"load": str(a), "ckpt_step": 3, "finetune": True}
+    same = CheckpointConfig(save="s", load=str(a), ckpt_step=3, finetune=True)
+    assert _same_command(recorded, same)  # a requeued finetune resumes its own progress
+    for change in (dict(load=str(b)), dict(load=None), dict(ckpt_step=None), dict(ckpt_step=4),
+                   dict(finetune=False)):  # fmt: skip
+        assert not _same_command(recorded, dataclasses.replace(same, **change)), change
+    plain = {"load": None, "ckpt_step": None, "finetune": False}  # a plain run's --save
+    assert _same_command(plain, CheckpointConfig(save="s"))
+    assert not _same_command(plain, CheckpointConfig(save="s", finetune=True))
+    assert not _same_command(plain, CheckpointConfig(save="s", load=str(a), finetune=True))
+    assert not _same_command(plain, CheckpointConfig(save="s", load=str(a)))
+    assert not _same_command(plain, CheckpointConfig(save="s", ckpt_step=2))
+    rel = os.path.relpath(a)
+    assert _same_command({**recorded, "load": rel}, same)

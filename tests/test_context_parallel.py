@@ -42,6 +42,26 @@ LAYOUTS = {
     "tp2-cp2-pp2-sp": (8, layout(2, 2) + ["--sequence-parallel"]),
 }
 CP_OF = {"cp2": 2, "cp4": 4, "cp2-dp2-zero3": 2, "tp2-cp2-pp2-sp": 2}
+# The interaction matrix, pairwise (issue 41): a loss / schedule feature on some (comm, layout) runs,
+# each against a one-process run with the same loss flags (REFERENCES; the plain reference for the
+# rest). Every CP comm type meets the per-token loss and a recompute kind; the per-token count is
+# summed over dp x cp (cp4: dp 1, cp 4; zero3: dp 2, cp 2). With --eod-mask-loss (mock documents
+# end inside a sample) the CP ranks count different numbers of tokens: only then does a normaliser
+# over the wrong group show (without it every rank holds s / cp tokens and the error cancels).
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+FULL_RECOMPUTE += ["--recompute-num-layers", "1"]
+PER_TOKEN = ["--calculate-per-token-loss"]
+EOD = ["--eod-mask-loss"]
+REFERENCES = {"per-token-eod": PER_TOKEN + EOD, "eod": EOD}  # name -> the loss flags of its runs
+PAIRS = {
+    ("p2p", "cp4"): REFERENCES["per-token-eod"],
+    ("p2p", "cp2"): REFERENCES["eod"],
+    ("all_gather", "cp4"): FULL_RECOMPUTE + ["--no-gradient-accumulation-fusion"],
+    ("all_gather", "cp2"): PER_TOKEN,
+    ("all_gather", "cp2-dp2-zero3"): PER_TOKEN + ["--recompute-activations"],
+    ("p2p", "tp2-cp2-pp2-sp"): ["--recompute-activations"],
+    ("all_gather", "tp2-cp2-pp2-sp"): PER_TOKEN + FULL_RECOMPUTE,
+}
 # Composes: cp2 x pp2, interleaved (2 virtual stages of 1 layer), selective recompute, ZeRO-1 (over
 # dp x cp = 2 at dp 1), --overlap-grad-reduce; 4 layers.
 # Both evaluate twice (every 5 iterations, 1 batch): the eval loss is over whole sequences too.
@@ -83,7 +103,34 @@ def _mesh_check(cp_size: int, tp: int, pp: int) -> dict:
         out[name] = ([int(x) for x in got], ranks)
         out[name + "_timeout"] = group._get_backend(torch.device("cpu")).options._timeout == timeout
     out["grad_dp"] = (grads.dp_size, grads.dp_rank)
+    if dist.get_world_size() == 2:
+        out["default_positions"] = _default_positions(mesh)
     return out
+
+
+def _default_positions(mesh) -> dict:
+    """The model's own position ids (none passed) at cp 2: each rank's per-token loss is one
+    process's on its two chunks of the whole sequence (GPT-2's learned positions, Llama's RoPE).
+    A default of 0..s/cp-1 (the shard's own length) gives rank 0 the right first chunk only."""
+    from megalite.model.config import ModelConfig
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.context import ParallelContext
+    from megalite.parallel.context_parallel import shard_sequence
+
+    small = dict(num_layers=2, hidden_size=32, vocab_size=60, max_position_embeddings=16, seed=5)
+    tokens = torch.randint(0, 60, (2, 17), generator=torch.Generator().manual_seed(3))
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    worst = {}
+    for name, config in (("gpt2", ModelConfig.gpt2(num_attention_heads=4, **small)),
+                         ("llama", ModelConfig.llama(num_attention_heads=8, num_query_groups=4, **small))):  # fmt: skip
+        whole = GPTModel(config)(input_ids=ids, labels=labels).detach()
+        mine = GPTModel(config, ParallelContext(mesh))
+        got = mine(
+            input_ids=shard_sequence(ids, 1, 2, mesh.cp_rank),
+            labels=shard_sequence(labels, 1, 2, mesh.cp_rank),
+        )
+        worst[name] = float((got.detach() - shard_sequence(whole, 1, 2, mesh.cp_rank)).abs().max())
+    return worst
 
 
 def _rank_work(runs, mesh_sizes):
@@ -111,7 +158,8 @@ def runs(tmp_path_factory):
     for flavour, fflags in FLAVOURS.items():
         for comm in COMMS:
             for name, (world, lflags) in LAYOUTS.items():
-                argv = BASE + fflags + lflags + cp(CP_OF[name], comm) + out(f"{flavour}-{comm}-{name}")
+                argv = BASE + fflags + lflags + PAIRS.get((comm, name), []) + cp(CP_OF[name], comm)
+                argv += out(f"{flavour}-{comm}-{name}")
                 if (flavour, comm, name) == SAVED:
                     argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
                 plan[world].append(argv)
@@ -126,6 +174,8 @@ def runs(tmp_path_factory):
     results = {w: run_distributed(_rank_work, w, plan[w], mesh_sizes[w], timeout=300) for w in (2, 4, 8)}
     with one_thread():  # the references, and the cp2 checkpoint resumed on one process
         pretrain_runs([BASE + f + out(f"{n}-reference") for n, f in FLAVOURS.items()])
+        pretrain_runs([BASE + f + loss + out(f"{n}-{r}-reference") for n, f in FLAVOURS.items()
+                       for r, loss in REFERENCES.items()])  # fmt: skip
         pretrain_runs([BASE + resume(out("resume-cp1")), FOUR_LAYERS + out("four-layers-reference")])
     return results, d
 
@@ -136,7 +186,9 @@ def runs(tmp_path_factory):
 def test_matches_one_process(runs, flavour, comm, name):
     """Every iteration's loss and grad norm equal one process's over the same global batches."""
     _, d = runs
-    ref, got = rows(d / f"{flavour}-reference.jsonl"), rows(d / f"{flavour}-{comm}-{name}.jsonl")
+    loss = {tuple(f): r for r, f in REFERENCES.items()}.get(tuple(PAIRS.get((comm, name), [])))
+    ref = rows(d / (f"{flavour}-{loss}-reference.jsonl" if loss else f"{flavour}-reference.jsonl"))
+    got = rows(d / f"{flavour}-{comm}-{name}.jsonl")
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(
@@ -199,6 +251,8 @@ def test_mesh_cp_groups(runs):
             assert got == ranks and len(ranks) == dp * cp_size and rank in ranks
             assert m["grad_dp"] == (dp * cp_size, ranks.index(rank))
             assert m["cp_timeout"] and m["dp_cp_timeout"]
+            if world == 2:
+                assert max(m["default_positions"].values()) < 1e-5, m["default_positions"]
 
 
 def test_megatron_llama3_script_at_cp2(runs, tmp_path):

@@ -198,3 +198,52 @@ def test_balanced_routing_gives_every_expert_its_share_and_permutes_as_the_mask_
         balanced = permute(tokens, m, probs)
     for a, b in zip(plain, balanced):
         assert torch.equal(a, b)
+
+
+def test_verify_says_did_not_hold_for_a_wrong_memory_model(monkeypatch):
+    """The checker must be able to fail: a memory model that predicts half the activations (every
+    other category right) makes ``--verify`` say, for each stage, that the prediction did NOT hold,
+    naming activations as the worst category; 3% off still holds (the 5% tolerance)."""
+    import dataclasses
+
+    from megalite import memory
+
+    right = memory.predict_rank
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv = _MODEL + layout + ["--num-layers", "4", "--global-batch-size", "8", "--fake-tensors"]
+    for factor, verdict in ((0.5, "the prediction did NOT hold (over 5%)"), (1.03, "the prediction held")):
+
+        def off(*a, factor=factor, **kw):
+            p = right(*a, **kw)
+            return dataclasses.replace(p, activations=int(p.activations * factor))
+
+        monkeypatch.setattr(memory, "predict_rank", off)
+        lines = [line for line in verify_layout(argv, 8) if line.startswith("  rank ")]
+        assert len(lines) == 2 and all(line.endswith(verdict) for line in lines), (factor, lines)
+        if factor == 0.5:
+            assert all("worst category activations" in line for line in lines), lines
+
+
+def test_live_storage_meter_peak_and_temporaries_exact_on_a_script():
+    """The live peak and the temporaries (what is neither state nor saved) by value (issue 41), on
+    a scripted step of real tensors: a 4000 B tensor before the step; op 0 makes b (4000 B), op 1
+    makes c (4000 B) while autograd 'saves' b, then b is freed; op 2 makes m (2000 B). c and m
+    outlive the step (the optimizer's state of a first step): each counts as live from the step's
+    start up to the op that made it. Live per op: 8000 + 6000, 12000 + 2000, 10000: peak 14000;
+    less the saved bytes: 14000, 10000, 10000: temporaries 14000."""
+    import torch
+
+    from megalite.planning.fake_rank import LiveStorageMeter
+
+    meter, saved = LiveStorageMeter(), [0]
+    with meter:
+        a = torch.ones(1000)
+        meter.start_step(lambda: saved[0])
+        b = a * 2
+        saved[0] = 4000
+        c = b + 1
+        del b
+        saved[0] = 0
+        m = torch.zeros(500)
+    assert meter.finish() == (14000, 14000)
+    assert c.numel() + m.numel() == 1500

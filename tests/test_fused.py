@@ -429,3 +429,47 @@ def test_cuda_fusion_probe_and_bf16_gemm():
     want = target + a.t().float() @ b.float()
     layers.add_matmul_into(target, a.t(), b)
     torch.testing.assert_close(target, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_wgrad_accumulates_microbatches_in_each_dtype_on_cpu(dtype, microbatches):
+    """The dtype x device x accumulation matrix on this CPU (issue 41): the fused weight-gradient
+    path adds every microbatch's grad into the fp32 buffer (DDP's accumulator), each backward
+    leaving a placeholder marked as added. Against the unfused path (the weight grad in the model's
+    dtype, then added into fp32, as DDP's hook does): bitwise, since the CPU has no mixed-dtype GEMM
+    and both run the same low-precision GEMM then the fp32 add; against fp64 math: within one
+    rounding of each microbatch's low-precision product (fp32: a few ulp of the sums)."""
+    from megalite.parallel import layers, param_attributes
+
+    assert not layers.mixed_dtype_gemm(torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    init = torch.randn(16, 24, generator=g).to(dtype)
+    xs = [torch.randn(2, 5, 24, generator=g).to(dtype) for _ in range(microbatches)]
+    dys = [torch.randn(2, 5, 16, generator=g).to(dtype) for _ in range(microbatches)]
+
+    def run(fused: bool):
+        w = torch.nn.Parameter(init.clone())
+        main = torch.zeros(16, 24)  # the fp32 grad buffer
+        if fused:
+            param_attributes.set_wgrad_accumulator(w, lambda: main)
+        dxs = []
+        for x, dy in zip(xs, dys):
+            x = x.clone().requires_grad_()
+            layers.linear(x, w).backward(dy)
+            assert param_attributes.take_grad_added(w) == fused
+            if not fused:
+                main.add_(w.grad)  # DDP's hook: the model-dtype grad added into fp32
+            w.grad = None
+            dxs.append(x.grad)
+        return main, dxs
+
+    fused, dx_fused = run(True)
+    plain, dx_plain = run(False)
+    assert torch.equal(fused, plain) and all(torch.equal(a, b) for a, b in zip(dx_fused, dx_plain))
+    want = sum(dy.double().reshape(-1, 16).t() @ x.double().reshape(-1, 24) for x, dy in zip(xs, dys))
+    size = sum(
+        dy.double().abs().reshape(-1, 16).t() @ x.double().abs().reshape(-1, 24) for x, dy in zip(xs, dys)
+    )
+    unit = {torch.float32: 2.0**-24 * 24, torch.bfloat16: BF16_U, torch.float16: 2.0**-11}[dtype]
+    assert ((fused.double() - want).abs() <= 2 * unit * size + 1e-6).all()

@@ -535,3 +535,23 @@ def _determined_rows(name: str, config) -> torch.Tensor | slice:
     block = (q_per_group + 2) * config.head_dim  # per group: its query heads, then k, then v
     row = torch.arange(config.query_groups * block) % block
     return ~((row >= q_per_group * config.head_dim) & (row < (q_per_group + 1) * config.head_dim))
+
+
+def test_megatrons_own_argument_defaults_import_as_megatron_reads_them():
+    """A fixture with Megatron-LM's own defaults (arguments.py: --num-query-groups 1 whatever
+    --group-query-attention, which is off by default): multi-head attention, as Megatron builds it
+    (num_query_groups is read only under GQA); with GQA on, its groups. Each factor alone."""
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, seq_length=32,
+                max_position_embeddings=32, num_query_groups=1, group_query_attention=False)  # fmt: skip
+    mha = mg.model_config_from_args(argparse.Namespace(**base), "test")
+    assert (mha.num_query_groups, mha.query_groups) == (None, 4)
+    gqa = mg.model_config_from_args(argparse.Namespace(**{**base, "group_query_attention": True}), "test")
+    assert gqa.query_groups == 1  # MQA: Megatron's default group count, asked for
+    two = mg.model_config_from_args(
+        argparse.Namespace(**{**base, "group_query_attention": True, "num_query_groups": 2}), "test"
+    )
+    assert two.query_groups == 2
+    assert (
+        mg.model_config_from_args(argparse.Namespace(**{**base, "num_query_groups": 2}), "test").query_groups
+        == 4
+    )

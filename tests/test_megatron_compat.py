@@ -592,3 +592,53 @@ def test_transformer_engine_is_one_warning_and_refused_features_are_never_typos(
     assert bpe.tokenizer_type == "GPT2BPETokenizer"
     with pytest.raises(ArgumentError, match="NullTokenizer needs --vocab-size"):
         validate_args(parse_args(["--mock-data", "--train-iters", "1", "--vocab-file", "v.json"]), 1)
+
+
+# ---- per-group schedules followed to the step each group takes (issue 41) ------------------------
+# Adam with beta1 = beta2 = 0 and no weight decay moves every weight whose grad is not ~0 by exactly
+# lr x sign(grad): a step's largest |change| of a group's weight IS the LR that group trained with.
+# Linear decay over 2 iterations, no warmup: steps 1, 2, 3 train at max, (max + min) / 2, min.
+SIGN_ADAM = ["--adam-beta1", "0", "--adam-beta2", "0", "--weight-decay", "0", "--lr-warmup-iters", "0",
+             "--lr-decay-style", "linear", "--lr-decay-iters", "2", "--lr", "1e-3", "--min-lr", "1e-4",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3"]  # fmt: skip
+
+
+def _group_lrs(flags: list[str], steps: int) -> list[float]:
+    """The decoupled group's LR, then the main group's, that each step trains with, off the weights."""
+    from megalite.checkpoint.checkpointing import load_checkpoint
+    from megalite.training import microbatch_iterator, setup, train_step
+
+    run = RunConfig.from_flags(flags)
+    state = setup(run)
+    load_checkpoint(state, run.checkpoint)
+    gpt = state.model[0].module
+    watched = (gpt.embedding.word_embeddings.weight, gpt.decoder.layers["0"].mlp.linear_fc1.weight)
+    data = microbatch_iterator(
+        state.datasets[0], state.consumed_train_samples, run, state.mesh, state.tokenizer.vocab_size
+    )
+    out = []
+    for _ in range(steps):
+        before = [w.detach().clone() for w in watched]
+        train_step(state, data)
+        out += [float((w.detach() - b).abs().max()) for w, b in zip(watched, before)]
+    return out
+
+
+def test_decoupled_lr_and_min_lr_are_the_lrs_their_group_trains_with(tmp_path):
+    """--decoupled-lr / --decoupled-min-lr followed to the weights: the embedding (the decoupled
+    group) steps at 4e-3, 2.2e-3, 4e-4 while the rest steps at 1e-3, 5.5e-4, 1e-4; resumed at
+    iteration 1 with another --decoupled-lr, --override-opt_param-scheduler trains the group at the
+    new values and --use-checkpoint-opt_param-scheduler at the checkpoint's."""
+    from megalite.training import pretrain
+
+    decoupled = ["--decoupled-lr", "4e-3", "--decoupled-min-lr", "4e-4"]
+    got = _group_lrs(TINY + SIGN_ADAM + decoupled, 3)
+    want = [4e-3, 1e-3, 2.2e-3, 5.5e-4, 4e-4, 1e-4]
+    assert got == pytest.approx(want, rel=1e-3), got
+    ckpt = ["--save", str(tmp_path), "--save-interval", "1"]
+    pretrain(TINY + SIGN_ADAM + decoupled + ckpt + ["--train-iters", "1"])
+    other = ["--decoupled-lr", "8e-3", "--decoupled-min-lr", "8e-4", "--load", str(tmp_path)]
+    replaced = _group_lrs(TINY + SIGN_ADAM + other + ["--override-opt_param-scheduler"], 2)
+    assert replaced == pytest.approx([4.4e-3, 5.5e-4, 8e-4, 1e-4], rel=1e-3), replaced
+    kept = _group_lrs(TINY + SIGN_ADAM + other + ["--use-checkpoint-opt_param-scheduler"], 2)
+    assert kept == pytest.approx(want[2:], rel=1e-3), kept

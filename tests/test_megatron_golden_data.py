@@ -10,6 +10,7 @@ separate-final-epoch threshold and the final epoch's own shuffle).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -223,3 +224,45 @@ def test_sampler_batch_boundary_equals_megatron(extra):
     assert last == [22, 23]  # the very last sample of an exact multiple is used
     tail = list(MegatronPretrainingSampler(25, 0, 2, 0, 3, drop_last=False))
     assert tail[-1] == [24]
+
+
+# ---- the per-dataset sample counts a blend asks for (one level below the blending indices) ----------
+BLEND_SIZES = [  # (weights as given to --data-path, the split's sample count)
+    ([0.3, 0.7], 1000), ([1, 1, 1], 10), ([0.5, 0.25, 0.25], 7), ([2.0, 1.0], 999), ([0.1, 0.9], 12345),
+    ([3, 0, 1], 64),
+]  # fmt: skip
+
+
+def _megalite_sample_counts(weights, n: int) -> list[int]:
+    """What builder.Sources.blend_parts asks each dataset for (0 for a weight-0 dataset, never built)."""
+    from megalite.data.blended_dataset import normalize_weights
+    from megalite.data.builder import Sources
+
+    asked = {}
+    sources = Sources(
+        [f"d{k}" for k in range(len(weights))], [None] * len(weights), normalize_weights(weights)
+    )
+    ranges = [np.arange(3)] * len(weights)
+    sources.blend_parts(lambda k, docs, num, name: asked.setdefault(k, num), ranges, n, "train", "1,0,0")
+    return [asked.get(k, 0) for k in range(len(weights))]
+
+
+@pytest.mark.parametrize("weights,n", BLEND_SIZES)
+def test_blend_per_dataset_sample_counts_equal_megatron_core(weights, n):
+    """Each dataset of a blend builds ceil(ceil(n w) x 1.005) samples: Megatron's
+    ``_get_size_per_split_per_dataset`` with its default --mid-level-dataset-surplus 0.005, over
+    its own normalised weights (megatron-core, installed in CI); without it, the hand values below."""
+    got = _megalite_sample_counts(weights, n)
+    by_hand = {(0.3, 0.7, 1000): [302, 704], (1, 1, 1, 10): [5, 5, 5], (2.0, 1.0, 999): [670, 335]}
+    if (*weights, n) in by_hand:
+        assert got == by_hand[(*weights, n)]
+    assert all(g >= n * w / sum(weights) * 1.005 for g, w in zip(got, weights))  # the surplus is there
+    core = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+    from megatron.core.datasets.utils import normalize
+
+    surplus = {f.name: f.default for f in dataclasses.fields(BlendedMegatronDatasetConfig)}
+    (want,) = zip(
+        *core._get_size_per_split_per_dataset(normalize(weights), [n], surplus["mid_level_dataset_surplus"])
+    )
+    assert got == [w if weight else 0 for w, weight in zip(want, weights)], (got, want)

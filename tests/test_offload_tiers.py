@@ -201,3 +201,40 @@ def test_sub_groups_and_the_nvme_working_set():
     whole = MemoryLayout(optimizer_cpu_offload=True, offload_optimizer_device="nvme")
     assert nvme_working_set_bytes(config, whole, 0) == 12 * sum(each)  # one sub-group: all of it
     assert nvme_working_set_bytes(config, MemoryLayout(optimizer_cpu_offload=True), 0) == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_nvme_tier_holds_at_most_the_chunks_the_step_needs(tmp_path, depth):
+    """A resource bound (issue 41): walking the step (fetch k, evict k), the chunks in memory at
+    fetch k are exactly k - 1 (its write still in flight: released when evict k waits for it) and k
+    .. k + depth (read ahead); after finish() none. Values alone cannot see a tier that reads every
+    chunk ahead or never waits for (and so never releases) its writes: equal losses, more memory."""
+    from types import SimpleNamespace
+
+    from megalite.optim.step import NvmeTier
+
+    n = 5
+    mains = [SimpleNamespace(main=torch.full((10 + i,), float(i))) for i in range(n)]
+    step = SimpleNamespace(mains=mains, chunks=[[i] for i in range(n)], state_of=lambda m: {})
+    off = SimpleNamespace(
+        nvme_path=str(tmp_path), buffer_count=depth + 1, buffer_size=4, prefetch_depth=depth
+    )
+    tier = NvmeTier(step, SimpleNamespace(offload=off))
+
+    def resident():
+        return [i for i, m in enumerate(mains) if m.main.untyped_storage().nbytes() > 0]
+
+    assert resident() == []
+    for k in range(n):
+        tier.fetch(k)
+        assert resident() == [*([k - 1] if k else []), *range(k, min(k + depth + 1, n))], (k, resident())
+        assert torch.equal(mains[k].main, torch.full((10 + k,), float(k)))
+        mains[k].main.add_(1)
+        tier.evict(k)
+    tier.finish()
+    assert resident() == []
+    with tier.resident():
+        assert resident() == list(range(n))
+        assert all(torch.equal(m.main, torch.full((10 + i,), i + 1.0)) for i, m in enumerate(mains))
+    assert resident() == []
+    tier.swapper.close()

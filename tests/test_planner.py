@@ -649,3 +649,46 @@ def test_moe_candidates_are_launches_validation_accepts_with_their_expert_layout
         if c.ep > 1:
             assert planner.ep_exchange_s(p, c) > 0
     assert {(4, 1, False), (2, 1, False), (1, 1, True), (4, 1, True), (2, 1, True)} <= seen
+
+
+# ---- generators by property (issue 41): every candidate, not a sample -----------------------------
+def _cp_problem():
+    """s 24 with cp 1 / 2 / 4 and 16 GPUs: s / cp is 24, 12, 6, so tp 4 divides it at cp 1 and 2
+    but not at cp 4, and tp 8 only at cp 1 (and tp 16 nowhere)."""
+    gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=80.0)
+    return planner.Problem(SMALL, planner.Cluster(16, 16, gpu), 24, 32, context_parallel_choices=(1, 2, 4))
+
+
+def test_sequence_parallel_candidates_follow_the_rule_both_ways():
+    """SP is proposed exactly where tp > 1 and tp divides s / cp (each TP rank a whole s / (cp tp)
+    tokens): every SP candidate obeys it, and every candidate that could have SP has its SP twin."""
+    p = _cp_problem()
+    got = list(planner.layouts(p, 16, cross_node_tp=True))
+    assert {c.cp for c in got} == {1, 2, 4} and {c.tp for c in got} >= {1, 2, 4, 8}
+    keys = {dataclasses.replace(c, sequence_parallel=False) for c in got if c.sequence_parallel}
+    for c in got:
+        allowed = c.tp > 1 and (p.seq_length // c.cp) % c.tp == 0
+        if c.sequence_parallel:
+            assert allowed, c
+        elif allowed:
+            assert c in keys, f"no SP twin of {c}"
+    assert any(c.tp == 4 and c.cp == 4 for c in got)  # the layout exists, only without SP
+    assert not any(c.sequence_parallel and c.tp == 4 and c.cp == 4 for c in got)
+
+
+def test_cp_ring_bytes_resend_the_forward_under_every_recompute():
+    """The CP cost term on every cp > 1 candidate, against the ring's own count: K and V of this
+    rank's s / cp tokens sent cp - 1 times forward, again in backward with their fp32 grads, and
+    the forward's once more where attention is recomputed (selective or full), never otherwise."""
+    p = _cp_problem()
+    cfg, seen = p.config, 0
+    for c in planner.layouts(p, 16, cross_node_tp=True):
+        if c.cp == 1:
+            assert planner.cp_exposed_s(p, c, 0.5) == 0.0
+            continue
+        e = c.micro_batch_size * (cfg.query_groups // c.tp) * (p.seq_length // c.cp) * cfg.head_dim
+        forward, backward = 2 * e * 2 * (c.cp - 1), (2 * e * 2 + 2 * e * 4) * (c.cp - 1)  # bf16 K/V
+        resent = forward if c.recompute != "none" else 0
+        assert planner.cp_bytes(p, c) == forward + backward + resent, c
+        seen += 1
+    assert seen > 0

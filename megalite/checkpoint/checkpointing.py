@@ -241,6 +241,18 @@ def parallel_layout(mesh: Mesh, vp: int = 1, distributed_optimizer: bool = False
     }
 
 
+RNG_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+              "context_parallel_size")  # fmt: skip
+
+
+def same_rng_layout(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint's RNG states belong to this run's ranks: the same tp, pp, dp and cp
+    (each rank's streams are seeded from its coordinates); a ``parallel`` entry written before
+    context parallelism has cp 1. Virtual stages and the optimizer's sharding do not matter."""
+    saved = {"context_parallel_size": 1, **saved}
+    return all(saved[k] == now[k] for k in RNG_LAYOUT)
+
+
 @dataclass
 class SaveJob:
     """One rank's part of one checkpoint, taken from the live state at one iteration: what
@@ -510,10 +522,8 @@ def load_checkpoint(state, config: CheckpointConfig | None = None) -> bool:
             f"checkpoint {folder} holds weights only (no optimizer state): add --finetune to start "
             f"training from it, or --no-load-optim --no-load-rng to continue its iteration count"
         )
-    saved_layout = meta["parallel"]
-    saved_layout = {"context_parallel_size": 1, **saved_layout}  # written before context parallelism
-    sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    same_layout = all(saved_layout[k] == parallel_layout(mesh)[k] for k in (*sizes, "context_parallel_size"))
+    saved_layout = {"context_parallel_size": 1, **meta["parallel"]}  # written before context parallelism
+    same_layout = same_rng_layout(saved_layout, parallel_layout(mesh))
     want_rng = not (finetune or config.no_load_rng) and contents.get("rng", False)
     load_rng = want_rng and same_layout
 

@@ -42,6 +42,7 @@ _FLAGS = {
     "wd_incr_style": "--weight-decay-incr-style",
 }
 _LENGTHS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+_GROUP_KEYS = ("max_lr", "min_lr")  # a param group's own schedule (the decoupled group's)
 
 
 class OptimizerParamScheduler:
@@ -166,6 +167,9 @@ class OptimizerParamScheduler:
             "end_wd": self.end_wd,
             "wd_incr_steps": self.wd_incr_steps,
             "wd_incr_style": self.wd_incr_style,
+            # per-group schedules (--decoupled-lr / --decoupled-min-lr): kept by
+            # --use-checkpoint-opt_param-scheduler as the main schedule is
+            "groups": [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.optimizer.param_groups],
         }
 
     def differences(self, state_dict: dict) -> list[str]:
@@ -215,6 +219,13 @@ class OptimizerParamScheduler:
                 "--override-opt_param-scheduler to use this command line's schedule from the checkpoint's "
                 "step on, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
             )
+        saved = state_dict.get("groups")  # absent in checkpoints written before it was kept
+        groups = self.optimizer.param_groups
+        if self.config.use_checkpoint_opt_param_scheduler and saved is not None and len(saved) == len(groups):
+            for group, kept in zip(groups, saved):
+                for k in _GROUP_KEYS:
+                    group.pop(k, None)
+                group.update(kept)
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)
         return notes
