@@ -296,3 +296,16 @@ def test_megatron_config_counts_are_the_benchs():
     assert {k: fresh[k] for k in ("total", "start", "by_kind", "by_reason")} == {
         k: starts[k] for k in ("total", "start", "by_kind", "by_reason")
     }, "rerun bench/megatron_configs.py and store its output in bench/results/megatron_configs.json"
+
+
+def test_every_mutant_still_applies():
+    """Each curated mutant's snippet occurs exactly once in its file and its tests exist
+    (scripts/mutation.py's own stale check): a merge that rewrites the code under a mutant fails
+    here, in the suite, not months later as a silently skipped line of the mutation table."""
+    spec = importlib.util.spec_from_file_location("megalite_mutation", REPO / "scripts" / "mutation.py")
+    mutation = importlib.util.module_from_spec(spec)
+    sys.modules["megalite_mutation"] = mutation  # its dataclasses look their module up
+    spec.loader.exec_module(mutation)
+    mutants = mutation.load_mutants(str(REPO / "tests" / "mutants.py"))
+    stale = {m.id: why for m in mutants if (why := mutation.stale_reason(m, str(REPO)))}
+    assert not stale, stale
