@@ -88,6 +88,7 @@ RULES = {
     "--expert-model-parallel-size": POSITIVE,
     "--expert-tensor-parallel-size": POSITIVE,
 }
+TEXT_NUMBERS = {"--moe-layer-freq": "{x}"}  # spec.py's note
 
 
 def _defaults() -> dict:

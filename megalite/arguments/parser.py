@@ -3,6 +3,7 @@
 import argparse
 import difflib
 import os
+import re
 import sys
 
 import yaml
@@ -32,6 +33,17 @@ MODULES = (model, moe, activation, parallel, schedule, optimizer, offload, data,
 class _Parser(argparse.ArgumentParser):
     """argparse that raises one-line ArgumentErrors instead of printing usage and exiting
     (``--help`` still prints the full usage)."""
+
+    # argparse reads a token after a flag as a value only if it does not look like an option, and it
+    # counts as a number only in the forms -5 and -.5: ``--lr -1e-3``, ``--lr -inf`` or
+    # ``--split -10,60,50`` would end in "expected one argument", blaming the syntax for what the
+    # value rule must name. Every token that starts with "-" and a digit, ".digit", inf or nan is a
+    # value (no option of these parsers starts so); its flag's type and rule then judge it.
+    NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER
 
     def error(self, message: str):
         raise ArgumentError(message)
@@ -167,6 +179,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def value_rules() -> dict[str, Rule]:
     """Every group's value rules (``RULES`` beside its flags): ``{option: Rule}``."""
     return {option: rule for module in MODULES for option, rule in module.RULES.items()}
+
+
+def text_numbers() -> dict[str, str]:
+    """Every group's text flags with numbers inside (``TEXT_NUMBERS``): ``{option: template}``."""
+    return {option: t for module in MODULES for option, t in getattr(module, "TEXT_NUMBERS", {}).items()}
 
 
 def _with(args: argparse.Namespace, **values) -> argparse.Namespace:

@@ -49,6 +49,7 @@ RULES = {
     "--rampup-batch-size": POSITIVE,
     "--seed": between(0, 2**32 - 1, why="numpy's seed range"),
 }
+TEXT_NUMBERS = {"--step-batch-size-schedule": "0:16 {x}:32"}  # spec.py's note
 
 
 def by_samples(args: argparse.Namespace) -> bool:

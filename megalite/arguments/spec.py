@@ -65,6 +65,11 @@ def from_flags(cls, args: argparse.Namespace, **values):
 # checked before anything else reads the values (``check_rules``), so a nonsense number stops with one
 # line naming the flag instead of a torch traceback, a NaN blamed on --lr, or a negative interval that
 # behaves as a positive one. NaN and +-inf are refused by every rule.
+#
+# A text flag with numbers inside (``--split 98,2,0``, ``--data-path 0.3 A 0.7 B``, a schedule's
+# thresholds) lists them in its module's ``TEXT_NUMBERS``, ``{option: template}`` with ``{x}`` where
+# one number goes; its check refuses NaN, +-inf and negatives naming the flag, and
+# tests/test_faults_flags.py types each of them into every template.
 
 
 def _number(x) -> str:

@@ -1,0 +1,93 @@
+"""Issue 40's flag classes, each walked over the whole parser (no training, no spawn):
+
+- every number a user types (numeric flags, list-valued flags, numbers inside text flags) refuses
+  NaN, +-inf and, where the rule is non-negative, a negative value in one line naming the flag;
+- a negative number after a flag is a value (argparse's "expected one argument" never blames the
+  syntax for what the value rule must name);
+- every flag that needs another (``DEPENDS``) stops or notes in one line when used without it.
+"""
+
+import pytest
+
+from megalite.arguments import ArgumentError, build_parser, compat, parse_args, validate_args
+from megalite.arguments import parser as parser_module
+
+BASE = ["--mock-data", "--vocab-size", "64", "--train-iters", "2"]
+# Text flags whose text holds no number (paths, names); a new text flag goes here or in TEXT_NUMBERS.
+WORDS = {
+    "--config", "--offload-nvme-path", "--data-cache-path", "--tokenizer-model", "--vocab-file",
+    "--merge-file", "--tiktoken-special-tokens", "--tensorboard-dir", "--metrics-file", "--wandb-project",
+    "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity", "--profile-dir", "--memory-snapshot-path",
+    "--save", "--load",
+}  # fmt: skip
+
+
+def _actions():
+    titles = {title for title, _ in compat.GROUPS}
+    for group in build_parser()._action_groups:
+        if group.title not in titles:
+            yield from (a for a in group._group_actions if a.option_strings and a.nargs != 0)
+
+
+def _is_number(action) -> bool:
+    if action.type in (None, str):
+        return False
+    try:
+        return isinstance(action.type("1"), (int, float))
+    except Exception:
+        return False
+
+
+def _stops(argv: list[str], flag: str) -> str:
+    """The one line ``argv`` stops with; it must name ``flag``."""
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(argv), 1)
+    message = str(e.value)
+    assert "\n" not in message and flag in message, (argv, message)
+    return message
+
+
+def test_every_typed_number_refuses_nan_inf_and_negatives():
+    rules = parser_module.value_rules()
+    numeric = [a for a in _actions() if _is_number(a)]
+    assert len(numeric) > 60
+    checked = 0
+    for action in numeric:
+        flag = action.option_strings[0]
+        rule = rules[flag]
+        bad = ["nan", "inf", "-inf"] + (["-1"] if rule.low is not None and rule.low >= 0 else [])
+        rest = ["1"] * (action.nargs - 1) if isinstance(action.nargs, int) else []
+        for x in bad:
+            _stops([*BASE, flag, x, *rest], flag)
+            checked += 1
+    text = parser_module.text_numbers()
+    others = {a.option_strings[0] for a in _actions() if not _is_number(a) and not a.choices}
+    assert sorted(others - WORDS - set(text)) == []  # every text flag is words or lists its numbers
+    for flag, template in text.items():
+        for x in ("nan", "inf", "-inf", "-1"):
+            _stops([*[b for b in BASE if flag != "--data-path" or b != "--mock-data"], flag,
+                    *template.format(x=x).split()], flag)  # fmt: skip
+            checked += 1
+    assert checked > 250
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--lr", "-1e-3"], "--lr must be >= 0, got --lr -0.001"),
+        (["--lr", "-inf"], "--lr must be >= 0, got --lr -inf"),
+        (["--split", "-10,60,50"], "--split '-10,60,50': each share must be a finite number >= 0, got -10"),
+        (["--split", "nan,10,0"], "--split 'nan,10,0': each share must be a finite number >= 0, got nan"),
+        (["--split", "98,x,0"], "--split '98,x,0': 'x' is not a number"),
+        (["--profile-ranks", "0", "-1e0"], "argument --profile-ranks: invalid int value: '-1e0'"),
+    ],
+)
+def test_negative_numbers_are_values_named_by_their_rule(flags, match):
+    assert _stops([*BASE, *flags], flags[0]).startswith(match)
+
+
+def test_split_shares_parse_as_megatron():
+    from megalite.data.gpt_dataset import parse_split
+
+    assert parse_split("'99,1,0'") == parse_split("99/1/0") == parse_split("99, 1, 0") == [0.99, 0.01, 0.0]
+    assert parse_split("1") == [1.0, 0.0, 0.0]
