@@ -91,3 +91,28 @@ def test_split_shares_parse_as_megatron():
 
     assert parse_split("'99,1,0'") == parse_split("99/1/0") == parse_split("99, 1, 0") == [0.99, 0.01, 0.0]
     assert parse_split("1") == [1.0, 0.0, 0.0]
+
+
+def test_every_dependent_flag_stops_or_notes_without_what_it_needs():
+    """Walks ``DEPENDS``: each flag, used so it would act but without what it needs, stops in one line
+    naming it or runs with a note naming it; a plain pair with its need met passes."""
+    prefix = "corpus_text_document"  # the flags are checked before any file is opened
+    table = parser_module.depends()
+    assert len(table) >= 15
+    outcomes = {}
+    for d in table:
+        base = ["--data-path", prefix, *BASE[1:]] if "--split" in d.example else BASE
+        argv = [*base, *d.example.split()]
+        try:
+            notes = validate_args(parse_args(argv), 1).notes
+        except ArgumentError as e:
+            assert "\n" not in str(e) and d.flag in str(e), (argv, str(e))
+            outcomes[d.example] = "stop"
+            continue
+        assert [n for n in notes if d.flag in n], (argv, notes)
+        outcomes[d.example] = "note"
+    assert outcomes["--fake-rank 1"] == outcomes["--fake-tensors"] == "stop"
+    assert outcomes["--eval-interval 1 --split 100,0,0"] == "note"
+    for d in (d for d in table if d.plain):  # the need met: no refusal
+        with_need = [*BASE, *d.example.split(), d.needs] + (["4"] if d.needs == "--fake-world-size" else [])
+        validate_args(parse_args([*with_need, *(["x"] if d.needs == "--save" else [])]), 4)

@@ -9,6 +9,7 @@ from megalite.arguments.schedule import by_samples
 from megalite.arguments.spec import (
     NON_NEGATIVE,
     POSITIVE,
+    Depends,
     above,
     between,
     choice,
@@ -151,6 +152,7 @@ RULES = {
     "--hysteresis": POSITIVE,
     "--optimizer-offload-fraction": between(0, 1),
 }
+DEPENDS = (Depends("--decoupled-min-lr 1e-5", "--decoupled-lr"),)  # spec.py's note
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:

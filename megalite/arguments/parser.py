@@ -23,7 +23,7 @@ from megalite.arguments import (
 )
 from megalite.arguments import compat as compat_flags
 from megalite.arguments.compat import check_megatron_compat, ignored_flags_warning
-from megalite.arguments.spec import Rule, add_group, check_rules
+from megalite.arguments.spec import Rule, add_group, check_depends, check_rules
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
@@ -186,6 +186,11 @@ def text_numbers() -> dict[str, str]:
     return {option: t for module in MODULES for option, t in getattr(module, "TEXT_NUMBERS", {}).items()}
 
 
+def depends() -> tuple:
+    """Every group's flag dependencies (``DEPENDS``, :class:`~megalite.arguments.spec.Depends`)."""
+    return tuple(d for module in MODULES for d in getattr(module, "DEPENDS", ()))
+
+
 def _with(args: argparse.Namespace, **values) -> argparse.Namespace:
     """A new namespace: ``args`` with ``values`` (``args`` is not changed)."""
     return argparse.Namespace(**{**vars(args), **values})
@@ -202,6 +207,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     :func:`megalite.arguments.resolve` makes the ``RunConfig`` of the result.
     """
     check_rules(args, value_rules())
+    check_depends(args, vars(build_parser().parse_args([])), depends())
     flags = _with(args, data_parallel_size=parallel.data_parallel_size(args, world_size))
     notes = schedule.check(flags) + model.check(flags) + optimizer.check(flags)
     flags = _with(flags, **schedule.derived(flags))  # batches, microbatches, steps: read below
