@@ -116,3 +116,22 @@ def test_every_dependent_flag_stops_or_notes_without_what_it_needs():
     for d in (d for d in table if d.plain):  # the need met: no refusal
         with_need = [*BASE, *d.example.split(), d.needs] + (["4"] if d.needs == "--fake-world-size" else [])
         validate_args(parse_args([*with_need, *(["x"] if d.needs == "--save" else [])]), 4)
+
+
+def test_plan_json_carries_the_verification():
+    """``tools/plan.py --json --verify``: the verification is in the JSON (per rank run: measured and
+    predicted bytes, the worst category, held), not dropped."""
+    import contextlib
+    import io
+    import json
+
+    from fault_cases import entry
+
+    out = io.StringIO()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--vocab-size", "64", "--num-gpus", "2", "--global-batch-size", "4", "--json", "--verify"]  # fmt: skip
+    with contextlib.redirect_stdout(out):
+        assert entry("tools/plan.py").main(argv) == 0
+    record = json.loads(out.getvalue())
+    assert record["candidates"] and [r["rank"] for r in record["verify"]] in ([0], [0, 1])
+    assert all(r["held"] and r["predicted_bytes"] > 0 for r in record["verify"])
