@@ -674,6 +674,10 @@ def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
     if resume_note and rank0:
         logger.warning(f" note: {resume_note}")
     done, flags = resume_iteration(ckpt), ckpt.flags
+    # The identity first: a different run pointed at a finished one names the differing field, not
+    # "nothing to do".
+    recorded = recorded_flags(ckpt)
+    notes, kept = resume_policy(recorded, flags) if recorded is not None else ([], {})
     # A --train-samples run's iteration count is derived: such a finished run's loop ends at once.
     iters = run.training.train_iters if flags.get("train_samples") is None else None
     if done is not None and iters is not None and done >= iters:
@@ -683,8 +687,6 @@ def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
                 "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return None
-    recorded = recorded_flags(ckpt)
-    notes, kept = resume_policy(recorded, flags) if recorded is not None else ([], {})
     if notes and rank0:
         logger.warning("\n".join(f" note: {n}" for n in notes))
     # --use-checkpoint-opt_param-scheduler: the checkpoint's own LRs (and the record says so).

@@ -1,0 +1,57 @@
+"""Issue 40: a published iteration is never rewritten (the guard reads the iter_* folders on disk, not
+the tracker alone), and a resume compares what determines the run (normalised --split shares,
+resolved --data-path files, normalised blend weights); every refusal names the differing field.
+One tiny run, in this process (no spawn)."""
+
+from __future__ import annotations
+
+import pytest
+from fault_cases import tree_hash
+from test_faults import assert_user_error, pretrain, train_metrics
+
+from megalite.arguments.resume import resume_policy
+from megalite.checkpoint import files
+from megalite.errors import ArgumentError
+
+
+def test_published_iterations_and_identity(tmp_path, capfd):
+    save = tmp_path / "run"
+    run = ["--save", save, "--save-interval", 1, "--split", "98,2,0", "--seed", 7]
+    assert pretrain(capfd, "--train-iters", 2, *run).rc == 0
+    before = tree_hash(save)
+    # Megatron's rollback: the tracker edited back to 1 while iter_2 stays published on disk.
+    (save / files.TRACKER).write_text("1")
+    r = pretrain(capfd, "--train-iters", 3, "--load", save, *run)
+    assert_user_error(r, "iter_2 is published", "names iteration 1", "--save")
+    # The tracker lost: the same.
+    (save / files.TRACKER).unlink()
+    assert_user_error(pretrain(capfd, "--train-iters", 3, "--load", save, *run), "no tracker", "iter_2")
+    assert_user_error(pretrain(capfd, "--train-iters", 3, "--save", save), "iter_2", "without a tracker")
+    (save / files.TRACKER).write_text("2")
+    assert tree_hash(save) == before
+    # A fresh run with a changed --seed at a finished run's --save: names the field, not "nothing to do".
+    r = pretrain(capfd, "--train-iters", 2, *run[:-1], 8)
+    assert_user_error(r, "--seed 8 (checkpoint 7)")
+    assert tree_hash(save) == before
+    # The same shares spelled differently resume (49,1,0 == 98,2,0); different shares stop.
+    r = pretrain(capfd, "--train-iters", 3, "--load", save, *run[:4], "--split", "49,1,0", "--seed", 7,
+                 "--metrics-file", tmp_path / "m.jsonl")  # fmt: skip
+    assert r.rc == 0, r.err
+    assert sorted(train_metrics(tmp_path / "m.jsonl")) == [3]
+    r = pretrain(capfd, "--train-iters", 4, "--load", save, *run[:4], "--split", "97,3,0", "--seed", 7)
+    assert_user_error(r, "--split 97,3,0 (checkpoint 49,1,0)")
+
+
+def test_data_identity_is_what_the_paths_and_weights_mean(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    absolute = [str(tmp_path / "a"), str(tmp_path / "b")]
+    recorded = {"data_path": ["0.3", absolute[0], "0.7", absolute[1]], "split": "98,2,0", "seed": 1}
+    same = {"data_path": ["3", "a", "7", "./b"], "split": "49/1/0", "seed": 1}
+    assert resume_policy(recorded, same) == ([], {})
+    for changed, field in (
+        ({**same, "data_path": ["7", "a", "3", "b"]}, "--data-path"),
+        ({**same, "data_path": ["3", "c", "7", "b"]}, "--data-path"),
+        ({**same, "split": "98,1,1"}, "--split"),
+    ):
+        with pytest.raises(ArgumentError, match=field):
+            resume_policy(recorded, changed)
