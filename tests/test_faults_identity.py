@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from fault_cases import tree_hash
-from test_faults import assert_user_error, pretrain, train_metrics
+from test_faults import assert_user_error, call, pretrain, train_metrics
 
 from megalite.arguments.resume import resume_policy
 from megalite.checkpoint import files
@@ -55,3 +55,16 @@ def test_data_identity_is_what_the_paths_and_weights_mean(tmp_path, monkeypatch)
     ):
         with pytest.raises(ArgumentError, match=field):
             resume_policy(recorded, changed)
+
+
+def test_absurd_sizes_and_loss_scales_stop_before_anything_is_allocated(capfd):
+    """The memory model answers an absurd size in one line before the model is built (a real run and
+    a fake rank on real tensors); the fp16 loss-scale bounds are checked with the flags."""
+    from fault_cases import TINY
+
+    huge = [x if x != "32" else "1000000" for x in TINY]
+    for extra in ([], ["--fake-world-size", "2", "--fake-real-tensors"]):
+        r = call(capfd, "pretrain_gpt.py", *huge, "--train-iters", 1, *extra)
+        assert_user_error(r, "--hidden-size 1000000", "GiB per rank", "tools/plan.py")
+    r = pretrain(capfd, "--train-iters", 1, "--fp16", "--initial-loss-scale", 1, "--min-loss-scale", 2)
+    assert_user_error(r, "--min-loss-scale (2) is above --initial-loss-scale (1)")
