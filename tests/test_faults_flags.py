@@ -135,3 +135,23 @@ def test_plan_json_carries_the_verification():
     record = json.loads(out.getvalue())
     assert record["candidates"] and [r["rank"] for r in record["verify"]] in ([0], [0, 1])
     assert all(r["held"] and r["predicted_bytes"] > 0 for r in record["verify"])
+
+
+def test_generate_names_a_megatron_checkpoint_and_a_missing_device(tmp_path):
+    """generate.py on a Megatron-LM save names the format and the conversion command; --device cuda
+    on a torch or machine without CUDA (or a bad device name) stops in one line before anything loads."""
+    import torch
+    from fault_cases import call
+
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    (megatron / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
+    (megatron / "latest_checkpointed_iteration.txt").write_text("2")
+    cases = [(["--load", megatron], ["Megatron-LM checkpoint (torch format)", "tools/convert_checkpoint.py"])]
+    cases.append((["--load", megatron, "--device", "tpu9"], ["--device tpu9"]))
+    if not torch.cuda.is_available():
+        cases.append((["--load", megatron, "--device", "cuda"], ["--device cuda", "--device cpu"]))
+    for argv, needles in cases:
+        r = call("tools/generate.py", *argv, "--prompt", "1 2")
+        assert r.rc == 2 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err
+        assert all(n in r.error_lines[0] for n in needles), (needles, r.error_lines)
