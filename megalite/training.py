@@ -32,7 +32,7 @@ from megalite.data import build_pretraining_data_loader, build_train_valid_test_
 from megalite.data.integrity import checked_batches, tokenizer_flags
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import ArgumentError
-from megalite.memory import MemoryLayout, MemoryProbe, param_bytes
+from megalite.memory import MemoryProbe, check_params_fit
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
@@ -132,33 +132,6 @@ def count_parameters(model_chunks: list[DistributedDataParallel], mesh: Mesh) ->
     if mesh.mp_group is not None:
         dist.all_reduce(total, group=mesh.mp_group)
     return mine, int(total.item())
-
-
-def device_capacity_bytes(device: torch.device) -> int:
-    """All the memory of ``device``: a GPU's, or the host's physical RAM for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_params_fit(run: RunConfig, mesh: Mesh) -> None:
-    """Before anything is allocated: this rank's parameters alone (the memory model's ``params``, a
-    lower bound of the run's memory) must fit in all of the device's memory, else one line naming the
-    sizes instead of the allocator's error. Under FakeTensorMode (a fake rank) nothing is allocated."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(torch.empty(0), FakeTensor):
-        return
-    need_bytes = param_bytes(run.model, MemoryLayout.from_configs(run, mesh.device.type), mesh.pp_rank)
-    have = device_capacity_bytes(mesh.device)
-    if need_bytes > have:
-        gib = 2**30
-        raise ArgumentError(
-            f"the parameters of pipeline stage {mesh.pp_rank} alone need {need_bytes / gib:,.1f} GiB per rank "
-            f"(memory model; --hidden-size {run.model.hidden_size}, --num-layers {run.model.num_layers}) but "
-            f"this {mesh.device.type} has {have / gib:,.1f} GiB: shrink the model or raise "
-            "--tensor-model-parallel-size / --pipeline-model-parallel-size (tools/plan.py finds a layout)"
-        )
 
 
 def setup(run: RunConfig, with_data: bool = True) -> TrainState:
