@@ -68,3 +68,14 @@ def test_absurd_sizes_and_loss_scales_stop_before_anything_is_allocated(capfd):
         assert_user_error(r, "--hidden-size 1000000", "GiB per rank", "tools/plan.py")
     r = pretrain(capfd, "--train-iters", 1, "--fp16", "--initial-loss-scale", 1, "--min-loss-scale", 2)
     assert_user_error(r, "--min-loss-scale (2) is above --initial-loss-scale (1)")
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line(capfd):
+    """/dev/full answers every write with ENOSPC: the metrics writer names --metrics-file and the
+    cause in one line (no traceback from inside the writer)."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    r = pretrain(capfd, "--train-iters", 1, "--metrics-file", "/dev/full")
+    assert_user_error(r, "--metrics-file /dev/full", "No space left on device")
