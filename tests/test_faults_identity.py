@@ -79,3 +79,27 @@ def test_a_full_disk_under_the_metrics_file_is_one_line(capfd):
         pytest.skip("no /dev/full here")
     r = pretrain(capfd, "--train-iters", 1, "--metrics-file", "/dev/full")
     assert_user_error(r, "--metrics-file /dev/full", "No space left on device")
+
+
+def test_a_full_disk_under_preprocess_is_one_line_and_leaves_no_partial_files(tmp_path):
+    """ENOSPC while preprocess_data.py finishes its outputs: one line naming --output-prefix and the
+    cause; the unfinished .tmp files are removed, no .bin/.idx pair looks finished."""
+    import errno
+    from unittest import mock
+
+    from fault_cases import call
+
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2 3"}\n{"text": "4 5"}\n')
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device", self._bin_tmp)
+
+    with mock.patch.object(IndexedDatasetBuilder, "finalize", full):
+        r = call("tools/preprocess_data.py", "--input", src, "--output-prefix", tmp_path / "o",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", 64, "--workers", 1)  # fmt: skip
+    assert r.rc == 2 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err
+    assert "--output-prefix" in r.error_lines[0] and "No space left on device" in r.error_lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
