@@ -103,3 +103,18 @@ def test_a_full_disk_under_preprocess_is_one_line_and_leaves_no_partial_files(tm
     assert r.rc == 2 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err
     assert "--output-prefix" in r.error_lines[0] and "No space left on device" in r.error_lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_a_truncated_parquet_input_names_the_file(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    from fault_cases import call
+
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.table({"text": ["1 2 3"] * 200}), whole)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    r = call("tools/preprocess_data.py", "--input", cut, "--output-prefix", tmp_path / "o",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", 64, "--workers", 1)  # fmt: skip
+    assert r.rc == 2 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err
+    assert f"--input {cut}" in r.error_lines[0] and "truncated" in r.error_lines[0]
