@@ -118,3 +118,15 @@ def test_a_truncated_parquet_input_names_the_file(tmp_path):
              "--tokenizer-type", "NullTokenizer", "--vocab-size", 64, "--workers", 1)  # fmt: skip
     assert r.rc == 2 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err
     assert f"--input {cut}" in r.error_lines[0] and "truncated" in r.error_lines[0]
+
+
+def test_an_empty_dataset_is_named_not_the_split(tmp_path, capfd):
+    from fault_cases import TINY
+
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+    IndexedDatasetBuilder(str(tmp_path / "empty")).finalize()
+    flags = [a for a in TINY if a != "--mock-data"]
+    r = call(capfd, "pretrain_gpt.py", *flags, "--data-path", tmp_path / "empty", "--train-iters", 1)
+    line = assert_user_error(r, f"--data-path {tmp_path / 'empty'} holds no documents", "preprocess_data.py")
+    assert "--split" not in line
