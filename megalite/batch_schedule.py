@@ -16,6 +16,8 @@ checkpoint's ``consumed_train_samples`` continues the same trajectory.
 
 from __future__ import annotations
 
+import math
+
 from megalite.errors import MegaliteError
 
 
@@ -30,9 +32,12 @@ def _number(text: str, flag: str) -> int:
     if scale != 1:
         t = t[:-1]
     try:
-        return int(float(t) * scale)
+        x = float(t) * scale
     except ValueError:
         raise BatchScheduleError(f"{flag}: {text!r} is not a number (K/M/B/T suffixes allowed)") from None
+    if not math.isfinite(x) or x < 0:
+        raise BatchScheduleError(f"{flag}: {text!r} must be a finite number >= 0")
+    return int(x)
 
 
 def parse_step_schedule(text: str, seq_length: int) -> list[tuple[int, int]]:

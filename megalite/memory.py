@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
-from megalite.errors import need
+from megalite.errors import MegaliteError, need
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
 from megalite.model.gpt import recompute_units
@@ -55,6 +56,7 @@ from megalite.optim.step import sub_groups
 from megalite.parallel.context_parallel import a2a_kv_repeats
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
+from megalite.parallel.mesh import Mesh
 from megalite.parallel.param_attributes import mark_embedding_or_output, mark_shared_embedding
 from megalite.parallel.param_gather import ROOT, unit_of_name
 from megalite.parallel.pipeline_layout import stage_layer_ranges
@@ -1330,3 +1332,28 @@ def format_memory_table(records: list[dict]) -> str:
             f"host memory for --async-save staging (predicted, max over ranks) MiB: {max(staging) / mib:.3f}"
         )
     return "\n".join([title] + [" " + line for line in lines])
+
+
+def device_capacity_bytes(device: torch.device) -> int:
+    """All the memory of ``device``: a GPU's, or the host's physical RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_params_fit(run: RunConfig, mesh: Mesh) -> None:
+    """Before anything is allocated: this rank's parameters alone (the memory model's ``params``, a
+    lower bound of the run's memory) must fit in all of the device's memory, else one line naming the
+    sizes instead of the allocator's error. Under FakeTensorMode (a fake rank) nothing is allocated."""
+    if isinstance(torch.empty(0), FakeTensor):
+        return
+    need_bytes = param_bytes(run.model, MemoryLayout.from_configs(run, mesh.device.type), mesh.pp_rank)
+    have = device_capacity_bytes(mesh.device)
+    if need_bytes > have:
+        gib = 2**30
+        raise MegaliteError(
+            f"the parameters of pipeline stage {mesh.pp_rank} alone need {need_bytes / gib:,.1f} GiB per rank "
+            f"(memory model; --hidden-size {run.model.hidden_size}, --num-layers {run.model.num_layers}) but "
+            f"this {mesh.device.type} has {have / gib:,.1f} GiB: shrink the model or raise "
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size (tools/plan.py finds a layout)"
+        )

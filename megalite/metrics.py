@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -153,6 +154,19 @@ def check_output_paths(
         raise MegaliteError(mine)
 
 
+@contextlib.contextmanager
+def _writing(flag: str, path: str | None):
+    """An OSError writing ``flag``'s files (a full disk, a quota, a vanished mount) as one line naming
+    the flag, the path and the cause, not a traceback from inside the writer."""
+    try:
+        yield
+    except OSError as e:
+        raise MegaliteError(
+            f"{flag} {path}: writing failed ({e.strerror or e}); free space or pick another {flag}, then "
+            "rerun (a --save checkpoint resumes the run)"
+        ) from None
+
+
 class MetricSinks:
     """Where metrics go: console always; TensorBoard, wandb and JSON lines when asked.
 
@@ -223,18 +237,21 @@ class MetricSinks:
             return
         numbers = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self.tb is not None:
-            for tag, value in numbers.items():
-                self.tb.add_scalar(tag, value, iteration)
-            self.tb.flush()
+            with _writing("--tensorboard-dir", self.tb.log_dir):
+                for tag, value in numbers.items():
+                    self.tb.add_scalar(tag, value, iteration)
+                self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(numbers, step=iteration)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
+            with _writing("--metrics-file", self.jsonl.name):
+                self.jsonl.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
 
     def write_record(self, record: dict) -> None:
         """One JSON line as given (e.g. the memory report's per-rank records)."""
         if self.enabled and self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            with _writing("--metrics-file", self.jsonl.name):
+                self.jsonl.write(json.dumps(record) + "\n")
 
     def scalar(self, tag: str, value: float, iteration: int) -> None:
         """One TensorBoard scalar under its full tag (e.g. ``memory/stage0/measured_params``)."""
@@ -246,23 +263,26 @@ class MetricSinks:
             return
         values = {k: v for k, v in values.items() if v is not None}
         if self.tb is not None:
-            for tag, value in values.items():
-                self.tb.add_scalar(tag, value, iteration)
-                if samples is not None:
-                    self.tb.add_scalar(f"{tag} vs samples", value, samples)
+            with _writing("--tensorboard-dir", self.tb.log_dir):
+                for tag, value in values.items():
+                    self.tb.add_scalar(tag, value, iteration)
+                    if samples is not None:
+                        self.tb.add_scalar(f"{tag} vs samples", value, samples)
         if self.wandb is not None:
             self.wandb.log(values, step=iteration)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        tb, jsonl = self.tb, self.jsonl
+        self.tb = self.jsonl = None
+        if tb is not None:
+            with _writing("--tensorboard-dir", tb.log_dir):
+                tb.close()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
+        if jsonl is not None:
+            with _writing("--metrics-file", jsonl.name):
+                jsonl.close()
 
 
 def wandb_init_kwargs(config: LoggingConfig) -> dict:

@@ -32,7 +32,7 @@ from megalite.data import build_pretraining_data_loader, build_train_valid_test_
 from megalite.data.integrity import checked_batches, tokenizer_flags
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import ArgumentError
-from megalite.memory import MemoryProbe
+from megalite.memory import MemoryProbe, check_params_fit
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
@@ -143,6 +143,7 @@ def setup(run: RunConfig, with_data: bool = True) -> TrainState:
     rng = set_random_seed(train.seed, mesh, mesh.device)
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
     config = run.model  # its vocabulary is the tokenizer's (the resolution read it)
+    check_params_fit(run, mesh)
     ctx = ParallelContext(mesh, run.parallel, run.recompute, rng, train.params_dtype)
     chunks = build_model_chunks(config, ctx)
     if train.torch_compile:
@@ -675,6 +676,10 @@ def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
     if resume_note and rank0:
         logger.warning(f" note: {resume_note}")
     done, flags = resume_iteration(ckpt), ckpt.flags
+    # The identity first: a different run pointed at a finished one names the differing field, not
+    # "nothing to do".
+    recorded = recorded_flags(ckpt)
+    notes, kept = resume_policy(recorded, flags) if recorded is not None else ([], {})
     # A --train-samples run's iteration count is derived: such a finished run's loop ends at once.
     iters = run.training.train_iters if flags.get("train_samples") is None else None
     if done is not None and iters is not None and done >= iters:
@@ -684,8 +689,6 @@ def guard(run: RunConfig, rank0: bool = True) -> RunConfig | None:
                 "this run is finished, nothing to do (raise --train-iters to train further)"
             )
         return None
-    recorded = recorded_flags(ckpt)
-    notes, kept = resume_policy(recorded, flags) if recorded is not None else ([], {})
     if notes and rank0:
         logger.warning("\n".join(f" note: {n}" for n in notes))
     # --use-checkpoint-opt_param-scheduler: the checkpoint's own LRs (and the record says so).

@@ -90,7 +90,7 @@ def test_yaml_config(tmp_path):
             2,
             "multiple of --pipeline-model-parallel-size",
         ),
-        (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--save-interval", "5"], 1, "--save-interval does nothing without --save"),
         (["--seq-length", "256", "--max-position-embeddings", "128"], 1, "--max-position-embeddings"),
         (["--start-weight-decay", "0.0", "--end-weight-decay", "0.1"], 1, "--weight-decay-incr-style linear"),
         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0"], 1, "needs both"),

@@ -75,16 +75,40 @@ def tokenizer_flags(args: argparse.Namespace, saved_args: dict, vocab_size: int)
     return flags
 
 
+def _device(name: str | None) -> torch.device:
+    """``--device``: cpu or cuda[:N] that this torch and machine have (default cuda when available)."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise MegaliteError(f"--device {name}: not a device name; pass cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        built = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise MegaliteError(f"--device {name}: {built}; pass --device cpu (or leave --device out)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise MegaliteError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type not in ("cpu", "cuda"):
+        raise MegaliteError(f"--device {name}: generate.py runs on cpu or cuda")
+    return device
+
+
 def run(args: argparse.Namespace) -> str:
     from megalite.checkpoint import files, load_model
+    from megalite.checkpoint.megatron import detect_format
     from megalite.data import build_tokenizer
     from megalite.generation import generate
 
     start = time.perf_counter()
+    device = _device(args.device)  # before anything is read: a device this torch cannot use stops here
+    fmt = detect_format(args.load, args.ckpt_step)
+    if fmt is not None:  # a Megatron-LM save: name it and the conversion, not "no finished checkpoint"
+        raise MegaliteError(
+            f"--load {args.load} is a Megatron-LM checkpoint ({fmt} format), not a megalite one: convert it "
+            f"first: python tools/convert_checkpoint.py --input {args.load} --output SAVE --output-format megalite"
+            ", then --load SAVE"
+        )
     folder, iteration = files.resolve(args.load, args.ckpt_step, flag="--load")
     saved_args = files.read_metadata(folder).get("args") or {}
     model, config = load_model(folder)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     flags = tokenizer_flags(args, saved_args, config.vocab_size)
     tokenizer = build_tokenizer(**flags)  # bad files: one-line TokenizerError

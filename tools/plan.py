@@ -49,7 +49,11 @@ def build_parser():
         help=f"Calibration JSON to plan with instead of the GPU table (no FILE: {calibration.default_path()}).",
     )  # fmt: skip
     g = p.add_argument_group("planner: output")
-    g.add_argument("--json", action="store_true", help='Print {"candidates": [...]} best first.')
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='Print {"candidates": [...]} best first (with --verify: and "verify").',
+    )
     g.add_argument("--top", type=int, default=10, help="Rows of the table.")
     g.add_argument(
         "--verify",
@@ -132,8 +136,11 @@ def plan(argv=None) -> int:
         args.calibration = str(path)
     p = problem(args)
     cands = planner.plan(p)
-    if args.json:
-        print(json.dumps({"candidates": [c.as_json() for c in cands]}, indent=1))
+    if args.json:  # --verify's records in the JSON too: a flag never dropped without a word
+        out = {"candidates": [c.as_json() for c in cands]}
+        if args.verify:
+            out["verify"] = fake_rank.verify_records(verify_argv(argv, p, cands[0]), p.cluster.num_gpus)
+        print(json.dumps(out, indent=1))
         return 0
     cl = p.cluster
     print(

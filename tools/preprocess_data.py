@@ -10,6 +10,8 @@ See docs/data.md; the engine is megalite/data/preprocess.py.
 """
 
 import argparse
+import errno
+import glob
 import os
 import sys
 
@@ -74,6 +76,19 @@ def main(argv=None) -> dict:
         )
     except MegaliteError as e:
         log.error("preprocess_data.py", str(e))
+        sys.exit(2)
+    except OSError as e:  # a full disk, a quota or a read-only mount under the output
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+            raise
+        prefixes = [args.output_prefix] if isinstance(args.output_prefix, str) else list(args.output_prefix)
+        for prefix in prefixes:  # the unfinished outputs' space
+            for tmp in glob.glob(glob.escape(prefix) + "*.tmp"):
+                os.remove(tmp)
+        log.error(
+            "preprocess_data.py",
+            f"--output-prefix {' '.join(prefixes)}: writing failed ({e.strerror}: {e.filename}); free space "
+            "or pick another --output-prefix, then rerun (no finished .bin/.idx pair was written)",
+        )
         sys.exit(2)
 
 

@@ -2,7 +2,7 @@
 
 import argparse
 
-from megalite.arguments.spec import POSITIVE, choice, need, switch, value
+from megalite.arguments.spec import POSITIVE, Depends, choice, need, switch, value
 from megalite.configs import RecomputeConfig, check_activation_memory
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -53,6 +53,7 @@ COMPILE_FLAGS = (
 )
 GROUPS = (("activation memory: sequence parallelism and recompute", FLAGS), ("compilation", COMPILE_FLAGS))
 RULES = {"--recompute-num-layers": POSITIVE}
+DEPENDS = (Depends("--sequence-parallel", "--tensor-model-parallel-size > 1"),)  # spec.py's note
 
 
 def sequence_parallel(args: argparse.Namespace) -> bool:

@@ -6,11 +6,11 @@ import argparse
 from megalite.arguments.spec import (
     NON_NEGATIVE,
     POSITIVE,
+    Depends,
     above,
     at_least,
     flag,
     from_flags,
-    need,
     switch,
     value,
 )
@@ -83,11 +83,11 @@ RULES = {
     "--exit-interval": POSITIVE,
     "--exit-duration-in-mins": at_least(0, "0: stop after the first iteration"),
 }
+DEPENDS = (Depends("--save-interval 5", "--save", plain=True),)  # spec.py's note
 
 
 def check(args: argparse.Namespace) -> list[str]:
-    if args.save_interval is not None:
-        need(args.save is not None, "--save-interval needs --save DIR")
+    """The checkpoint flags' checks (``--save-interval`` without ``--save``: ``DEPENDS``)."""
     return []
 
 

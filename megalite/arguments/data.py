@@ -4,12 +4,16 @@ and tools/generate.py), and ``build_tokenizer``'s keyword arguments from them.""
 import argparse
 
 from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, Flag, add_group, choice, flag, need, switch, value
+from megalite.data.blended_dataset import normalize_weights
+from megalite.data.builder import parse_data_path
+from megalite.data.gpt_dataset import DatasetError, parse_split
 from megalite.data.tokenizers import (
     TIKTOKEN_DEFAULT_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
     TOKENIZER_ALIASES,
     TOKENIZER_TYPES,
 )
+from megalite.errors import ArgumentError
 
 FLAGS = (
     flag(
@@ -71,6 +75,8 @@ RULES = {
     "--vocab-size": POSITIVE,
     "--tiktoken-num-special-tokens": NON_NEGATIVE,
 }
+# The numbers typed inside text flags (``{x}`` marks one; spec.py's note): checked by check_numbers.
+TEXT_NUMBERS = {"--split": "{x},10,0", "--data-path": "{x} A 1 B"}
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:
@@ -99,6 +105,7 @@ def check(args: argparse.Namespace) -> list[str]:
         args.mock_data or args.data_path,
         "no training data: pass --data-path PREFIX (see docs/data.md) or --mock-data",
     )
+    check_numbers(args)
     notes = []
     kind = tokenizer_type(args)
     if kind != args.tokenizer_type:
@@ -122,3 +129,16 @@ def tokenizer_type(args: argparse.Namespace) -> str:
     ):
         return "GPT2BPETokenizer"
     return args.tokenizer_type
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numbers typed inside text flags, before any file is opened: ``--split``'s shares and
+    ``--data-path``'s blend weights, each finite and >= 0 with a positive sum (one line naming the flag)."""
+    try:
+        parse_split(args.split)
+        if args.data_path:
+            _, weights = parse_data_path(args.data_path)
+            if weights is not None:
+                normalize_weights(weights)
+    except DatasetError as e:
+        raise ArgumentError(str(e)) from None

@@ -7,6 +7,7 @@ from megalite.arguments import moe
 from megalite.arguments.spec import (
     NON_NEGATIVE,
     POSITIVE,
+    Depends,
     above,
     between,
     choice,
@@ -121,6 +122,10 @@ RULES = {
     "--init-method-std": NON_NEGATIVE,
     "--make-vocab-size-divisible-by": POSITIVE,
 }
+DEPENDS = (  # spec.py's note
+    Depends("--group-query-attention", "--num-query-groups"),
+    Depends("--num-query-groups 2", "--group-query-attention"),
+)
 
 
 def max_position_embeddings(args: argparse.Namespace) -> int:

@@ -7,7 +7,17 @@ Without ``--num-experts`` the model is dense and every other flag here must keep
 
 import argparse
 
-from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, at_least, choice, from_flags, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Depends,
+    at_least,
+    choice,
+    from_flags,
+    need,
+    switch,
+    value,
+)
 from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 
 FLAGS = (
@@ -88,6 +98,8 @@ RULES = {
     "--expert-model-parallel-size": POSITIVE,
     "--expert-tensor-parallel-size": POSITIVE,
 }
+DEPENDS = (Depends("--moe-router-topk 4", "--num-experts"),)  # spec.py's note
+TEXT_NUMBERS = {"--moe-layer-freq": "{x}"}  # spec.py's note
 
 
 def _defaults() -> dict:

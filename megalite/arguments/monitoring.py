@@ -6,7 +6,19 @@ import importlib.util
 
 import torch
 
-from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, above, between, choice, flag, need, switch, value
+from megalite.arguments.spec import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Depends,
+    above,
+    between,
+    choice,
+    flag,
+    need,
+    switch,
+    value,
+)
+from megalite.data.gpt_dataset import parse_split
 from megalite.metrics import WANDB_INSTALL
 
 LOG_FLAGS = (
@@ -152,6 +164,12 @@ RULES = {
     "--manual-gc-interval": NON_NEGATIVE,
     "--timing-log-level": between(0, 2),
 }
+DEPENDS = (  # spec.py's note
+    Depends("--log-timers-to-tensorboard", "--tensorboard-dir or --wandb-project"),
+    Depends("--log-memory-to-tensorboard", "--tensorboard-dir or --wandb-project"),
+    Depends("--log-validation-ppl-to-tensorboard", "--tensorboard-dir or --wandb-project"),
+    Depends("--eval-interval 1 --split 100,0,0", "a validation share in --split"),
+)
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -194,6 +212,12 @@ def check(args: argparse.Namespace) -> list[str]:
         notes.append(
             "--record-memory-history records the CUDA caching allocator; on CPU there is none, "
             "so no memory snapshot is written"
+        )
+    evaluates = args.eval_interval is not None and args.eval_iters > 0 and not args.mock_data
+    if evaluates and parse_split(args.split)[1] == 0:
+        notes.append(
+            f"--eval-interval {args.eval_interval} evaluates nothing: --split {args.split} gives the "
+            "validation split no share; give it one (e.g. --split 98,2,0) or drop --eval-interval"
         )
     if tb_only and not (args.tensorboard_dir or args.wandb_project):
         notes.append(f"{', '.join(tb_only)} write nothing without --tensorboard-dir or --wandb-project")

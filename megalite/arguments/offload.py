@@ -22,7 +22,7 @@ import argparse
 import os
 
 from megalite.arguments.parallel import sharding_strategy
-from megalite.arguments.spec import POSITIVE, choice, need, value
+from megalite.arguments.spec import POSITIVE, Depends, choice, need, value
 from megalite.configs import OFFLOAD_DEVICES, OffloadConfig
 
 OFFLOAD_FLAGS = (
@@ -78,6 +78,7 @@ RULES = {
     "--offload-buffer-size": POSITIVE,
     "--offload-sub-group-size": POSITIVE,
 }
+DEPENDS = (Depends("--offload-optimizer-device nvme", "--offload-nvme-path"),)  # spec.py's note
 
 
 def derived(args: argparse.Namespace) -> dict:
@@ -99,9 +100,12 @@ def check(args: argparse.Namespace) -> list[str]:
     )
     nvme = "nvme" in (args.offload_optimizer_device, args.offload_param_device)
     path = args.offload_nvme_path
+    tier = (
+        "--offload-optimizer-device" if args.offload_optimizer_device == "nvme" else "--offload-param-device"
+    )
     need(
         not nvme or path is not None,
-        "--offload-*-device nvme needs --offload-nvme-path DIR (a local, writable directory)",
+        f"{tier} nvme needs --offload-nvme-path DIR (a local, writable directory)",
     )
     need(
         nvme or path is None,

@@ -9,6 +9,7 @@ from megalite.arguments.schedule import by_samples
 from megalite.arguments.spec import (
     NON_NEGATIVE,
     POSITIVE,
+    Depends,
     above,
     between,
     choice,
@@ -151,6 +152,7 @@ RULES = {
     "--hysteresis": POSITIVE,
     "--optimizer-offload-fraction": between(0, 1),
 }
+DEPENDS = (Depends("--decoupled-min-lr 1e-5", "--decoupled-lr"),)  # spec.py's note
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -161,6 +163,11 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 def check(args: argparse.Namespace) -> list[str]:
     """Learning rates, weight-decay schedule, clipping, precision and offload share."""
     need(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    need(
+        not args.fp16 or args.loss_scale is not None or args.min_loss_scale <= args.initial_loss_scale,
+        f"--min-loss-scale ({args.min_loss_scale:g}) is above --initial-loss-scale "
+        f"({args.initial_loss_scale:g}): the dynamic fp16 scale must start at or above its minimum; lower --min-loss-scale or raise --initial-loss-scale",
+    )
     need(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
     need(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
     need(

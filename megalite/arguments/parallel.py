@@ -3,7 +3,7 @@
 import argparse
 import os
 
-from megalite.arguments.spec import POSITIVE, at_least, choice, exclusive, flag, need, switch, value
+from megalite.arguments.spec import POSITIVE, Depends, at_least, choice, exclusive, flag, need, switch, value
 from megalite.configs import ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.log import get_logger
@@ -184,6 +184,16 @@ RULES = {
     "--fake-world-size": POSITIVE,
     "--fake-rank": at_least(0, "a rank of --fake-world-size"),
 }
+DEPENDS = (  # spec.py's note
+    Depends("--fake-rank 1", "--fake-world-size", plain=True),
+    Depends("--fake-tensors", "--fake-world-size", plain=True),
+    Depends("--fake-real-tensors", "--fake-world-size", plain=True),
+    Depends("--num-layers-per-virtual-pipeline-stage 1", "--pipeline-model-parallel-size > 1"),
+    Depends("--grad-reduce-in-bf16", "--bf16"),
+    Depends("--overlap-param-gather --overlap-grad-reduce", "--use-distributed-optimizer"),
+    Depends("--overlap-param-gather --use-distributed-optimizer", "--overlap-grad-reduce"),
+    Depends("--overlap-param-gather-with-optimizer-step", "--overlap-param-gather"),
+)
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:

@@ -3,6 +3,7 @@
 import argparse
 import difflib
 import os
+import re
 import sys
 
 import yaml
@@ -22,7 +23,7 @@ from megalite.arguments import (
 )
 from megalite.arguments import compat as compat_flags
 from megalite.arguments.compat import check_megatron_compat, ignored_flags_warning
-from megalite.arguments.spec import Rule, add_group, check_rules
+from megalite.arguments.spec import Rule, add_group, check_depends, check_rules
 from megalite.errors import ArgumentError
 
 # Each concern's flags, in the order of --help and docs/flags.md; the compatibility table last.
@@ -32,6 +33,17 @@ MODULES = (model, moe, activation, parallel, schedule, optimizer, offload, data,
 class _Parser(argparse.ArgumentParser):
     """argparse that raises one-line ArgumentErrors instead of printing usage and exiting
     (``--help`` still prints the full usage)."""
+
+    # argparse reads a token after a flag as a value only if it does not look like an option, and it
+    # counts as a number only in the forms -5 and -.5: ``--lr -1e-3``, ``--lr -inf`` or
+    # ``--split -10,60,50`` would end in "expected one argument", blaming the syntax for what the
+    # value rule must name. Every token that starts with "-" and a digit, ".digit", inf or nan is a
+    # value (no option of these parsers starts so); its flag's type and rule then judge it.
+    NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER
 
     def error(self, message: str):
         raise ArgumentError(message)
@@ -169,6 +181,16 @@ def value_rules() -> dict[str, Rule]:
     return {option: rule for module in MODULES for option, rule in module.RULES.items()}
 
 
+def text_numbers() -> dict[str, str]:
+    """Every group's text flags with numbers inside (``TEXT_NUMBERS``): ``{option: template}``."""
+    return {option: t for module in MODULES for option, t in getattr(module, "TEXT_NUMBERS", {}).items()}
+
+
+def depends() -> tuple:
+    """Every group's flag dependencies (``DEPENDS``, :class:`~megalite.arguments.spec.Depends`)."""
+    return tuple(d for module in MODULES for d in getattr(module, "DEPENDS", ()))
+
+
 def _with(args: argparse.Namespace, **values) -> argparse.Namespace:
     """A new namespace: ``args`` with ``values`` (``args`` is not changed)."""
     return argparse.Namespace(**{**vars(args), **values})
@@ -185,6 +207,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     :func:`megalite.arguments.resolve` makes the ``RunConfig`` of the result.
     """
     check_rules(args, value_rules())
+    check_depends(args, vars(build_parser().parse_args([])), depends())
     flags = _with(args, data_parallel_size=parallel.data_parallel_size(args, world_size))
     notes = schedule.check(flags) + model.check(flags) + optimizer.check(flags)
     flags = _with(flags, **schedule.derived(flags))  # batches, microbatches, steps: read below

@@ -16,6 +16,11 @@
 tests/test_arguments.py walks the parser and fails on a flag without a class.
 """
 
+import os
+
+from megalite.data.blended_dataset import normalize_weights
+from megalite.data.builder import parse_data_path
+from megalite.data.gpt_dataset import DatasetError, parse_split
 from megalite.errors import ArgumentError
 
 MODEL, IDENTITY, SCHEDULE, FREE, INVOCATION = "model", "identity", "schedule", "free", "invocation"
@@ -79,6 +84,22 @@ def _norm(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
+def _meaning(dest: str, v):
+    """What a value determines, compared instead of its spelling: ``--split`` as normalised shares
+    (49,1,0 == 98,2,0), ``--data-path`` as resolved files with normalised blend weights (a relative
+    and an absolute path to the same prefix, weights scaled, are the same run)."""
+    try:
+        if dest == "split" and v is not None:
+            return [round(x, 12) for x in parse_split(v)]
+        if dest == "data_path" and v:
+            prefixes, weights = parse_data_path(v)
+            shares = None if weights is None else [round(w, 12) for w in normalize_weights(weights)]
+            return [os.path.realpath(p) for p in prefixes], shares
+    except DatasetError:
+        pass
+    return _norm(v)
+
+
 def resume_policy(recorded: dict, flags: dict) -> tuple[list[str], dict]:
     """Compare this run's resolved flags (``flags``: ``RunConfig.checkpoint.flags``, dest -> value) with
     the flags a checkpoint recorded (the same record, of the run that wrote it).
@@ -91,7 +112,7 @@ def resume_policy(recorded: dict, flags: dict) -> tuple[list[str], dict]:
     changed = {
         d: (recorded[d], flags[d])
         for d in POLICY
-        if d in recorded and d in flags and _norm(recorded[d]) != _norm(flags[d])
+        if d in recorded and d in flags and _meaning(d, recorded[d]) != _meaning(d, flags[d])
     }
     described = {d: f"{_flag(d)} {new} (checkpoint {old})" for d, (old, new) in changed.items()}
     identity = [described[d] for d in changed if POLICY[d] == IDENTITY]

@@ -3,7 +3,7 @@
 
 import argparse
 
-from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, between, flag, need, switch, value
+from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, Depends, between, flag, need, switch, value
 from megalite.batch_schedule import BatchScheduleError, BatchSizeSchedule, parse_step_schedule
 from megalite.errors import ArgumentError
 
@@ -49,6 +49,8 @@ RULES = {
     "--rampup-batch-size": POSITIVE,
     "--seed": between(0, 2**32 - 1, why="numpy's seed range"),
 }
+DEPENDS = (Depends("--rampup-batch-size 2 2 8", "--train-samples"),)  # spec.py's note
+TEXT_NUMBERS = {"--step-batch-size-schedule": "0:16 {x}:32"}  # spec.py's note
 
 
 def by_samples(args: argparse.Namespace) -> bool:

@@ -65,6 +65,11 @@ def from_flags(cls, args: argparse.Namespace, **values):
 # checked before anything else reads the values (``check_rules``), so a nonsense number stops with one
 # line naming the flag instead of a torch traceback, a NaN blamed on --lr, or a negative interval that
 # behaves as a positive one. NaN and +-inf are refused by every rule.
+#
+# A text flag with numbers inside (``--split 98,2,0``, ``--data-path 0.3 A 0.7 B``, a schedule's
+# thresholds) lists them in its module's ``TEXT_NUMBERS``, ``{option: template}`` with ``{x}`` where
+# one number goes; its check refuses NaN, +-inf and negatives naming the flag, and
+# tests/test_faults_flags.py types each of them into every template.
 
 
 def _number(x) -> str:
@@ -137,3 +142,35 @@ def check_rules(args: argparse.Namespace, rules: dict[str, Rule]) -> None:
         given = getattr(args, dest_of(option), None)
         for x in given if isinstance(given, (list, tuple)) else [given]:
             need(x is None or rule.accepts(x), f"{option} must be {rule.describe()}, got {option} {x}")
+
+
+# ------------------------------------------------------------------------------- dependencies
+# A flag that acts only with another lists the pair in its module's ``DEPENDS``: used without what it
+# needs, it stops the run or notes it in one line naming both, never does nothing without a word.
+# ``plain`` pairs (the needed flag unset: None or False) are refused here by :func:`check_depends`;
+# the others are conditions a group check enforces (a stop or a note). tests/test_faults_flags.py
+# runs every ``example`` without what it needs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Depends:
+    example: str  # the flag, used so that it would act: "--fake-rank 1"
+    needs: str  # the flag it needs ("--fake-world-size"), or the condition in words
+    plain: bool = False  # ``needs`` is a flag, and its absence is refused by check_depends
+
+    @property
+    def flag(self) -> str:
+        return self.example.split()[0]
+
+
+def check_depends(args: argparse.Namespace, defaults: dict, table: tuple[Depends, ...]) -> None:
+    """Each ``plain`` pair: the flag set (not its default) while the flag it needs is unset."""
+    for d in table:
+        if not d.plain:
+            continue
+        dest = dest_of(d.flag)
+        used = getattr(args, dest, None) != defaults.get(dest)
+        need(
+            not used or getattr(args, dest_of(d.needs), None) not in (None, False),
+            f"{d.flag} does nothing without {d.needs}; add {d.needs} or drop {d.flag}",
+        )

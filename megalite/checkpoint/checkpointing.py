@@ -148,8 +148,12 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
     if not config.save:
         return config, None
     save = Path(config.save)
-    latest = files.read_tracker(save) if save.is_dir() else None
-    if latest is None:
+    tracker = files.read_tracker(save) if save.is_dir() else None
+    # What is on disk decides, not the tracker alone: a tracker edited back (Megatron's rollback) or
+    # lost still leaves later published iter_* folders that a save would rewrite.
+    on_disk = max(files.finished_iterations(save), default=None) if save.is_dir() else None
+    latest = max(x for x in (tracker, on_disk, -1) if x is not None)
+    if latest < 0:
         return config, None
     how = "pass a new --save DIR (a requeued job with the same command then resumes from DIR)"
     if _same_dir(config.load, config.save):
@@ -163,7 +167,18 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
                 f"--ckpt-step {config.ckpt_step} rolls --save {save} back from its latest iteration {latest}: "
                 f"saving would replace published iterations and move its tracker backwards; {how}"
             )
+        if config.ckpt_step is None and (tracker is None or tracker < latest):
+            said = "no tracker" if tracker is None else f"its tracker names iteration {tracker}"
+            raise files.CheckpointError(
+                f"--load = --save {save}: {said} but iter_{latest} is published on disk; resuming would "
+                f"rewrite it: restore {files.TRACKER} to {latest}, or {how}"
+            )
         return config, None
+    if tracker is None:
+        raise files.CheckpointError(
+            f"--save {save} holds published iteration {latest} (iter_{latest}) without a tracker; this run "
+            f"would overwrite it: pass --load {save} --ckpt-step {latest} to resume it, or a new --save DIR"
+        )
     recorded = files.read_metadata(files.resolve(save, latest, flag="--save")[0]).get("args") or {}
     if _same_command(recorded, config):
         note = (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import numpy as np
 
@@ -98,8 +99,10 @@ def validate_blending_indices(arrays, num_datasets: int, size: int) -> None:
 
 def normalize_weights(weights) -> list[float]:
     w = [float(x) for x in weights]
-    if not w or any(x < 0 for x in w) or sum(w) <= 0:
-        raise DatasetError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    if not w or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise DatasetError(
+            f"--data-path weights must be finite, non-negative, with a positive sum, got {' '.join(map(str, weights))}"
+        )
     total = sum(w)
     return [x / total for x in w]
 

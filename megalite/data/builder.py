@@ -155,6 +155,12 @@ def build_train_valid_test_datasets(
             eod_mask_loss=eod_mask_loss,
         )
 
+    empty = [p for p, ds in zip(prefixes, indexed) if len(ds) == 0]
+    if empty:  # the cause is the file, whatever the split
+        raise DatasetError(
+            f"--data-path {' '.join(empty)} holds no documents (its .idx lists 0); preprocess some text into "
+            "it (tools/preprocess_data.py) or drop it from --data-path"
+        )
     bounds = [split_bounds(fractions, len(ds)) for ds in indexed]
     out = []
     for s, name in enumerate(SPLIT_NAMES):

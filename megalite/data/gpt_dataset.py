@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -59,14 +60,22 @@ class DatasetError(MegaliteError, ValueError):
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` -> normalized [train, valid, test] fractions (Megatron's ``--split``).
 
-    Megatron's parsing: every run of digits and dots is a number, anything else separates
-    (``99,1,0``, ``98/2/0``, and ``'99,1,0'`` with the quotes a bash array leaves in).
+    Megatron's syntax: numbers separated by ``,`` or ``/`` (``99,1,0``, ``98/2/0``; quotes a bash
+    array leaves in are dropped). Each share must be a finite number >= 0 (a ``nan``, ``inf`` or a
+    negative share is refused naming it, never skipped), their sum positive.
     """
-    parts = re.findall(r"[.0-9]+", str(split))
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise DatasetError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
+    text = str(split).strip().strip("'\"").strip()
+    parts = [p.strip() for p in re.split(r"[,/]", text)] if text else []
+    weights = []
+    for part in parts:
+        try:
+            weights.append(float(part))
+        except ValueError:
+            raise DatasetError(
+                f"--split {split!r}: {part!r} is not a number; expected e.g. 969,30,1"
+            ) from None
+        if not math.isfinite(weights[-1]) or weights[-1] < 0:
+            raise DatasetError(f"--split {split!r}: each share must be a finite number >= 0, got {part}")
     if not 1 <= len(weights) <= 3 or sum(weights) <= 0:
         raise DatasetError(
             f"--split {split!r}: expected 1-3 non-negative numbers with a positive sum, e.g. 969,30,1"

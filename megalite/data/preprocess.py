@@ -48,7 +48,7 @@ from megalite.data.indexed_dataset import DType, IndexedDatasetBuilder
 from megalite.data.optional import require
 from megalite.data.progress import Progress
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
-from megalite.errors import InputError, MegaliteError
+from megalite.errors import InputError, MegaliteError, reading
 from megalite.log import get_logger
 
 logger = get_logger(__name__)
@@ -247,16 +247,20 @@ def _batch_item(path: str, first_row: int, batch, keys, nbytes: int):
 
 def _parquet_chunks(path: str, keys, batch_rows: int):
     pq = require("pyarrow.parquet", f"--input {path}")
-    f = pq.ParquetFile(path)
-    _columns(path, f.schema_arrow.names, keys)
-    size = os.path.getsize(path)
-    meta = f.metadata
-    row = 0
-    for g in range(meta.num_row_groups):
-        for batch in f.iter_batches(batch_size=batch_rows, row_groups=[g], columns=list(keys)):
-            # progress in file bytes, shared out by rows
-            yield _batch_item(path, row, batch, keys, int(size * batch.num_rows / max(meta.num_rows, 1)))
-            row += batch.num_rows
+    import pyarrow as pa
+
+    # A truncated or corrupt file: one line naming it (pyarrow's ArrowInvalid, OSError), not a traceback.
+    with reading(f"--input {path} (truncated or not Parquet?)", pa.ArrowException, OSError):
+        f = pq.ParquetFile(path)
+        _columns(path, f.schema_arrow.names, keys)
+        size = os.path.getsize(path)
+        meta = f.metadata
+        row = 0
+        for g in range(meta.num_row_groups):
+            for batch in f.iter_batches(batch_size=batch_rows, row_groups=[g], columns=list(keys)):
+                # progress in file bytes, shared out by rows
+                yield _batch_item(path, row, batch, keys, int(size * batch.num_rows / max(meta.num_rows, 1)))
+                row += batch.num_rows
 
 
 def arrow_files(path: str) -> list[str]:

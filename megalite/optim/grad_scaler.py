@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.configs import OptimizerConfig
+from megalite.errors import ArgumentError
 from megalite.optim.clip_grads import all_reduce_over
 from megalite.parallel.mesh import Mesh
 
@@ -93,17 +94,17 @@ class DynamicGradScaler(_GradScaler):
         hysteresis: int = 2,
     ):
         if initial_scale <= 0:
-            raise ValueError(f"--initial-loss-scale must be positive, got {initial_scale}")
+            raise ArgumentError(f"--initial-loss-scale must be positive, got {initial_scale}")
         if not 0 < min_scale <= initial_scale:
-            raise ValueError(
+            raise ArgumentError(
                 f"--min-loss-scale must be in (0, --initial-loss-scale={initial_scale}], got {min_scale}"
             )
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
+            raise ArgumentError("growth_factor must be > 1 and backoff_factor in (0, 1)")
         if growth_interval < 1:
-            raise ValueError(f"--loss-scale-window must be >= 1, got {growth_interval}")
+            raise ArgumentError(f"--loss-scale-window must be >= 1, got {growth_interval}")
         if hysteresis < 1:
-            raise ValueError(f"--hysteresis must be >= 1, got {hysteresis}")
+            raise ArgumentError(f"--hysteresis must be >= 1, got {hysteresis}")
         self._scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)

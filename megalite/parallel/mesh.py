@@ -317,9 +317,11 @@ def destroy_model_parallel() -> None:
 
 def _unique(groups: list[list[int]]) -> list[list[int]]:
     """``groups`` without repeats, in their order (every rank creates them in the same order)."""
+    seen: set[tuple[int, ...]] = set()  # linear: a list scan made this O(world^2) (1M ranks: never)
     out: list[list[int]] = []
     for g in groups:
-        if g not in out:
+        if tuple(g) not in seen:
+            seen.add(tuple(g))
             out.append(g)
     return out
 
@@ -329,10 +331,15 @@ def _build_groups(
 ) -> dict:
     """Collective: every group of ``layout`` (cached per world), ``{role: this rank's group}``."""
     made = _groups_of_this_world()
+    # torch's fake process group (a fake rank: megalite/planning/fake_rank.py) has no peers to agree
+    # with: the rank builds its own groups only, so its time does not grow with the world size.
+    alone = dist.get_backend() == "fake"
 
     def build(role: str, groups: list[list[int]]):
         mine = None
         for g in groups:  # every rank creates every group, in the same order
+            if alone and rank not in g:
+                continue
             # One group per role even where two roles have the same ranks (pp and embedding at
             # pp2 x tp1): each role's collectives keep a communicator of their own, as before.
             key = (role, tuple(g), timeout)
@@ -432,7 +439,7 @@ def initialize_model_parallel(
         pp_ranks=pp_ranks,
         dp_ranks=dp_ranks,
         mp_ranks=_group_of(layout.mp_groups, rank),
-        embedding_ranks=_group_of(unique_emb, rank) if rank in sum(unique_emb, []) else [],
+        embedding_ranks=_group_of(unique_emb, rank) if any(rank in g for g in unique_emb) else [],
         device=torch.device(device),
         cp_size=cp,
         cp_rank=cp_ranks.index(rank),

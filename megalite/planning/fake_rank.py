@@ -243,19 +243,15 @@ def fake_rank_main(args) -> dict:
 VERIFY_TOLERANCE = 0.05  # the prediction holds where every category is within 5% of the fake rank's
 
 
-def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
-    """``tools/plan.py --verify``: run the fake rank of the first and the last pipeline stage (rank 0
-    and the last rank: the heaviest by the memory model; rank 0 alone with one stage) for
-    ``pretrain_argv``; one line each, saying whether the prediction held."""
+def verify_records(pretrain_argv: list[str], world_size: int) -> list[dict]:
+    """``tools/plan.py --verify``: the fake rank of the first and the last pipeline stage (rank 0 and
+    the last rank: the heaviest by the memory model; rank 0 alone with one stage) for
+    ``pretrain_argv``; per rank: measured and predicted bytes in total, the worst category, and whether
+    the prediction held (``--json`` prints these)."""
     from megalite.arguments import parse_args
     from megalite.memory import CATEGORIES, relative_error
 
-    lines = []
-    if not torch.cuda.is_available():
-        lines.append(
-            "  (fake tensors on the CPU: this checks the memory model for CPU kernels, whose attention and "
-            "norms save more than CUDA's; the GB above are CUDA's)"
-        )
+    records = []
     # With one pipeline stage every rank holds the same stage: rank 0 alone says it.
     pipeline = parse_args(pretrain_argv).pipeline_model_parallel_size
     for rank in [0] if pipeline == 1 else [0, world_size - 1]:
@@ -263,15 +259,38 @@ def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
         record = run_fake_rank(parse_args(argv))
         errors = {c: relative_error(record["measured"][c], record["predicted"][c]) for c in CATEGORIES}
         worst = max(errors, key=errors.get)
-        held = errors[worst] <= VERIFY_TOLERANCE
-        gib = 2**30
-        total = sum(record["measured"].values()) / gib, sum(record["predicted"].values()) / gib
+        records.append(
+            dict(
+                rank=rank,
+                pp_rank=record["pp_rank"],
+                measured_bytes=sum(record["measured"].values()),
+                predicted_bytes=sum(record["predicted"].values()),
+                worst_category=worst,
+                worst_relative_error=errors[worst],
+                held=errors[worst] <= VERIFY_TOLERANCE,
+                fake_tensors=not torch.cuda.is_available(),
+            )
+        )
+    return records
+
+
+def verify_layout(pretrain_argv: list[str], world_size: int) -> list[str]:
+    """:func:`verify_records` as lines, one per rank, saying whether the prediction held."""
+    lines = []
+    if not torch.cuda.is_available():
         lines.append(
-            f"  rank {rank} (pipeline stage {record['pp_rank']}): measured {total[0]:.2f} GiB vs predicted "
-            f"{total[1]:.2f} GiB; worst category {worst} {100 * errors[worst]:.2f}%: "
+            "  (fake tensors on the CPU: this checks the memory model for CPU kernels, whose attention and "
+            "norms save more than CUDA's; the GB above are CUDA's)"
+        )
+    gib = 2**30
+    for r in verify_records(pretrain_argv, world_size):
+        lines.append(
+            f"  rank {r['rank']} (pipeline stage {r['pp_rank']}): measured {r['measured_bytes'] / gib:.2f} GiB "
+            f"vs predicted {r['predicted_bytes'] / gib:.2f} GiB; worst category {r['worst_category']} "
+            f"{100 * r['worst_relative_error']:.2f}%: "
             + (
                 "the prediction held"
-                if held
+                if r["held"]
                 else f"the prediction did NOT hold (over {100 * VERIFY_TOLERANCE:.0f}%)"
             )
         )
