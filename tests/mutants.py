@@ -1525,8 +1525,8 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
     Mutant(
         "verify-always-held",
         "megalite/planning/fake_rank.py",
-        "        held = errors[worst] <= VERIFY_TOLERANCE\n",
-        "        held = True\n",
+        "held=errors[worst] <= VERIFY_TOLERANCE,",
+        "held=True,",
         ("tests/test_fake_rank.py::test_verify_says_did_not_hold_for_a_wrong_memory_model",),
         "a checker that never fails: plan.py --verify must say when the memory model is off",
     ),
