@@ -151,7 +151,7 @@ def guard_published(config: CheckpointConfig) -> tuple[CheckpointConfig, str | N
     tracker = files.read_tracker(save) if save.is_dir() else None
     # What is on disk decides, not the tracker alone: a tracker edited back (Megatron's rollback) or
     # lost still leaves later published iter_* folders that a save would rewrite.
-    on_disk = max(files.finished_iterations(save), default=None) if save.is_dir() else None
+    on_disk = max(files.committed_iterations(save), default=None) if save.is_dir() else None
     latest = max(x for x in (tracker, on_disk, -1) if x is not None)
     if latest < 0:
         return config, None

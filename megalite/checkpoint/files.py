@@ -33,6 +33,7 @@ from megalite.model.config import EFFECTIVE, ModelConfig, flag_of
 from megalite.version import __version__
 
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMITTED = "committed"  # an empty file in iter_N/: the tracker has named this iteration
 LOCK = ".megalite_save.lock"  # which job writes this --save directory: {"host", "pid", "job", "started"}
 METADATA = "megalite_checkpoint.json"
 FORMAT = "megalite-dcp"
@@ -97,6 +98,20 @@ def finished_iterations(root: str | Path) -> list[int]:
         if p.is_dir() and p.name[5:].isdigit() and (p / METADATA).is_file():
             out.append(int(p.name[5:]))
     return sorted(out)
+
+
+def committed_iterations(root: str | Path) -> list[int]:
+    """The finished iterations the tracker has named (the commit point of a save): those with the
+    ``COMMITTED`` mark (written right after the tracker), and, for checkpoints older than the mark,
+    those up to the tracker's. A folder renamed into place by a save killed before its tracker
+    update is complete but was never committed: the run resumes from the tracker and may rewrite it."""
+    root = Path(root)
+    tracker = read_tracker(root) if root.is_dir() else None
+    return [
+        n
+        for n in finished_iterations(root)
+        if (iteration_dir(root, n) / COMMITTED).is_file() or (tracker is not None and n <= tracker)
+    ]
 
 
 def resolve(root: str | Path, iteration: int | None = None, flag: str = "--load") -> tuple[Path, int]:
@@ -196,6 +211,7 @@ def finish_save(root: Path, metadata: dict) -> Path:
     write_metadata(staging, {**header, **metadata})
     publish(staging, final)
     write_file_atomic(root / TRACKER, str(iteration))
+    write_file_atomic(final / COMMITTED, "")  # the tracker named it once: a later rollback cannot hide it
     return final
 
 

@@ -35,6 +35,7 @@ other features megalite does not build are refused in one line naming the format
 from __future__ import annotations
 
 import argparse
+import enum
 import hashlib
 import importlib
 import io
@@ -607,9 +608,21 @@ def check_rank_files(
     _refuse_identical_files(list(files.values()))
 
 
+def _canonical(x):
+    """A Megatron enum member as (class name, value), whether it was read as megatron-core's own
+    enum (megatron-core imported: it registers its classes with torch) or as our stand-in (one
+    file of a save may be read each way within one process)."""
+    if isinstance(x, enum.Enum):
+        return (type(x).__name__, x.value)
+    if isinstance(x, _MegatronObject) and not hasattr(x, "state"):
+        return (type(x).__name__, x.args[0] if len(x.args) == 1 else x.args)
+    return x
+
+
 def _differ(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    a, b = _canonical(a), _canonical(b)
     try:
         return bool(a != b)
     except Exception:  # objects without a plain comparison (stand-ins): compared by their repr
