@@ -207,6 +207,7 @@ NEEDS = {
         ["--data-parallel-sharding-strategy", "optim_grads"],
         {"data_parallel.sharding_strategy", "optimizer.use_distributed_optimizer"},
     ),  # fmt: skip
+    "--split": (["--split", "90,5,5"], set()),  # its shares are checked at resolution (issue 40)
     "--ddp-bucket-size": (["--ddp-bucket-size", "1000"], {"data_parallel.bucket_size"}),
     # The offload tiers (one OffloadConfig, shared by the optimizer's and DDP's configs; each of its
     # fields is compared on its own, as offload_<field>): params need ZeRO-3, nvme needs a directory.
