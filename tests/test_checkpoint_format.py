@@ -185,3 +185,31 @@ def test_publish_replaces_an_existing_iteration(tmp_path):
     assert (folder / "payload").read_text() == "new"
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", files.TRACKER]
     assert json.loads((folder / files.METADATA).read_text())["iteration"] == 4
+
+
+def test_metadata_unpickler_reads_enum_members_pickled_by_getattr_and_nothing_else():
+    """Python 3.11.2 pickles DCP's ``_MEM_FORMAT_ENCODING`` members as ``getattr(cls, name)`` (3.11.7
+    as ``cls(value)``): the allowlist reads that form for DCP's own enums, and refuses getattr on
+    anything else (a pickle could otherwise reach any attribute of an allowed class)."""
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from megalite.checkpoint.storage import CheckpointFormatError, _MetadataUnpickler
+
+    class ByGetattr:
+        def __init__(self, owner, name):
+            self.owner, self.name = owner, name
+
+        def __reduce__(self):
+            return getattr, (self.owner, self.name)
+
+    member = dcp_md._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    data = pickle.dumps(ByGetattr(dcp_md._MEM_FORMAT_ENCODING, member.name))
+    assert b"getattr" in data
+    assert _MetadataUnpickler(io.BytesIO(data)).load() is member
+    for owner, name in ((pathlib.Path, "home"), (dcp_md._MEM_FORMAT_ENCODING, "mro")):
+        with pytest.raises(CheckpointFormatError, match="only members of DCP's own enums"):
+            _MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(owner, name)))).load()

@@ -30,6 +30,7 @@ Nothing in the files is unpickled with code execution:
 
 from __future__ import annotations
 
+import enum
 import io
 import pathlib
 import pickle
@@ -191,12 +192,29 @@ for _cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "P
     _ALLOWED_GLOBALS[("pathlib", _cls)] = getattr(pathlib, _cls)
 
 
+def _enum_member(cls, name: str):
+    """``builtins.getattr`` as some Python releases pickle an enum member (3.11.2 writes
+    ``getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")``; 3.11.7 ``cls(value)``): only a
+    member of an allowed enum class, nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_GLOBALS.values():
+        try:
+            return cls[name]
+        except KeyError:
+            pass
+    raise CheckpointFormatError(
+        f"refusing to unpickle getattr({getattr(cls, '__name__', cls)!s}, {name!r}) from a checkpoint's "
+        ".metadata: only members of DCP's own enums are allowed (the file is corrupt or not a DCP file)"
+    )
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the names DCP's metadata is made of; anything else is refused."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED_GLOBALS:
             return _ALLOWED_GLOBALS[(module, name)]
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise CheckpointFormatError(
