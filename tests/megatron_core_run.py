@@ -357,8 +357,12 @@ def load_legacy(chunks: list, folder: str, pp: int) -> dict:
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-    # weights_only with megatron-core's own allowlist, which importing megatron.core registers
-    state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=True)
+    # weights_only with megatron-core's own allowlist, which importing megatron.core registers, and
+    # the getattr that Python 3.11.2 pickles enum members with (enum members only)
+    from megalite.checkpoint.megatron import enum_member_by_name
+
+    with torch.serialization.safe_globals([(enum_member_by_name, "builtins.getattr")]):
+        state = torch.load(os.path.join(folder, rank_dir, "model_optim_rng.pt"), weights_only=True)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     return state
@@ -555,7 +559,12 @@ def continue_one_step(flavour: str, folder: str, fmt: str, out: str, tp: int = 2
         state = sharded_model_state(chunks)
         meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=meta)
-        loaded = dist_checkpointing.load(state, folder)
+        from megalite.checkpoint.megatron import enum_member_by_name
+
+        # megatron-core reads its common.pt with torch.load's weights_only default, which refuses the
+        # getattr Python 3.11.2 pickles enum members with: allow it for enum members only
+        with torch.serialization.safe_globals([(enum_member_by_name, "builtins.getattr")]):
+            loaded = dist_checkpointing.load(state, folder)
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=False)
         optimizer.load_state_dict(loaded["optimizer"])

@@ -121,8 +121,20 @@ _MEGATRON_CLASSES = (
 )
 
 
+def enum_member_by_name(cls, name: str):
+    """``builtins.getattr`` as Python 3.11.0-3.11.4 pickle an enum member (``getattr(cls, name)``;
+    later releases ``cls(value)``): a member of an allowed enum (or of its stand-in), nothing else,
+    so a pickle cannot reach any other attribute of an allowed class."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    if isinstance(cls, type) and issubclass(cls, _MegatronObject) and cls is not _MegatronObject:
+        return cls(name)  # the stand-in of a Megatron enum, by the member's name
+    raise pickle.UnpicklingError(f"Unsupported global: getattr({getattr(cls, '__name__', cls)}, {name!r})")
+
+
 def _safe_globals() -> list:
     stand_ins = [(type(name.rsplit(".", 1)[1], (_MegatronObject,), {}), name) for name in _MEGATRON_CLASSES]
+    stand_ins.append((enum_member_by_name, "builtins.getattr"))
     numpy_names = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     multiarray = importlib.import_module(
         "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
