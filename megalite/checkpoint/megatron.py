@@ -620,21 +620,24 @@ def check_rank_files(
     _refuse_identical_files(list(files.values()))
 
 
-def _canonical(x):
-    """A Megatron enum member as (class name, value), whether it was read as megatron-core's own
-    enum (megatron-core imported: it registers its classes with torch) or as our stand-in (one
-    file of a save may be read each way within one process)."""
+def _member_forms(x):
+    """A Megatron enum member as (class name, the forms it may be pickled by: its name and its value),
+    whether read as megatron-core's own enum (megatron-core imported registers its classes with
+    torch) or as our stand-in (its one argument: the value, or the name under Python 3.11.2's
+    getattr pickling); None for anything else."""
     if isinstance(x, enum.Enum):
-        return (type(x).__name__, x.value)
-    if isinstance(x, _MegatronObject) and not hasattr(x, "state"):
-        return (type(x).__name__, x.args[0] if len(x.args) == 1 else x.args)
-    return x
+        return type(x).__name__, {x.name, x.value}
+    if isinstance(x, _MegatronObject) and not hasattr(x, "state") and len(x.args) == 1:
+        return type(x).__name__, {x.args[0]}
+    return None
 
 
 def _differ(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
-    a, b = _canonical(a), _canonical(b)
+    fa, fb = _member_forms(a), _member_forms(b)
+    if fa is not None and fb is not None:
+        return fa[0] != fb[0] or not (fa[1] & fb[1])
     try:
         return bool(a != b)
     except Exception:  # objects without a plain comparison (stand-ins): compared by their repr
