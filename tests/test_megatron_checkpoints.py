@@ -276,7 +276,7 @@ def test_unreadable_megatron_optimizer_state_fails_in_one_line(tmp_path, capsys)
 
 needs_mcore = pytest.mark.skipif(
     not HAVE_MCORE,
-    reason="megatron-core is not installed (the dev extra: pip install -e '.[dev]'); "
+    reason="megatron-core is not installed (optional: pip install megatron-core==0.16.1); "
     "test_stored_megatron_checkpoints_* read checkpoints it wrote",
 )
 
