@@ -1246,9 +1246,24 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "host": {"measured": state.optimizer.host_bytes() + offloaded["host"], "predicted": predicted.host},
         # The nvme tier's swap files (--offload-optimizer-device / --offload-param-device nvme; else 0).
         "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
+        **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
         "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
     }
+
+
+def nvme_working_set_record(state, layout: MemoryLayout) -> dict:
+    """``{"nvme_working_set": {"measured", "predicted"}}`` under the nvme optimizer tier (else empty): the
+    most host bytes its sub-groups (and grad casts) held at once so far, counted from their storages
+    (``NvmeTier.peak_bytes``), against :func:`nvme_working_set_bytes`."""
+    tier = state.optimizer.adamw.nvme
+    if tier is None:
+        return {}
+    mesh = state.mesh
+    predicted = nvme_working_set_bytes(
+        state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank
+    )
+    return {"nvme_working_set": {"measured": tier.peak_bytes, "predicted": predicted}}
 
 
 def async_save_record(state, layout: MemoryLayout) -> dict:

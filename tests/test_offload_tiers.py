@@ -283,6 +283,8 @@ def test_nvme_step_holds_only_the_sub_groups_in_flight_and_gives_the_cpu_tier_bi
             (memory,) = [r for r in records if r["kind"] == "memory"]
             assert memory["measured"]["grads"] == memory["predicted"]["grads"], grads  # bf16: 2 B each
             assert memory["host"]["measured"] == memory["host"]["predicted"], (tier, grads)
+            ws = memory.get("nvme_working_set")  # the memory report's own residency check
+            assert (0 < ws["measured"] <= ws["predicted"]) if tier == "nvme" else ws is None, (tier, ws)
         assert runs["cpu"] == runs["nvme"] and len(runs["cpu"]) == 4, grads
         assert any(norm > 0.3 for _, norm in runs["cpu"])  # clipping happened
         want, got = _weights(tmp_path / f"cpu{len(grads)}", 4), _weights(tmp_path / f"nvme{len(grads)}", 4)
