@@ -82,7 +82,7 @@ def make_main_param(
     flat = model.detach().view(-1)[start:end] if shard is None else shard
     source = flat.view(model.shape) if whole else flat
     # A ZeRO-3 shard offloaded (--offload-param-device) is not where the step runs: a copy too.
-    is_copy = offload or model.dtype != torch.float32 or shard_offloaded
+    is_copy = bool(offload) or model.dtype != torch.float32 or shard_offloaded
     on_disk = offload == "nvme"
     if offload:
         # pinned on CUDA (asynchronous H2D), but for the nvme tier: a pinned storage cannot be released
