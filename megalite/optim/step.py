@@ -227,12 +227,48 @@ class NvmeTier:
                 for w in writes:
                     w.wait()
 
+    def read_copy(self, i: int, kind: str) -> torch.Tensor:
+        """A copy of main param ``i``'s ``kind`` ("main", "exp_avg", "exp_avg_sq"; zeros before its first
+        step) read from its swap file, the rest of the state left where it is (a streamed save)."""
+        m = self.step.mains[i]
+        state = self.step.state_of(m)
+        if kind != "main" and kind not in state:
+            return torch.zeros(m.main.shape, dtype=torch.float32)
+        live = m.main.data if kind == "main" else state[kind]
+        self.finish()
+        if live.untyped_storage().nbytes():  # in memory (inside resident()): the file may be stale
+            return live.clone()
+        out = torch.empty(m.main.shape, dtype=torch.float32)
+        self.swapper.read({f"{i}.{kind}": out}).wait()
+        return out
+
+    def store(self, i: int, kind: str, value: torch.Tensor) -> None:
+        """Main param ``i``'s ``kind`` <- ``value``, written to its swap file (a streamed load): the tensor
+        AdamW holds for it stays released (a moment not made yet is made so, for :meth:`tensors`)."""
+        m = self.step.mains[i]
+        self.finish()
+        if kind != "main" and kind not in self.step.state_of(m):
+            part = self.step._part_of[m.main]
+            part.state[m.main][kind] = released(m.main.shape)
+        live = m.main.data if kind == "main" else self.step.state_of(m)[kind]
+        if live.untyped_storage().nbytes():  # in memory (inside resident()): the copy is what counts
+            live.copy_(value.view(live.shape))
+            return
+        self.swapper.write({f"{i}.{kind}": value.reshape(live.shape)}, release=False).wait()
+
     def swapped_bytes(self) -> int:
         """Bytes in the swap files: the main params and moments of every chunk."""
         return sum(t.nbytes for k in range(len(self.step.chunks)) for t in self.tensors(k).values())
 
     def close(self) -> None:
         self.swapper.close()
+
+
+def released(shape) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` whose memory is released (its bytes are in a swap file)."""
+    t = torch.empty(shape, dtype=torch.float32)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 def group_settings(config: OptimizerConfig) -> list[dict]:
