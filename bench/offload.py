@@ -15,8 +15,9 @@ Prints one JSON object:
             nvme bytes the memory model predicts, and for nvme the read / write GB/s while the tier's
             I/O was in flight (bytes / busy seconds) and their ratio to the disk's cached figure
   rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the memory
-            model's prediction: the nvme bytes less the step's working set (the largest run of
-            buffer count + 1 consecutive sub-groups in memory at once: megalite.memory.
+            model's prediction: the cpu tier's host bytes (main params, moments, the grads' host
+            buffers) less the nvme tier's (``step`` only) less the step's working set (the largest run
+            of buffer count + 1 consecutive sub-groups in memory at once: megalite.memory.
             nvme_working_set_bytes; a main param larger than --offload-sub-group-size is a
             sub-group of its own), and to the nvme bytes alone. Goal: 1 within 5%
 The children run with MALLOC_MMAP_THRESHOLD_=65536, so freed swap buffers go back to the OS at once
@@ -137,7 +138,8 @@ def main() -> None:
         runs["nvme"][f"{kind}_vs_disk_cached"] = runs["nvme"][f"{kind}_GBps"] / disk["cached"][f"{kind}_GBps"]
     saved = runs["cpu"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
     working_set = runs["nvme"]["working_set_bytes"]
-    predicted = runs["nvme"]["nvme_predicted_bytes"] - working_set
+    host = runs["cpu"]["host_predicted_bytes"] - runs["nvme"]["host_predicted_bytes"]
+    predicted = host - working_set
     rss = {
         "saved_bytes": saved,
         "nvme_bytes": runs["nvme"]["nvme_predicted_bytes"],

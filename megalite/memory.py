@@ -38,7 +38,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,7 @@ class MemoryLayout:
     offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
     offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
     offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
+    grad_reduce_dtype: torch.dtype = torch.float32  # the DDP grad buffer's (--grad-reduce-in-bf16: bf16)
     # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: the attention's tp)
@@ -187,6 +188,7 @@ class MemoryLayout:
             offload_param_device=ddp.offload.param_device,
             offload_sub_group_size=run.optimizer.offload.sub_group_size,
             offload_buffer_count=run.optimizer.offload.buffer_count,
+            grad_reduce_dtype=ddp.grad_reduce_dtype,
             ep=par.expert_model_parallel_size,
             etp=par.expert_tensor_parallel_size,
         )
@@ -509,12 +511,13 @@ def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int
 
 
 def grad_buffer_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
-    """DDP's flat fp32 buffer per chunk, padded per bucket to lcm(dp, 128) under ZeRO-1/2; under
+    """DDP's flat buffer per chunk (fp32; bf16 with ``--grad-reduce-in-bf16``), padded per bucket to lcm(dp, 128) under ZeRO-1/2; under
     ZeRO-2 only this rank's 1/dp shard of each padded bucket persists (the full-size bucket is a
     transient staging buffer from its first grad to its reduce-scatter, not counted here)."""
     chunks = stage_chunks(config, layout)[pp_rank]
     held = (lambda b: b.shard_size) if layout.shard_grads else (lambda b: b.numel_padded)
-    return sum(4 * held(b) for c in chunks for b in _buckets(config, layout, c))
+    size = dtype_bytes(layout.grad_reduce_dtype)
+    return sum(size * held(b) for c in chunks for b in _buckets(config, layout, c))
 
 
 def optimizer_device_bytes(
@@ -541,8 +544,9 @@ def optimizer_host_bytes(
     """Optimizer bytes in host memory (the optimizer's ``host_bytes``; 0 without offload): per offloaded
     main-param element the fp32 main copy (always a copy there), the two moments and the pinned fp32
     buffer the grad's D2H lands in (16 bytes), plus AdamW's 4-byte ``step`` per offloaded main param.
-    ``--offload-optimizer-device nvme``: only the grad buffer and ``step`` (:func:`optimizer_nvme_bytes`)."""
-    per = 4 if layout.offload_optimizer_device == "nvme" else 16
+    ``--offload-optimizer-device nvme``: only ``step`` (:func:`optimizer_nvme_bytes`; the sub-groups in
+    flight and their grads are transient, :func:`nvme_working_set_bytes`)."""
+    per = 0 if layout.offload_optimizer_device == "nvme" else 16
     return sum(per * n + 4 for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if host)
 
 
@@ -561,15 +565,18 @@ def nvme_working_set_bytes(
 ) -> int:
     """The nvme optimizer tier's transient host bytes at the step's peak: the largest run of
     ``buffer count + 1`` consecutive sub-groups (the one being stepped, those read ahead, the one
-    still being written: ``optim.step.NvmeTier``), 12 bytes per element; 0 without the tier."""
+    still being written: ``optim.step.NvmeTier``), 12 bytes per element, plus the stepped sub-group's
+    fp32 grads where they are made rather than viewed (4 bytes per element: a bf16 grad buffer, or a
+    GPU's grads copied down); 0 without the tier. The state is never all in memory at once."""
     if layout.offload_optimizer_device != "nvme":
         return 0
     mains = _main_params(config, layout, pp_rank, dp_rank, edp_rank)
     host = [i for i, (_, h) in enumerate(mains) if h]
     groups = sub_groups(host, [n for n, _ in mains], layout.offload_sub_group_size)
-    sizes = [12 * sum(mains[i][0] for i in g) for g in groups]
+    sizes = [sum(mains[i][0] for i in g) for g in groups]
     window = max(layout.offload_buffer_count - 1, 1) + 2
-    return max((sum(sizes[k : k + window]) for k in range(len(sizes))), default=0)
+    made = layout.grad_reduce_dtype != torch.float32 or layout.device_type == "cuda"
+    return max((12 * sum(sizes[k : k + window]) + 4 * made * sizes[k] for k in range(len(sizes))), default=0)
 
 
 def offloaded_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> dict[str, int]:
@@ -1239,9 +1246,24 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "host": {"measured": state.optimizer.host_bytes() + offloaded["host"], "predicted": predicted.host},
         # The nvme tier's swap files (--offload-optimizer-device / --offload-param-device nvme; else 0).
         "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
+        **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
         "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
     }
+
+
+def nvme_working_set_record(state, layout: MemoryLayout) -> dict:
+    """``{"nvme_working_set": {"measured", "predicted"}}`` under the nvme optimizer tier (else empty): the
+    most host bytes its sub-groups (and grad casts) held at once so far, counted from their storages
+    (``NvmeTier.peak_bytes``), against :func:`nvme_working_set_bytes`."""
+    tier = state.optimizer.adamw.nvme
+    if tier is None:
+        return {}
+    mesh = state.mesh
+    predicted = nvme_working_set_bytes(
+        state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank
+    )
+    return {"nvme_working_set": {"measured": tier.peak_bytes, "predicted": predicted}}
 
 
 def async_save_record(state, layout: MemoryLayout) -> dict:
@@ -1339,6 +1361,67 @@ def device_capacity_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_state_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
+    """Host memory a rank's training state needs at its peak: on a CPU device (the model in host
+    memory) everything :func:`predict_rank` counts on the device, and on any device the offloaded
+    tiers' host bytes and the nvme tier's working set (:func:`nvme_working_set_bytes`). Not counted:
+    the process itself (the interpreter and torch's libraries, a few hundred MB)."""
+    rank = predict_rank(config, layout, pp_rank, dp_rank, edp_rank)
+    on_host = rank.total if layout.device_type == "cpu" else 0
+    return on_host + rank.host + nvme_working_set_bytes(config, layout, pp_rank, dp_rank, edp_rank)
+
+
+def _host_fixes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> list[tuple[str, MemoryLayout]]:
+    """The flags that move state out of host memory, each with the layout it gives, in the order tried:
+    the optimizer state on NVMe in sub-groups of the largest main param (rounded up to a million
+    elements, when that is below ``--offload-sub-group-size``), then bf16 grads too."""
+    largest = max((n for n, _ in _main_params(config, layout, pp_rank, 0)), default=1)
+    sub = min(layout.offload_sub_group_size, -(-largest // 10**6) * 10**6)
+    nvme = replace(
+        layout, optimizer_cpu_offload=True, offload_optimizer_device="nvme", offload_sub_group_size=sub
+    )
+    flags = "--offload-optimizer-device nvme --offload-nvme-path DIR"
+    flags += f" --offload-sub-group-size {sub}" if sub != layout.offload_sub_group_size else ""
+    fixes = [(flags, nvme)]
+    if layout.params_dtype == torch.bfloat16 and layout.grad_reduce_dtype == torch.float32:
+        fixes.append((flags + " --grad-reduce-in-bf16", replace(nvme, grad_reduce_dtype=torch.bfloat16)))
+    return fixes
+
+
+def check_host_fits(run: RunConfig, mesh: Mesh) -> None:
+    """Before anything is allocated, on a CPU device: the host memory the memory model predicts for the
+    ranks of this machine (:func:`host_state_bytes` of this rank times ``LOCAL_WORLD_SIZE``) must fit in
+    its physical RAM (``os.sysconf``), else one line naming the flags that would fit (the optimizer state
+    on NVMe, bf16 grads) instead of the kernel's OOM killer halfway through the first step."""
+    if mesh.device.type != "cpu" or isinstance(torch.empty(0), FakeTensor):
+        return
+    layout = MemoryLayout.from_configs(run, "cpu")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = (mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
+
+    def need(lay: MemoryLayout) -> int:
+        return ranks * host_state_bytes(run.model, lay, *rank)
+
+    have, gib = device_capacity_bytes(mesh.device), 2**30
+    if need(layout) <= have:
+        return
+    fits = [
+        (flags, n) for flags, lay in _host_fixes(run.model, layout, mesh.pp_rank) if (n := need(lay)) <= have
+    ]
+    fix = (
+        f"add {fits[0][0]} (predicts {fits[0][1] / gib:,.1f} GiB)"
+        if fits
+        else "shrink the model or add ranks"
+    )
+    raise MegaliteError(
+        f"host memory: the memory model predicts {need(layout) / gib:,.1f} GiB for the {ranks} process(es) "
+        f"of this machine (--hidden-size {run.model.hidden_size}, --num-layers {run.model.num_layers}) but "
+        f"it has {have / gib:,.1f} GiB of RAM: {fix}"
+    )
 
 
 def check_params_fit(run: RunConfig, mesh: Mesh) -> None:

@@ -32,7 +32,7 @@ from megalite.data import build_pretraining_data_loader, build_train_valid_test_
 from megalite.data.integrity import checked_batches, tokenizer_flags
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import ArgumentError
-from megalite.memory import MemoryProbe, check_params_fit
+from megalite.memory import MemoryProbe, check_host_fits, check_params_fit
 from megalite.metrics import (
     MetricSinks,
     TrainingMonitor,
@@ -144,6 +144,7 @@ def setup(run: RunConfig, with_data: bool = True) -> TrainState:
     tokenizer = build_tokenizer(**run.data.tokenizer)  # unreadable files: one-line TokenizerError
     config = run.model  # its vocabulary is the tokenizer's (the resolution read it)
     check_params_fit(run, mesh)
+    check_host_fits(run, mesh)  # a CPU run: host RAM (one line naming the offload flags that fit)
     ctx = ParallelContext(mesh, run.parallel, run.recompute, rng, train.params_dtype)
     chunks = build_model_chunks(config, ctx)
     if train.torch_compile:

@@ -61,10 +61,10 @@ def runs(tmp_path_factory):
     return d
 
 
-def _weights(path):
+def _weights(path, iteration=ITERS):
     from megalite.checkpoint.single import load_model
 
-    model, _ = load_model(path, ITERS)
+    model, _ = load_model(path, iteration)
     return model.state_dict()
 
 
@@ -238,3 +238,131 @@ def test_nvme_tier_holds_at_most_the_chunks_the_step_needs(tmp_path, depth):
         assert all(torch.equal(m.main, torch.full((10 + i,), i + 1.0)) for i, m in enumerate(mains))
     assert resident() == []
     tier.swapper.close()
+
+
+def test_nvme_step_holds_only_the_sub_groups_in_flight_and_gives_the_cpu_tier_bitwise(tmp_path, monkeypatch):
+    """One process, bf16: the nvme tier's step against the cpu tier's, with fp32 grads (viewed in the
+    grad buffer) and with --grad-reduce-in-bf16 (cast and clipped sub-group by sub-group): the same
+    losses, grad norms and final weights bit for bit; the host bytes the tier holds at its peak (counted
+    from the storages of its main params, moments and grad casts) stay within the memory model's
+    working set, far below the whole state, which is never in memory at once."""
+    from megalite.memory import MemoryLayout, nvme_working_set_bytes
+    from megalite.optim.step import NvmeTier
+    from megalite.training import pretrain
+
+    seen = {}
+    close = NvmeTier.close
+
+    def recorded(self):
+        seen.update(peak=self.peak_bytes, state=self.swapped_bytes())
+        close(self)
+
+    monkeypatch.setattr(NvmeTier, "close", recorded)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    base = COMMON + ["--bf16", "--clip-grad", "0.3", "--train-iters", "4"]
+    nvme = [
+        "--offload-nvme-path",
+        str(swap),
+        "--offload-sub-group-size",
+        "3000",
+        "--offload-buffer-count",
+        "2",
+    ]
+    for grads in ([], ["--grad-reduce-in-bf16"]):
+        runs = {}
+        for tier in ("cpu", "nvme"):
+            name = f"{tier}{len(grads)}"
+            argv = base + grads + ["--offload-optimizer-device", tier] + (nvme if tier == "nvme" else [])
+            argv += ["--save", str(tmp_path / name), "--save-interval", "4"]
+            argv += ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
+            pretrain(argv)
+            with open(tmp_path / f"{name}.jsonl") as f:
+                records = [json.loads(x) for x in f]
+            runs[tier] = [(r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"]
+            (memory,) = [r for r in records if r["kind"] == "memory"]
+            assert memory["measured"]["grads"] == memory["predicted"]["grads"], grads  # bf16: 2 B each
+            assert memory["host"]["measured"] == memory["host"]["predicted"], (tier, grads)
+            ws = memory.get("nvme_working_set")  # the memory report's own residency check
+            assert (0 < ws["measured"] <= ws["predicted"]) if tier == "nvme" else ws is None, (tier, ws)
+        assert runs["cpu"] == runs["nvme"] and len(runs["cpu"]) == 4, grads
+        assert any(norm > 0.3 for _, norm in runs["cpu"])  # clipping happened
+        want, got = _weights(tmp_path / f"cpu{len(grads)}", 4), _weights(tmp_path / f"nvme{len(grads)}", 4)
+        assert all(torch.equal(want[k], got[k]) for k in want), grads
+        run = RunConfig.from_flags(base + grads + ["--offload-optimizer-device", "nvme"] + nvme, world_size=1)
+        bound = nvme_working_set_bytes(run.model, MemoryLayout.from_configs(run), 0)
+        assert 0 < seen["peak"] <= bound < seen["state"] / 4, (seen, bound)
+    assert os.listdir(swap) == []
+
+
+def test_a_cpu_run_whose_state_outgrows_the_ram_stops_in_one_line_naming_the_offload_flags(monkeypatch):
+    """The demo's model (bench/largest_model.py: 2.2B params, bf16) on a 23.5 GiB machine: the default
+    run stops before building anything, naming the nvme flags that fit; with them it is not refused
+    (the memory model's host bytes are then params, bf16 grads and the sub-groups in flight); a machine
+    too small even for those is told to shrink the model."""
+    from megalite import memory
+    from megalite.errors import MegaliteError
+    from megalite.training import pretrain
+
+    demo = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-layers", "28",
+            "--hidden-size", "2560", "--num-attention-heads", "20", "--seq-length", "8", "--micro-batch-size",
+            "1", "--global-batch-size", "1", "--train-iters", "2", "--lr", "1e-4", "--bf16"]  # fmt: skip
+    monkeypatch.setattr(memory, "device_capacity_bytes", lambda device: int(23.5 * 2**30))
+    with pytest.raises(MegaliteError, match="host memory: the memory model predicts 37.0 GiB") as e:
+        pretrain(demo)
+    line = str(e.value)
+    assert "\n" not in line and "23.5 GiB of RAM: add --offload-optimizer-device nvme" in line, line
+    fix = line.split("add ")[1].split(" (")[0].replace("DIR", "/tmp").split()
+    run = RunConfig.from_flags(demo + fix, world_size=1)
+    predicted = memory.host_state_bytes(run.model, memory.MemoryLayout.from_configs(run), 0)
+    assert predicted <= 23.5 * 2**30 and f"(predicts {predicted / 2**30:,.1f} GiB)" in line
+    monkeypatch.setattr(memory, "device_capacity_bytes", lambda device: 6 * 2**30)  # the params fit
+    with pytest.raises(MegaliteError, match="of RAM: shrink the model"):
+        pretrain(demo + fix)
+
+
+def test_nvme_checkpoint_streams_the_state_and_resumes_bitwise(tmp_path, monkeypatch):
+    """One process, bf16 with the optimizer on nvme, saved at iteration 2: the save reads the swap files
+    one tensor at a time (storage.deferred) and the load writes each tensor into them as it lands, so
+    the state copies alive at once (counted as they are made and freed) stay within a few of the
+    largest tensor; the resume is the uninterrupted run bit for bit, and the cpu tier resumes from the
+    same checkpoint alike (the streamed checkpoint is the usual format). One microbatch per step: with
+    --grad-reduce-in-bf16 and several microbatches a resume is not bitwise on any tier (reported)."""
+    import weakref
+
+    from megalite.checkpoint import storage
+    from megalite.optim.step import NvmeTier
+    from megalite.training import pretrain
+
+    live, peak = [0], [0]
+
+    def counted(t):
+        live[0] += t.nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(t, lambda n=t.nbytes: live.__setitem__(0, live[0] - n))
+        return t
+
+    read_copy, buffer = NvmeTier.read_copy, storage._buffer
+    monkeypatch.setattr(NvmeTier, "read_copy", lambda self, i, kind: counted(read_copy(self, i, kind)))
+    monkeypatch.setattr(storage, "_buffer", lambda shape: counted(buffer(shape)))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    base = COMMON + ["--bf16", "--grad-reduce-in-bf16", "--train-iters", "4", "--global-batch-size", "2"]
+    nvme = ["--offload-optimizer-device", "nvme", "--offload-nvme-path", str(swap)]
+    nvme += ["--offload-sub-group-size", "3000", "--offload-buffer-count", "2"]
+    ckpt = ["--save-interval", "2", "--metrics-file"]
+    pretrain(base + nvme + ["--save", str(tmp_path / "a")] + ckpt + [str(tmp_path / "a.jsonl")])
+    saved, peak[0] = peak[0], 0
+    resume = ["--load", str(tmp_path / "a"), "--ckpt-step", "2"]
+    monkeypatch.setattr(NvmeTier, "read_copy", read_copy)  # run b's own save aside: count its load
+    pretrain(base + nvme + resume + ["--save", str(tmp_path / "b")] + ckpt + [str(tmp_path / "b.jsonl")])
+    cpu = ["--offload-optimizer-device", "cpu"]
+    pretrain(base + cpu + resume + ["--metrics-file", str(tmp_path / "c.jsonl")])
+    want = metrics(tmp_path / "a.jsonl")[2:]
+    assert metrics(tmp_path / "b.jsonl") == want == metrics(tmp_path / "c.jsonl") and len(want) == 2
+    a, b = _weights(tmp_path / "a", 4), _weights(tmp_path / "b", 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    largest = 4 * max(v.numel() for v in a.values())
+    state = 12 * sum(v.numel() for v in a.values())
+    assert 0 < saved <= 2 * largest and 0 < peak[0] <= 3 * largest < state / 8, (saved, peak, largest, state)
+    assert os.listdir(swap) == []

@@ -165,7 +165,7 @@ class AsyncSaver:
         self.wait()  # at most one save in flight
         staged = time.perf_counter()
         with gathered_params(state.model):  # ZeRO-3: whole params while they are copied (collective)
-            job = capture_save(state, config)
+            job = capture_save(state, config, stream=False)  # staged at once: no deferred pieces
             job.pieces, ready = self.staging.stage(job.pieces)
         pending = _Pending(job, ready, threading.Event())
         if self._thread is None:

@@ -26,9 +26,12 @@ TP shards and keeps its slices.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from megalite.checkpoint import storage
 from megalite.checkpoint.logical import logical_pieces, named_parameters, storage_name
 from megalite.model.config import ModelConfig
 from megalite.parallel.mesh import Mesh
@@ -57,10 +60,35 @@ def adam_step(optimizer) -> int:
     return 0
 
 
-def save_pieces(optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh) -> dict:
-    """Collective over DP under ZeRO-1: this rank's optimizer pieces, ``{key: Shard | Tensor}``."""
+def streams(optimizer) -> bool:
+    """Whether a checkpoint streams the optimizer state through memory one tensor at a time: the nvme
+    tier's state, whose main params are whole model params (no DP shards to gather first)."""
+    return optimizer.adamw.nvme is not None and not optimizer.dp_sharded
+
+
+def _deferred(optimizer, kinds: list[str], **ends) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
+    """``{(kind, model param): storage.deferred}`` of the nvme tier's state; ``ends``: ``source`` and / or
+    ``sink`` names of its methods (``read_copy``, ``store``), bound to each main param and kind."""
+    nvme = optimizer.adamw.nvme
+    out = {}
+    for i, m in enumerate(optimizer.adamw.mains):
+        for kind in kinds:
+            bound = {end: functools.partial(getattr(nvme, name), i, kind) for end, name in ends.items()}
+            out[(kind, m.model)] = storage.deferred(tuple(m.model.shape), **bound)
+    return out
+
+
+def save_pieces(
+    optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh, stream: bool = True
+) -> dict:
+    """Collective over DP under ZeRO-1: this rank's optimizer pieces, ``{key: Shard | Tensor}``.
+    ``stream`` (not under ``--async-save``, which copies every piece at once): the nvme tier's state as
+    deferred tensors, read from the swap files one at a time while the checkpoint is written."""
     kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
-    tensors = optimizer.gather_state_dp_zero(kinds)  # {(kind, model param): tensor shaped like it}
+    if stream and streams(optimizer):
+        tensors = _deferred(optimizer, kinds, source="read_copy")
+    else:
+        tensors = optimizer.gather_state_dp_zero(kinds)  # {(kind, model param): tensor shaped like it}
     names = _param_names(chunks)
     pieces = {}
     for (kind, param), local in tensors.items():
@@ -85,12 +113,16 @@ class OptimizerLoad:
         self.pieces: dict = {}
         names = _param_names(chunks)
         wanted = {m.model for m in optimizer.main_params}
-        load_main = stores_main_params(optimizer)
+        kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
+        # The nvme tier's state streams: each buffer is made as it is read and written to the swap files.
+        self.streamed = _deferred(optimizer, kinds, sink="store") if streams(optimizer) else {}
         for param in wanted:
             name, model = names[param]
             source = storage_name(model, name)
-            for kind in list(MOMENTS) + (["main"] if load_main else []):
-                buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            for kind in kinds:
+                buf = self.streamed.get((kind, param))
+                if buf is None:
+                    buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 self.buffers[(kind, param)] = buf
                 for logical, piece in logical_pieces(source, buf, param, config, mesh).items():
                     # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights.
@@ -100,11 +132,19 @@ class OptimizerLoad:
     @torch.no_grad()
     def apply(self, step: int) -> None:
         """Install the loaded moments (and fp32 main params) and AdamW's ``step``."""
+        if self.streamed:  # already in the swap files: AdamW takes the released tensors that stand for them
+            adamw = self.optimizer.adamw
+            state = {
+                m.main: {"step": _step(step), **{k: adamw.state_of(m)[k] for k in MOMENTS}}
+                for m in self.optimizer.main_params
+            }
+            self.optimizer.state.load_adamw_state(state)
+            return
         state = {}
         with self.optimizer.adamw.resident():  # the nvme tier's main params in memory meanwhile
             for m in self.optimizer.main_params:
                 lo, hi = m.model_range
-                entry = {"step": torch.tensor(float(step), dtype=torch.float32)}
+                entry = {"step": _step(step)}
                 for kind in MOMENTS:
                     flat = self.buffers[(kind, m.model)].view(-1)[lo:hi]
                     entry[kind] = flat.view(m.main.shape).to(m.main.device).clone()
@@ -112,6 +152,10 @@ class OptimizerLoad:
                 if ("main", m.model) in self.buffers:
                     m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
             self.optimizer.state.load_adamw_state(state)  # this run's hyper-parameters
+
+
+def _step(step: int) -> torch.Tensor:
+    return torch.tensor(float(step), dtype=torch.float32)
 
 
 @torch.no_grad()

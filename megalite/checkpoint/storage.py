@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import enum
 import io
+import math
 import pathlib
 import pickle
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,38 @@ def _as_shard(name: str, value: Shard | torch.Tensor) -> Shard:
     return Shard(value, (0,) * value.dim(), tuple(value.shape))
 
 
+def deferred(
+    shape: tuple[int, ...],
+    source: Callable[[], torch.Tensor] | None = None,
+    sink: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """A stand-in for an fp32 tensor not held in memory (the nvme optimizer tier's state): a meta tensor,
+    whose views serve as state-dict values (plain or in a :class:`Shard`) like any tensor's. Saving, the
+    planner asks ``source()`` for its bytes when DCP writes its first piece (DCP writes one item at a
+    time); loading, it makes a zero buffer (:func:`_buffer`) when the first piece is read and hands it to
+    ``sink(buffer)`` once every piece asked of it has landed. So a checkpoint streams such state through
+    memory one tensor at a time."""
+    t = torch.empty(shape, dtype=torch.float32, device="meta")
+    t._megalite_deferred = (source, sink)
+    return t
+
+
+def _deferred_root(t: torch.Tensor):
+    """``(root, (source, sink))`` of a :func:`deferred` tensor or a view of one; else ``(None, None)``."""
+    root = t if t._base is None else t._base
+    spec = getattr(root, "_megalite_deferred", None)
+    return (root, spec) if spec is not None else (None, None)
+
+
+def _buffer(shape) -> torch.Tensor:
+    """A load's buffer for a deferred tensor (one place, which a test counts)."""
+    return torch.zeros(shape, dtype=torch.float32)
+
+
+def _view_of(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return value.as_strided(like.size(), like.stride(), like.storage_offset())
+
+
 # ---------------------------------------------------------------------------------- planners
 class ShardSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus :class:`Shard` values (uneven pieces at explicit offsets)."""
@@ -129,7 +163,14 @@ class ShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return _as_shard(index.fqn, self.state_dict[index.fqn]).tensor.detach().contiguous()
+        t = _as_shard(index.fqn, self.state_dict[index.fqn]).tensor
+        root, spec = _deferred_root(t)
+        if root is not None:  # read now; kept while the next pieces are of the same tensor
+            if getattr(self, "_last", (None,))[0] is not root:
+                self._last = (None, None)  # the last one goes before the next is read
+                self._last = (root, spec[0]())
+            t = _view_of(self._last[1], t)
+        return t.detach().contiguous()
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -144,6 +185,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         self.original_state_dict = self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        self.pending: dict[
+            int, list
+        ] = {}  # deferred roots: id -> [root, sink, elements still to read, buffer]
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
@@ -157,11 +201,35 @@ class ShardLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointFormatError(
                     f"{name}: the checkpoint holds shape {tuple(md.size)}, this run expects {shard.global_shape}"
                 )
-            requests += create_read_items_for_chunk_list(name, md, [shard.chunk])
+            items = create_read_items_for_chunk_list(name, md, [shard.chunk])
+            root, spec = _deferred_root(shard.tensor)
+            if root is not None:
+                entry = self.pending.setdefault(id(root), [root, spec[1], 0, None])
+                entry[2] += sum(math.prod(r.lengths) for r in items)
+            requests += items
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return _as_shard(index.fqn, self.state_dict[index.fqn]).tensor
+        t = _as_shard(index.fqn, self.state_dict[index.fqn]).tensor
+        root, _ = _deferred_root(t)
+        if root is None:
+            return t
+        entry = self.pending[id(root)]
+        if entry[3] is None:
+            entry[3] = _buffer(root.shape)
+        return _view_of(entry[3], t)
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        root, _ = _deferred_root(
+            _as_shard(read_item.dest_index.fqn, self.state_dict[read_item.dest_index.fqn]).tensor
+        )
+        if root is None:
+            return
+        entry = self.pending[id(root)]
+        entry[2] -= math.prod(read_item.lengths)
+        if entry[2] == 0:  # every piece asked of it has landed: hand it on, and let it go
+            del self.pending[id(root)]
+            entry[1](entry[3])
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -290,7 +358,10 @@ def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
     reader = SafeFileSystemReader(str(path))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=_no_dist(no_dist))
+        planner = ShardLoadPlanner()
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=_no_dist(no_dist))
+    for root, sink, _, buffer in planner.pending.values():  # deferred tensors none of whose pieces is stored
+        sink(buffer if buffer is not None else _buffer(root.shape))
 
 
 def stored_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:

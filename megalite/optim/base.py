@@ -47,6 +47,7 @@ class MainParam:
     is_copy: bool
     shard: torch.Tensor | None = None
     offloaded: bool = False  # in host memory, stepped on the CPU (--optimizer-cpu-offload)
+    on_disk: bool = False  # in the nvme tier's swap files between steps (--offload-optimizer-device nvme)
 
     @property
     def home(self) -> torch.Tensor:
@@ -63,7 +64,7 @@ def make_main_param(
     grad: torch.Tensor,
     start: int,
     end: int,
-    offload: bool = False,
+    offload: bool | str = False,
     shard: torch.Tensor | None = None,
     shard_offloaded: bool = False,
 ) -> MainParam:
@@ -71,7 +72,9 @@ def make_main_param(
 
     ``offload`` (``--optimizer-cpu-offload``): always a copy, in CPU memory (pinned when the model is
     on CUDA: the H2D copies from it are then asynchronous); on a CPU-only machine the same code
-    path with both devices CPU.
+    path with both devices CPU. ``offload="nvme"`` (``--offload-optimizer-device nvme``): its memory is
+    released at once, never filled here: the nvme tier fills and writes the main params sub-group by
+    sub-group from :attr:`MainParam.home` (the same values), so they are never all in memory.
     ``shard`` (ZeRO-3): those elements in the persistent param shard, read instead of the model param;
     ``shard_offloaded``: that shard lives off the device (``--offload-param-device``), so ``main`` is a copy.
     """
@@ -79,16 +82,21 @@ def make_main_param(
     flat = model.detach().view(-1)[start:end] if shard is None else shard
     source = flat.view(model.shape) if whole else flat
     # A ZeRO-3 shard offloaded (--offload-param-device) is not where the step runs: a copy too.
-    is_copy = offload or model.dtype != torch.float32 or shard_offloaded
+    is_copy = bool(offload) or model.dtype != torch.float32 or shard_offloaded
+    on_disk = offload == "nvme"
     if offload:
-        host = torch.empty(source.shape, dtype=torch.float32, pin_memory=model.device.type == "cuda")
-        main = nn.Parameter(host.copy_(source))
+        # pinned on CUDA (asynchronous H2D), but for the nvme tier: a pinned storage cannot be released
+        pin = model.device.type == "cuda" and not on_disk
+        host = torch.empty(source.shape, dtype=torch.float32, pin_memory=pin)
+        if on_disk:
+            host.untyped_storage().resize_(0)  # malloc'd, never touched: no resident page
+        main = nn.Parameter(host if on_disk else host.copy_(source))
     elif is_copy:
         main = nn.Parameter(source.to(model.device, torch.float32, copy=True))
     else:
         main = nn.Parameter(source)  # fp32 shares storage
     copy_parallel_attributes(model, main)  # grad-norm rules read them
-    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard, offload)
+    return MainParam(main, model, grad.view(main.shape), (start, end), is_copy, shard, bool(offload), on_disk)
 
 
 def param_group_index(model: nn.Parameter, decoupled: bool) -> int:
@@ -150,7 +158,9 @@ class MainParams(ABC):
         first) until the step's D2H (:class:`~megalite.optim.step.AdamWStep`)."""
         grads = []
         for m in self.params:
-            g = m.grad if m.grad.dtype == torch.float32 else m.grad.float()
+            # The nvme tier casts a non-fp32 grad (--grad-reduce-in-bf16) sub-group by sub-group in its
+            # step (AdamWStep), so no fp32 copy of every grad is ever held; the norm casts one at a time.
+            g = m.grad if m.grad.dtype == torch.float32 or m.on_disk else m.grad.float()
             if m.offloaded:
                 set_main_grad(m.main, g)
             else:
@@ -187,9 +197,9 @@ class MainParams(ABC):
 class ReplicatedMainParams(MainParams):
     """A full fp32 main copy (or view) of the model on every DP rank."""
 
-    def __init__(self, model_chunks: list, mesh: Mesh, fraction: float, decoupled: bool):
+    def __init__(self, model_chunks: list, mesh: Mesh, fraction: float, decoupled: bool, tier: str = "cpu"):
         params = [p for chunk in model_chunks for bucket in chunk.all_buckets() for p in bucket.params]
-        offload = offload_split([(p, p.numel()) for p in params], fraction, decoupled)
+        offload = [h and tier for h in offload_split([(p, p.numel()) for p in params], fraction, decoupled)]
         mains = [make_main_param(p, grad_of(p), 0, p.numel(), host) for p, host in zip(params, offload)]
         super().__init__(model_chunks, mesh, mains)
 

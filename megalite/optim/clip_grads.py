@@ -21,7 +21,7 @@ Inf and NaN propagate to the result (the fp16 path checks for them first).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -145,9 +145,14 @@ def _part_norm(tensors: list[torch.Tensor], mesh: Mesh, norm_type: float, groups
         local = _poisoned(local, poison, math.inf)  # MAX keeps inf on every backend; NaN it may drop
         return float(all_reduce_over(local.to(mesh.device), dist.ReduceOp.MAX, *groups))
     if tensors:
-        norms = torch._foreach_norm(
-            [t.detach().float() if t.dtype != torch.float32 else t.detach() for t in tensors]
-        )
+        # fp32 tensors in one call; any other is cast and normed alone, so only one cast is held at a
+        # time (the nvme tier's bf16 grads: no fp32 copy of every grad); each norm is the same either way
+        wide = [t.detach() for t in tensors if t.dtype == torch.float32]
+        it = iter(torch._foreach_norm(wide) if wide else [])
+        norms = [
+            next(it) if t.dtype == torch.float32 else torch._foreach_norm([t.detach().float()])[0]
+            for t in tensors
+        ]
         total = mesh.on_device(torch.stack(norms).pow(2).sum())
     else:  # a rank may own no tensors (e.g. its ZeRO shard is all padding); it still joins the all-reduce
         total = mesh.zeros()
@@ -170,16 +175,25 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     dp_sharded: bool = False,
     poison: torch.Tensor | None = None,
+    later: Callable[[float], None] | None = None,
 ) -> float:
     """Scale every gradient in place so the global norm is at most ``max_norm``; return the norm before.
 
     Like Megatron (and ``torch.nn.utils.clip_grad_norm_``) the coefficient is
     ``max_norm / (norm + 1e-6)``, applied only when below 1 (never for a NaN norm).
+    ``later``: gradients not in fp32 are left as they are and ``later(coefficient)`` is called instead
+    (the nvme tier scales them as it casts them to fp32, sub-group by sub-group: the values of a cast
+    then a scale here).
     """
     params = list(params)
     total_norm = get_grad_norm(params, mesh, norm_type=norm_type, dp_sharded=dp_sharded, poison=poison)
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    grads = [g for p in params if (g := grad_of(p)) is not None]
-    if clip_coeff < 1.0 and grads:  # a ZeRO rank may own no params at all
-        torch._foreach_mul_(grads, clip_coeff)
+    grads = [
+        g for p in params if (g := grad_of(p)) is not None and (later is None or g.dtype == torch.float32)
+    ]
+    if clip_coeff < 1.0:
+        if grads:  # a ZeRO rank may own no params at all
+            torch._foreach_mul_(grads, clip_coeff)
+        if later is not None:
+            later(clip_coeff)
     return total_norm

@@ -48,9 +48,12 @@ def shard_pieces(bucket: Bucket, dp_rank: int) -> list[tuple[nn.Parameter, int, 
     return out
 
 
-def shard_main_params(bucket: Bucket, dp_rank: int, offload: list[bool] | None = None) -> list[MainParam]:
+def shard_main_params(
+    bucket: Bucket, dp_rank: int, offload: list[bool | str] | None = None
+) -> list[MainParam]:
     """Main params for the pieces of ``bucket``'s params inside DP rank ``dp_rank``'s shard
-    (:func:`shard_pieces`); ``offload[i]``: the i-th piece's main param goes to host memory."""
+    (:func:`shard_pieces`); ``offload[i]``: the i-th piece's main param goes to host memory (``"nvme"``:
+    to the nvme tier, :func:`~megalite.optim.base.make_main_param`)."""
     shard_lo = bucket.shard_range(dp_rank)[0]
     shard = bucket.shard_view(dp_rank)
     pieces = shard_pieces(bucket, dp_rank)
@@ -91,7 +94,12 @@ class ShardedMainParams(MainParams):
     dp_sharded = True
 
     def __init__(
-        self, model_chunks: list[DistributedDataParallel], mesh: Mesh, fraction: float, decoupled: bool
+        self,
+        model_chunks: list[DistributedDataParallel],
+        mesh: Mesh,
+        fraction: float,
+        decoupled: bool,
+        tier: str = "cpu",
     ):
         # (grad buffer, bucket): the buffer's mesh is the bucket's DP group (rank, size, group)
         self._slots = [
@@ -99,7 +107,9 @@ class ShardedMainParams(MainParams):
         ]
         self._buckets = [b for _, b in self._slots]
         ranks = [buf.dp_rank for buf, _ in self._slots]
-        offload = dp_offload_split(self._buckets, ranks, fraction, decoupled)
+        offload = [
+            [h and tier for h in b] for b in dp_offload_split(self._buckets, ranks, fraction, decoupled)
+        ]
         self.model_chunks = model_chunks
         with self.shards_resident():  # the main params start from the (offloaded) ZeRO-3 shards
             self._bucket_main_params = [

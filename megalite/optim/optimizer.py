@@ -54,7 +54,8 @@ class MixedPrecisionOptimizer:
         self.main_params = params.params
         self.mesh = mesh
         self.grad_scaler = grad_scaler
-        self.adamw = AdamWStep(params.params, config, params.model_chunks[0].grad_buffer.device)
+        with params.shards_resident():  # the nvme tier fills its main params from their homes
+            self.adamw = AdamWStep(params.params, config, params.model_chunks[0].grad_buffer.device)
         self.state = OptimizerState(params, self.adamw, grad_scaler)
         self.dp_sharded = params.dp_sharded  # the grads are DP shards: norms sum over DP too
         self.clip_grad = config.clip_grad
@@ -122,7 +123,8 @@ class MixedPrecisionOptimizer:
         mains = [m.main for m in self.main_params]
         kw = dict(dp_sharded=self.dp_sharded, poison=loss_not_finite if check else None)
         if self.clip_grad > 0.0:
-            grad_norm = clip_grad_norm(mains, self.clip_grad, self.mesh, **kw)
+            later = (lambda c: setattr(self.adamw, "grad_coeff", c)) if self.adamw.nvme is not None else None
+            grad_norm = clip_grad_norm(mains, self.clip_grad, self.mesh, later=later, **kw)
         else:
             grad_norm = get_grad_norm(mains, self.mesh, **kw)
         if check and not math.isfinite(grad_norm):
@@ -217,7 +219,8 @@ def build_optimizer(model_chunks, mesh: Mesh, config: OptimizerConfig) -> MixedP
             )
     cpu_offload = config.optimizer_cpu_offload or config.offload.optimizer_device != "none"
     fraction = effective_offload_fraction(cpu_offload, fraction)
+    tier = "nvme" if config.offload.optimizer_device == "nvme" else "cpu"
     params = (ShardedMainParams if sharded else ReplicatedMainParams)(
-        chunks, mesh, fraction, config.decoupled_lr is not None
+        chunks, mesh, fraction, config.decoupled_lr is not None, tier
     )
     return MixedPrecisionOptimizer(params, mesh, config, build_grad_scaler(config))

@@ -151,8 +151,30 @@ class NvmeTier:
         self._reads: dict[int, Pending] = {}
         self._last_write: Pending | None = None
         self._resident = 0
-        for k in range(len(step.chunks)):
-            self.swapper.write(self.tensors(k)).wait()
+        self.peak_bytes = 0  # the most host bytes of swapped tensors (and cast grads) seen held at once
+        for k in range(len(step.chunks)):  # one sub-group in memory at a time
+            self._fill(k)
+            self.evict(k)
+        self.finish()
+
+    def _fill(self, k: int) -> None:
+        """Chunk ``k``'s main params made from their homes (the model params' values, cast to fp32)."""
+        for i in self.step.chunks[k]:
+            m = self.step.mains[i]
+            if m.main.untyped_storage().nbytes() == 0:  # released at birth (make_main_param)
+                m.main.data.untyped_storage().resize_(m.main.nbytes)
+                m.main.data.copy_(m.home)
+        self.sample()
+
+    def sample(self, extra: int = 0) -> None:
+        """Record the host bytes the swapped tensors hold now (their storages: 0 once released), plus
+        ``extra`` (the step's fp32 grad casts), in :attr:`peak_bytes`: the test of bounded residency."""
+        held = sum(
+            t.untyped_storage().nbytes()
+            for k in range(len(self.step.chunks))
+            for t in self.tensors(k).values()
+        )
+        self.peak_bytes = max(self.peak_bytes, held + extra)
 
     def tensors(self, k: int) -> dict[str, torch.Tensor]:
         """Chunk ``k``'s swapped tensors by file name: each main param, and its moments once made."""
@@ -171,6 +193,7 @@ class NvmeTier:
         for j in range(k, min(k + self.depth + 1, len(self.step.chunks))):
             if j not in self._reads:
                 self._reads[j] = self.swapper.read(self.tensors(j))
+        self.sample()
         self._reads.pop(k).wait()
 
     def evict(self, k: int) -> None:
@@ -204,12 +227,48 @@ class NvmeTier:
                 for w in writes:
                     w.wait()
 
+    def read_copy(self, i: int, kind: str) -> torch.Tensor:
+        """A copy of main param ``i``'s ``kind`` ("main", "exp_avg", "exp_avg_sq"; zeros before its first
+        step) read from its swap file, the rest of the state left where it is (a streamed save)."""
+        m = self.step.mains[i]
+        state = self.step.state_of(m)
+        if kind != "main" and kind not in state:
+            return torch.zeros(m.main.shape, dtype=torch.float32)
+        live = m.main.data if kind == "main" else state[kind]
+        self.finish()
+        if live.untyped_storage().nbytes():  # in memory (inside resident()): the file may be stale
+            return live.clone()
+        out = torch.empty(m.main.shape, dtype=torch.float32)
+        self.swapper.read({f"{i}.{kind}": out}).wait()
+        return out
+
+    def store(self, i: int, kind: str, value: torch.Tensor) -> None:
+        """Main param ``i``'s ``kind`` <- ``value``, written to its swap file (a streamed load): the tensor
+        AdamW holds for it stays released (a moment not made yet is made so, for :meth:`tensors`)."""
+        m = self.step.mains[i]
+        self.finish()
+        if kind != "main" and kind not in self.step.state_of(m):
+            part = self.step._part_of[m.main]
+            part.state[m.main][kind] = released(m.main.shape)
+        live = m.main.data if kind == "main" else self.step.state_of(m)[kind]
+        if live.untyped_storage().nbytes():  # in memory (inside resident()): the copy is what counts
+            live.copy_(value.view(live.shape))
+            return
+        self.swapper.write({f"{i}.{kind}": value.reshape(live.shape)}, release=False).wait()
+
     def swapped_bytes(self) -> int:
         """Bytes in the swap files: the main params and moments of every chunk."""
         return sum(t.nbytes for k in range(len(self.step.chunks)) for t in self.tensors(k).values())
 
     def close(self) -> None:
         self.swapper.close()
+
+
+def released(shape) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` whose memory is released (its bytes are in a swap file)."""
+    t = torch.empty(shape, dtype=torch.float32)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 def group_settings(config: OptimizerConfig) -> list[dict]:
@@ -263,12 +322,15 @@ class AdamWStep:
         self.parts = ([self.device_part] if self.device_part is not None else []) + self.host_parts
         self._part_of = {p: part for part in self.parts for g in part.param_groups for p in g["params"]}
         pin = device.type == "cuda"
+        # The nvme tier makes each sub-group's fp32 grads in its step (_nvme_grads): none held here.
         self.host_grads = [
-            torch.empty(mains[i].main.shape, dtype=torch.float32, pin_memory=pin) for i in host
+            torch.empty(mains[i].main.shape, dtype=torch.float32, pin_memory=pin) for i in host if not nvme
         ]
         self._host_grad_of = dict(zip(host, self.host_grads))
         self._copies = HostCopies(device, overlap) if host else None
         self._h2d_events = [None] * len(self.chunks)  # the last H2D of each chunk's main params
+        # The clipping coefficient the nvme tier applies as it casts non-fp32 grads (--grad-reduce-in-bf16)
+        self.grad_coeff: float | None = None
         self.nvme = NvmeTier(self, config) if nvme else None
 
     def resident(self):
@@ -302,6 +364,9 @@ class AdamWStep:
         if not self.offload:
             self.device_part.step()
             return
+        if self.nvme is not None:
+            self._nvme_step()
+            return
         copies, mains = self._copies, self.mains
         landed = [
             copies.d2h([self._host_grad_of[i] for i in chunk], [grad_of(mains[i].main) for i in chunk])
@@ -312,18 +377,53 @@ class AdamWStep:
         for k, chunk in enumerate(self.chunks):
             copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
             copies.host_waits(landed[k])  # their grads are in the host buffers
-            if self.nvme is not None:
-                self.nvme.fetch(k)  # its main params and moments read back (the next ones start)
             for i in chunk:
                 mains[i].main.grad = self._host_grad_of[i]
             self.host_parts[k].step()
             self._upload_chunk(k)
-            if self.nvme is not None:
-                copies.host_waits(self._h2d_events[k])  # the upload has read them: write back
-                self.nvme.evict(k)
-        if self.nvme is not None:
-            self.nvme.finish()
         copies.device_waits(self._h2d_events)
+
+    def _nvme_step(self) -> None:
+        """The nvme tier's step, in host memory bounded by the sub-groups in flight: sub-group k's main
+        params and moments are read (the next ones start), its fp32 grads made (:meth:`_nvme_grads`),
+        stepped, uploaded and written back while k + 1 is read; nothing else of the state is held."""
+        copies, mains, nvme = self._copies, self.mains, self.nvme
+        if self.device_part is not None:
+            self.device_part.step()
+        for k, chunk in enumerate(self.chunks):
+            copies.host_waits(self._h2d_events[k])  # the last H2D has read these main params
+            nvme.fetch(k)  # its main params and moments read back (the next ones start)
+            grads = self._nvme_grads(chunk)
+            for i, g in zip(chunk, grads):
+                mains[i].main.grad = g
+            self.host_parts[k].step()
+            nvme.sample(sum(g.nbytes for g in grads if g.untyped_storage().nbytes() == g.nbytes))
+            for i in chunk:
+                mains[i].main.grad = None
+            self._upload_chunk(k)
+            copies.host_waits(self._h2d_events[k])  # the upload has read them: write back
+            nvme.evict(k)
+        nvme.finish()
+        self.grad_coeff = None
+        copies.device_waits(self._h2d_events)
+
+    def _nvme_grads(self, chunk: list[int]) -> list[torch.Tensor]:
+        """Host fp32 grads of one sub-group: the grad buffer's own views when the model is on the CPU and
+        the buffer is fp32, else a cast (times the clipping coefficient the optimizer left in
+        :attr:`grad_coeff`: the values a cast of every grad, clipped, would give) copied down."""
+        grads = []
+        for i in chunk:
+            g = grad_of(self.mains[i].main)
+            if g.dtype != torch.float32:
+                g = g.float()
+                if self.grad_coeff is not None:
+                    g.mul_(self.grad_coeff)
+            grads.append(g)
+        if not self._copies.cuda:
+            return grads
+        host = [torch.empty(g.shape, dtype=torch.float32) for g in grads]
+        self._copies.host_waits(self._copies.d2h(host, grads))
+        return host
 
     def _upload_chunk(self, k: int) -> None:
         """Queue the H2D of chunk ``k``'s main params into their homes (cast to the model dtype)."""
