@@ -171,7 +171,8 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe_config(f),
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(
-        num_experts=(f.get("moe") or {}).get("num_experts"), normalization=f["normalization"],
+        num_experts=(f.get("moe") or {}).get("num_experts"),
+        normalization=f["normalization"],
         qk_layernorm=feature(f, "qk_layernorm"),
     )
     chunks = []
@@ -552,7 +553,10 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
             x.requires_grad_(True)
             chunks[v].set_input_tensor(x)
         y = chunks[v](
-            local(tokens()) if i == 0 else None, pos, mask, labels=local(labels()) if i == len(order) - 1 else None
+            local(tokens()) if i == 0 else None,
+            pos,
+            mask,
+            labels=local(labels()) if i == len(order) - 1 else None,
         )
         saved[i] = (x, y)
         if i < len(order) - 1:
