@@ -28,12 +28,18 @@ import torch
 
 from megalite.checkpoint import load_model, save_model_checkpoint
 from megalite.checkpoint import megatron as mg
+from megalite.checkpoint.logical import split_experts, stack_experts
 from megalite.model.gpt import GPTModel
 from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "megatron"
-FLAVOURS = ("gpt2", "llama", "qwen")  # qwen: Megatron's dense features (tests/megatron_core_run.py)
+FLAVOURS = (
+    "gpt2",
+    "llama",
+    "qwen",
+    "moe",
+)  # qwen: Megatron's dense features; moe: experts at pp2 x ep2 (tests/megatron_core_run.py)
 FORMATS = ("torch", "torch_dist")
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 
@@ -41,7 +47,7 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 def megalite_logits(state: dict, config, tokens: torch.Tensor) -> torch.Tensor:
     """A single-process megalite model with ``state`` loaded: logits ``[b, s, V]``."""
     model = GPTModel(config)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    model.load_state_dict(stack_experts({k: v.float() for k, v in state.items()}, config), strict=True)
     with torch.no_grad():
         return model.eval()(tokens)[..., : config.vocab_size]
 
@@ -486,7 +492,8 @@ def _megalite_continues(converted: str, config, flags: list[str]) -> dict:
              "position_ids": torch.arange(mcr.SEQ).expand(mcr.BATCH, mcr.SEQ)}  # fmt: skip
     train_step(state, iter([batch]))
     model = state.model[0].module
-    return {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+    params = {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+    return split_experts(params, config)  # a MoE model's experts: one tensor each, as read
 
 
 def _continue_both(cases):

@@ -293,7 +293,7 @@ def _mixtral_config(hf: Mapping) -> ModelConfig:
         num_experts=hf["num_local_experts"], hidden_size=dense.hidden_size,
         moe_ffn_hidden_size=hf["intermediate_size"], init_method_std=dense.init_method_std,
         moe_router_topk=hf["num_experts_per_tok"], moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), moe_layer_freq=(1,) * dense.num_layers,
     )  # fmt: skip
     return dataclasses.replace(dense, moe=moe)
 
@@ -332,7 +332,7 @@ def _qwen_moe_config(hf: Mapping) -> ModelConfig:
     moe = MoEConfig(
         num_experts=hf.get("num_experts") or hf["num_local_experts"], hidden_size=dense.hidden_size,
         moe_ffn_hidden_size=hf["moe_intermediate_size"], init_method_std=dense.init_method_std,
-        moe_layer_freq=1 if all(sparse) else sparse, moe_router_topk=hf["num_experts_per_tok"],
+        moe_layer_freq=sparse, moe_router_topk=hf["num_experts_per_tok"],
         moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
         moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),

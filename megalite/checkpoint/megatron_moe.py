@@ -31,7 +31,7 @@ import re
 import torch
 
 from megalite.errors import MegaliteError
-from megalite.model.moe import MoEConfig
+from megalite.model.moe import MoEConfig, parse_moe_layer_freq
 
 LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine's grouped experts (TEGroupedMLP, --moe-grouped-gemm): one weight per local expert
@@ -81,9 +81,9 @@ def moe_config_from_args(args: argparse.Namespace, where: str, hidden_size: int)
                 f"{where}: {why} (args.{name}={value!r}) — not read with MoE experts"
             )
     values = {n: getattr(args, n) for n in _READ if getattr(args, n, None) is not None}
-    freq = getattr(args, "moe_layer_freq", 1)
-    values["moe_layer_freq"] = tuple(int(x) for x in freq) if isinstance(freq, (list, tuple)) else int(freq)
-    try:
+    try:  # one 0/1 per layer, as pretrain_gpt.py's flags give it
+        freq = parse_moe_layer_freq(getattr(args, "moe_layer_freq", None) or 1, int(args.num_layers))
+        values["moe_layer_freq"] = tuple(int(x) for x in freq)
         return MoEConfig(
             num_experts=int(e), hidden_size=hidden_size,
             moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
@@ -102,7 +102,8 @@ def moe_flags(m: MoEConfig) -> list[str]:
             "moe_layer_recompute", "moe_token_dispatcher_type"}  # fmt: skip
     for f in dataclasses.fields(m):
         value = getattr(m, f.name)
-        if f.name in skip or value == getattr(default, f.name):
+        every_layer = f.name == "moe_layer_freq" and isinstance(value, tuple) and all(value)
+        if f.name in skip or value == getattr(default, f.name) or every_layer:
             continue
         flag = "--" + f.name.replace("_", "-")
         if value is True:
