@@ -156,7 +156,7 @@ def _rewrite_rank_file(root: Path, change) -> None:
         state = mg.load_pickle(path, "test")
         plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
         state["args"] = argparse.Namespace(**plain)
-        if path.parent.name == "mp_rank_00_000":
+        if path.parent.name in ("mp_rank_00_000", "mp_rank_00_000_000"):  # the first file (pp, ep)
             change(state)
         torch.save(state, path)
 
@@ -177,10 +177,22 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
     _rewrite_rank_file(foreign, lambda s: s.update(extra=fractions.Fraction(1, 3)))
     _one_line_error(foreign, r"refusing to unpickle .*fractions\.Fraction")
 
-    moe = copy("moe")
-    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    _rewrite_rank_file(moe, lambda s: s["model"].update({key: torch.zeros(2, 2)}))
-    _one_line_error(moe, rf"torch checkpoint with MoE experts \(key {key}\)")
+    packed = copy("packed")  # the legacy GroupedMLP's experts: one packed matrix, not read
+    key = "decoder.layers.0.mlp.experts.weight1"
+    _rewrite_rank_file(packed, lambda s: s["model"].update({key: torch.zeros(2, 2)}))
+    _one_line_error(packed, rf"torch checkpoint with the legacy GroupedMLP's packed experts \(key {key}\)")
+
+    # MoE args megalite does not compute the same way stop in one line naming the arg
+    for arg, value, says in (
+        ("moe_router_enable_expert_bias", True, "expert_bias buffers"),
+        ("moe_apply_probs_on_input", True, "router probabilities applied to the experts' input"),
+        ("moe_router_num_groups", 3, "--num-experts \\(4\\) is not divisible by --moe-router-num-groups"),
+    ):
+        bad = Path(shutil.copytree(DATA / "moe" / "torch", tmp_path / f"moe-{arg}"))
+        _rewrite_rank_file(bad, lambda s, a=arg, v=value: setattr(s["args"], a, v))
+        if arg == "moe_router_num_groups":
+            _rewrite_rank_file(bad, lambda s: setattr(s["args"], "moe_router_group_topk", 1))
+        assert f"args.{arg}" in _one_line_error(bad, says) or arg == "moe_router_num_groups"
 
     fp8 = copy("fp8")
     _rewrite_rank_file(fp8, lambda s: setattr(s["args"], "fp8", "hybrid"))

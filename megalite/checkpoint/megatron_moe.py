@@ -220,3 +220,62 @@ def megatron_moe_names(state: dict[str, torch.Tensor], swiglu: bool) -> dict[str
         else:
             out[name] = t
     return out
+
+
+# ------------------------------------------------------------------------------ export
+def moe_args(m: MoEConfig, tp: int, ep: int) -> dict:
+    """The MoE args Megatron-LM stores (its names) for ``m`` at ``ep`` (experts split over TP like
+    the dense layers: ``expert_tensor_parallel_size`` = tp)."""
+    out = {name: getattr(m, name) for name in _READ}
+    out.update(
+        num_experts=m.num_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_layer_freq=list(m.moe_layer_freq) if isinstance(m.moe_layer_freq, tuple) else m.moe_layer_freq,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type if isinstance(
+            m.moe_router_load_balancing_type, str) else list(m.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff if not isinstance(m.moe_aux_loss_coeff, tuple) else list(
+            m.moe_aux_loss_coeff),
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias, moe_token_dispatcher_type="alltoall"
+        if m.moe_token_dispatcher_type == "alltoall" else "allgather",
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+    )  # fmt: skip
+    return out
+
+
+def check_export(config, fmt: str, ep: int) -> None:
+    """What a Megatron-LM export of ``config`` cannot hold stops in one line naming the flag."""
+    m = config.moe
+    if m is None:
+        if ep != 1:
+            raise MegatronCheckpointError(
+                "--target-expert-parallel-size: a dense model has no experts to split"
+            )
+        return
+    if m.num_experts % ep:
+        raise MegatronCheckpointError(
+            f"--target-expert-parallel-size {ep} does not divide --num-experts {m.num_experts}"
+        )
+    if m.moe_router_enable_expert_bias:
+        raise MegatronCheckpointError(
+            "--moe-router-enable-expert-bias: the routers' expert_bias buffers are not exported; export "
+            "to megalite or hf"
+        )
+    dense = not all(parse_moe_layer_freq(m.moe_layer_freq, config.num_layers))
+    if dense and fmt == "torch_dist":
+        raise MegatronCheckpointError(
+            "--moe-layer-freq with dense layers: torch_dist stacks every layer's tensors on one dimension, "
+            "which megalite's export writes for all-MoE models only; use --ckpt-format torch"
+        )
+
+
+def stack_dist_experts(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`unstack_dist_experts`: ``local_experts.G.X`` -> ``experts.experts.X`` ``[E, ...]``."""
+    out, experts = {}, {}
+    for name, t in whole.items():
+        m = LOCAL_EXPERT.search(name)
+        if m:
+            key = f"{name[: m.start()]}.mlp.experts.experts.{name[m.end() :]}"
+            experts.setdefault(key, {})[int(m.group(1))] = t
+        else:
+            out[name] = t
+    out.update({k: torch.stack([v[g] for g in sorted(v)]) for k, v in experts.items()})
+    return out
