@@ -147,6 +147,27 @@ def test_export_writes_what_megatron_core_writes(tmp_path):
     a, b = mg.read_megatron(ours.parent), mg.read_megatron(theirs.parent)
     assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
 
+    # MoE at pp2 x ep2: each EP rank's file holds its experts under local indices, as megatron-core's
+    for fmt in FORMATS:
+        assert convert_main("--input", str(DATA / "moe" / fmt), "--output", str(tmp_path / f"moe-{fmt}"),
+                            "--output-format", "megatron", "--ckpt-format", fmt, "--target-pipeline-parallel-size",
+                            "2", "--target-expert-parallel-size", "2") == 0  # fmt: skip
+    ours, theirs = tmp_path / "moe-torch" / "iter_0000000", DATA / "moe" / "torch" / "iter_0000005"
+    for rank in ("mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"):
+        a = mg.load_pickle(ours / rank / mg.LEGACY_FILE, "test")["model"]
+        b = mg.load_pickle(theirs / rank / mg.LEGACY_FILE, "test")["model"]
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if b[k] is not None else a[k] is None for k in b), rank
+    mine = storage.read_dcp_metadata(tmp_path / "moe-torch_dist" / "iter_0000000")
+    real = storage.read_dcp_metadata(DATA / "moe" / "torch_dist" / "iter_0000005")
+    real_model = {k: v for k, v in storage.stored_shapes(real).items() if not k.startswith("chained_")}
+    assert storage.stored_shapes(mine) == real_model
+    assert mine.state_dict_metadata.keys() == {
+        k for k in real.state_dict_metadata if not k.startswith(("chained_", "optimizer.", "rng_state"))
+    }  # the _extra_state objects too
+    a, b = mg.read_megatron(ours.parent), mg.read_megatron(DATA / "moe" / "torch_dist")
+    assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
+
 
 def _rewrite_rank_file(root: Path, change) -> None:
     """Apply ``change(state)`` to the first rank file of a copied legacy checkpoint (the stand-ins
@@ -375,14 +396,17 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
         with torch.no_grad():
             torch.testing.assert_close(model(tokens)[..., :128], logits[flavour], rtol=1e-5, atol=1e-5)
         # and out again, from the checkpoint saved at tp=1 x pp=2, into Megatron-LM at tp=2 x pp=2
+        # (the MoE model at its own tp1 x pp2 x ep2: megatron-core's MoE wants sequence parallelism
+        # under TP, which its local spec's norms lack)
+        tp, ep = ("1", "2") if flavour == "moe" else ("2", "1")
         for fmt in FORMATS:
             out = tmp_path / f"{flavour}-back-{fmt}"
             assert convert_main("--input", str(tmp_path / f"{flavour}-tuned"), "--output", str(out),
-                                "--output-format", "megatron", "--ckpt-format", fmt,
-                                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+                                "--output-format", "megatron", "--ckpt-format", fmt, "--target-tensor-parallel-size",
+                                tp, "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", ep) == 0  # fmt: skip
             # torch_dist is global: megatron-core loads it even at 2 virtual stages
             vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
-            loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp))
+            loads.append((flavour, str(out / "iter_0000000"), fmt, int(tp), 2, vp))
     for (flavour, *_), got in zip(loads, run_distributed(_megatron_core_loads, 4, loads, timeout=400)[-1]):
         torch.testing.assert_close(got, logits[flavour], rtol=1e-5, atol=1e-5)
 
