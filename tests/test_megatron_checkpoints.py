@@ -167,6 +167,15 @@ def test_export_writes_what_megatron_core_writes(tmp_path):
     }  # the _extra_state objects too
     a, b = mg.read_megatron(ours.parent), mg.read_megatron(DATA / "moe" / "torch_dist")
     assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
+    # and at another EP size (one expert per file): the same model reads back
+    assert convert_main("--input", str(DATA / "moe" / "torch"), "--output", str(tmp_path / "moe-ep4"),
+                        "--output-format", "megatron", "--ckpt-format", "torch", "--target-expert-parallel-size",
+                        "4") == 0  # fmt: skip
+    c = mg.read_megatron(tmp_path / "moe-ep4")
+    assert c.layout["ep"] == 4 and c.config == b.config and c.state.keys() == b.state.keys()
+    assert all(torch.equal(c.state[k], b.state[k]) for k in b.state)
+    assert convert_main("--input", str(DATA / "moe" / "torch"), "--output", str(tmp_path / "moe-ep3"),
+                        "--output-format", "megatron", "--target-expert-parallel-size", "3") == 2  # fmt: skip
 
 
 def _rewrite_rank_file(root: Path, change) -> None:
