@@ -4,7 +4,8 @@ Two sources, the same assertions:
 
 * tests/data/megatron/: checkpoints written by the real megatron-core package (regenerate with
   tests/data/megatron/make_fixtures.py) at tp=2 x pp=2 — GPT-2 style (tied, biases, LayerNorm)
-  and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages) — in the ``torch``
+  and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages), and a mixture of experts
+  at pp=2 x ep=2 (``moe``: 4 experts top-2, a gated shared expert) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
   everywhere (CI has no megatron-core).
 * With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
