@@ -10,6 +10,7 @@ DIR on PYTHONPATH). megatron-core assumes CUDA in four places; :func:`stub_cuda`
 * ``Tensor.cuda()`` (the tied embedding's first all-reduce) keeps the tensor where it is, and
   ``torch.cuda.synchronize`` (before a checkpoint write) does nothing;
 * the CUDA RNG tracker's ``fork`` (dropout under TP) is a no-op context (all dropouts are 0);
+* the MoE router's ``te_general_gemm``, undefined without Transformer Engine, is None (its torch path);
 * nothing else: the local spec's layers, its softmax and its cross-rank embedding run on CPU.
 
 The legacy ``torch`` file is written with the layout of Megatron-LM's
@@ -58,6 +59,20 @@ FLAVOURS = {
         qk_layernorm=True, rotary_interleaved=True, add_qkv_bias=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=None,
     ),
+    # Mixture of experts (SequentialMLP, the local spec's CPU experts): 4 experts top-2, the
+    # per-sequence load-balancing loss (seq_aux_loss), a gated shared expert, GQA, SwiGLU; pp2 x ep2
+    # (so dp2: each data-parallel rank trains on its own sequence). tp1: Megatron's MoE needs
+    # sequence parallelism under TP, which the local spec's torch norms do not have. Each rank
+    # file holds 2 of the 4 experts.
+    "moe": dict(
+        num_layers=2, save_rng=False, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=None,
+        moe=dict(num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                 moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=8,
+                 moe_shared_expert_gate=True),
+        ep=2, tp=1,
+    ),
 }  # fmt: skip
 # The feature switches a flavour may set (off where it does not).
 FEATURES = ("squared_relu", "qk_layernorm", "rotary_interleaved", "add_qkv_bias")
@@ -77,6 +92,10 @@ def stub_cuda() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without Transformer Engine leaves it undefined
+        moe_utils.te_general_gemm = None  # the router's logits: its plain torch matmul
 
 
 def megatron_args(f: dict, tp: int, pp: int, fmt: str) -> argparse.Namespace:
@@ -96,10 +115,35 @@ def megatron_args(f: dict, tp: int, pp: int, fmt: str) -> argparse.Namespace:
         untie_embeddings_and_output_weights=f["untie_embeddings_and_output_weights"],
         padded_vocab_size=f["vocab"], vocab_size=None, make_vocab_size_divisible_by=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=f["vp"], num_experts=None, fp8=None, fp16=False, bf16=False,
+        virtual_pipeline_model_parallel_size=f["vp"], fp8=None, fp16=False, bf16=False,
         params_dtype=torch.float32, transformer_impl="local", ckpt_format=fmt, use_dist_ckpt=fmt != "torch",
         attention_backend=AttnBackend.auto, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         iteration=ITERATION, consumed_train_samples=ITERATION * BATCH, global_batch_size=BATCH, multi_latent_attention=False,
+        **moe_args(f),
+    )  # fmt: skip
+
+
+def moe_args(f: dict) -> dict:
+    """The MoE args Megatron-LM stores (its arguments.py names and defaults) for a MoE flavour."""
+    if not f.get("moe"):
+        return {"num_experts": None}
+    return dict(
+        f["moe"], expert_model_parallel_size=f["ep"], expert_tensor_parallel_size=1, sequence_parallel=False,
+        moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_dtype=None,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_layer_freq=1,
+        moe_expert_capacity_factor=None, moe_z_loss_coeff=None, moe_router_topk_scaling_factor=None,
+        moe_router_enable_expert_bias=False, moe_input_jitter_eps=None,
+    )  # fmt: skip
+
+
+def moe_config(f: dict) -> dict:
+    """The TransformerConfig fields of a MoE flavour (``num_moe_experts`` is ``--num-experts``)."""
+    if not f.get("moe"):
+        return {}
+    m = dict(f["moe"])
+    return dict(
+        num_moe_experts=m.pop("num_experts"), expert_model_parallel_size=f["ep"], expert_tensor_parallel_size=1,
+        moe_token_dispatcher_type="allgather", **m,
     )  # fmt: skip
 
 
@@ -124,9 +168,13 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
         virtual_pipeline_model_parallel_size=f["vp"], use_cpu_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe_config(f),
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=feature(f, "qk_layernorm"))
+    spec = get_gpt_layer_local_spec(
+        num_experts=(f.get("moe") or {}).get("num_experts"),
+        normalization=f["normalization"],
+        qk_layernorm=feature(f, "qk_layernorm"),
+    )
     chunks = []
     for v in range(f["vp"] or 1):
         vp = v if f["vp"] else None
@@ -149,15 +197,32 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
 def draw_weights(chunks: list, tp_rank: int, pp_rank: int) -> None:
     """Every weight random (norm gains too), seeded by its place: TP-replicated tensors agree
     across the TP group, and the tied output copy equals the first stage's embedding."""
+    from megatron.core import parallel_state as ps
+
     for v, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
             tied_copy = name == "output_layer.weight" and chunk.share_embeddings_and_output_weights
             where = "embedding.word_embeddings.weight/0/0" if tied_copy else f"{name}/{pp_rank}/{v}"
             sharded = getattr(p, "tensor_model_parallel", False)
             seed = zlib.crc32(f"{where}/{tp_rank if sharded else 0}".encode())
+            if ".local_experts." in name:  # expert e of this EP rank: its global index gives the seed
+                seed = zlib.crc32(f"{where}/ep{ps.get_expert_model_parallel_rank()}".encode())
             g = torch.Generator().manual_seed(seed)
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in name else 0.0))
+
+
+def local(batch: torch.Tensor) -> torch.Tensor:
+    """This data-parallel rank's rows of a global batch (all of it without data parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return batch.chunk(dp)[r]
+
+
+def stage_seq(chunk, tp: int) -> int:
+    """The sequence length of the hidden states between stages (this rank's part under SP)."""
+    return SEQ // tp if chunk.config.sequence_parallel else SEQ
 
 
 def tokens() -> torch.Tensor:
@@ -180,7 +245,7 @@ def logits(chunks: list, tp: int, pp: int) -> torch.Tensor | None:
                 continue
             first = v == 0 and stage == 0
             if not first:
-                x = torch.empty(SEQ, BATCH, h)
+                x = torch.empty(stage_seq(chunk, tp), BATCH, h)
                 dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
                 chunk.set_input_tensor(x)
             with torch.no_grad():
@@ -197,6 +262,17 @@ def logits(chunks: list, tp: int, pp: int) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)
 
 
+def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron-LM's ``get_checkpoint_name``: ``mp_rank_TT[_PPP][_EEE]`` (``_EEE`` the expert-parallel
+    rank when ``expert_model_parallel_size > 1``)."""
+    from megatron.core import parallel_state as ps
+
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    return name
+
+
 def save_legacy(
     chunks: list,
     args: argparse.Namespace,
@@ -209,7 +285,7 @@ def save_legacy(
     from megatron.core import parallel_state as ps
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
+    rank_dir = legacy_rank_dir(tp_rank, pp_rank, args.pipeline_model_parallel_size)
     folder = os.path.join(root, f"iter_{args.iteration:07d}", rank_dir)
     os.makedirs(folder, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration}
@@ -324,19 +400,23 @@ def load_torch_dist(chunks: list, folder: str) -> None:
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=False)
 
 
-def init(tp: int, pp: int, vp: int | None) -> None:
+def init(tp: int, pp: int, vp: int | None, ep: int = 1) -> None:
     from megatron.core import parallel_state as ps
 
     stub_cuda()
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+    ps.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1 if ep > 1 else None,
+    )  # fmt: skip
 
 
-def write_fixtures(flavour: str, out: str, tp: int = 2, pp: int = 2) -> torch.Tensor | None:
-    """One rank of a tp x pp job: megatron-core's model trained ITERATION iterations by its own
+def write_fixtures(flavour: str, out: str, pp: int = 2) -> torch.Tensor | None:
+    """One rank of a tp x pp (x ep) job: megatron-core's model trained ITERATION iterations by its own
     optimizer and schedule, its logits, both checkpoint formats with the optimizer state."""
     f = FLAVOURS[flavour]
-    init(tp, pp, f["vp"])
+    tp = f.get("tp", 2)
+    init(tp, pp, f["vp"], f.get("ep", 1))
     chunks = build_chunks(f, tp, pp)
     from megatron.core import parallel_state as ps
 
@@ -356,7 +436,7 @@ def load_legacy(chunks: list, folder: str, pp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    rank_dir = legacy_rank_dir(tp_rank, pp_rank, pp)
     # weights_only with megatron-core's own allowlist, which importing megatron.core registers, and
     # the getattr that Python 3.11.2 pickles enum members with (enum members only)
     from megalite.checkpoint.megatron import enum_member_by_name
@@ -375,7 +455,7 @@ def logits_after_load(
     ``iter_N`` with megatron-core's own loader (``dist_checkpointing.load``, or the legacy
     ``load_state_dict``); its logits (None off the last stage)."""
     f = dict(FLAVOURS[flavour], vp=vp)
-    init(tp, pp, vp)
+    init(tp, pp, vp, f.get("ep", 1))
     chunks = build_chunks(f, tp, pp)
     for c in chunks:  # nothing of the fresh init may survive the load
         for p in c.parameters():
@@ -459,6 +539,8 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     pp_rank, h = ps.get_pipeline_model_parallel_rank(), chunks[0].config.hidden_size
     order = _stage_order(len(chunks), pp)
+    pos = pos[: BATCH // ps.get_data_parallel_world_size()]
+    mbs = pos.shape[0]
     optimizer.zero_grad()
     saved = {}
     for i, (v, stage) in enumerate(order):
@@ -466,12 +548,15 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
             continue
         x = None
         if i > 0:
-            x = torch.empty(SEQ, BATCH, h)
+            x = torch.empty(stage_seq(chunks[v], ps.get_tensor_model_parallel_world_size()), mbs, h)
             dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
             x.requires_grad_(True)
             chunks[v].set_input_tensor(x)
         y = chunks[v](
-            tokens() if i == 0 else None, pos, mask, labels=labels() if i == len(order) - 1 else None
+            local(tokens()) if i == 0 else None,
+            pos,
+            mask,
+            labels=local(labels()) if i == len(order) - 1 else None,
         )
         saved[i] = (x, y)
         if i < len(order) - 1:
@@ -489,20 +574,41 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
         if i > 0:
             dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
     _sum_tied_embedding_grads(chunks)
-    _sum_qk_layernorm_grads(chunks)
+    _sum_tp_replicated_grads(chunks)
+    _average_data_parallel_grads(chunks)
     optimizer.step()
 
 
-def _sum_qk_layernorm_grads(chunks: list) -> None:
-    """Megatron's ``finalize_model_grads``: with ``qk_layernorm`` the ``q_layernorm`` /
-    ``k_layernorm`` grads (each TP rank's heads only) are summed over TP."""
+def _average_data_parallel_grads(chunks: list) -> None:
+    """Megatron's DDP without overlap: every grad summed over its data-parallel group (the routed
+    experts' over the expert-data-parallel group) and scaled by 1 / the data-parallel size (the
+    experts' too: DDP's ``expert_gradient_scaling_factor``)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.grad is None:
+                continue
+            expert = not getattr(p, "allreduce", True)
+            group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+
+
+def _sum_tp_replicated_grads(chunks: list) -> None:
+    """Megatron's ``finalize_model_grads``: the grads of TP-replicated weights each TP rank computes
+    from its part only are summed over TP: with ``qk_layernorm`` the ``q_layernorm`` /
+    ``k_layernorm`` (each rank's heads), under sequence parallelism every weight marked
+    ``sequence_parallel`` (norms, the router, the shared-expert gate: each rank's tokens)."""
     from megatron.core import parallel_state as ps
 
     for chunk in chunks:
-        if not chunk.config.qk_layernorm:
-            continue
         for name, p in chunk.named_parameters():
-            if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
+            qk = chunk.config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            if (qk or getattr(p, "sequence_parallel", False)) and p.grad is not None:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
@@ -543,12 +649,13 @@ def train(chunks: list, optimizer, scheduler, pp: int, steps: int) -> None:
         scheduler.step(increment=BATCH)
 
 
-def continue_one_step(flavour: str, folder: str, fmt: str, out: str, tp: int = 2, pp: int = 2) -> None:
+def continue_one_step(flavour: str, folder: str, fmt: str, out: str, pp: int = 2) -> None:
     """One rank: megatron-core resumes the ``fmt`` checkpoint ``folder`` (``iter_N``) with its
     optimizer and schedule as Megatron-LM's ``load_checkpoint`` does, trains one more iteration,
     and saves it (legacy format) under ``out``."""
     f = FLAVOURS[flavour]
-    init(tp, pp, f["vp"])
+    tp = f.get("tp", 2)
+    init(tp, pp, f["vp"], f.get("ep", 1))
     chunks = build_chunks(f, tp, pp)
     optimizer = build_optimizer(chunks)
     scheduler = build_scheduler(optimizer)

@@ -275,7 +275,7 @@ def test_every_megatron_arg_is_read_refused_or_irrelevant():
     each in exactly one table; a new arg in none of them fails here, and at read time when set."""
     stored = json.loads((DATA / "megatron_lm_args.json").read_text())["args"]
     names = set(stored)
-    for flavour in ("gpt2", "llama"):
+    for flavour in ("gpt2", "llama", "moe"):
         names |= set(vars(mg.load_pickle(DATA / flavour / D / ITER / "common.pt", "test")["args"]))
     unclassified = sorted(n for n in names if not margs.classified(n))
     assert not unclassified, unclassified

@@ -157,13 +157,95 @@ def test_mixtral_logits_match_transformers_both_ways(tmp_path):
     rebuilt = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(rebuilt.eval()(ids).logits, ref, rtol=0, atol=0)
-    for qwen in ("qwen3_moe", "qwen2_moe"):  # their attention (QK-norm; q/k/v-only biases) is not built
-        with pytest.raises(hf.HFConversionError, match=f"model_type '{qwen}'"):
-            hf.config_from_hf({**hf_config, "model_type": qwen})
     dense_first = dataclasses.replace(config, moe=dataclasses.replace(config.moe, moe_layer_freq=(0, 1)))
     with pytest.raises(hf.HFConversionError, match="--moe-layer-freq") as e:
         hf.config_to_hf(dense_first)
     assert "\n" not in str(e.value)
+
+
+def qwen_moe_model(kind, seed=0, **overrides):
+    """A tiny random Qwen2-MoE (gated shared expert, q/k/v biases) or Qwen3-MoE (QK-norm), 3 layers."""
+    cfg = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, bos_token_id=None,
+        eos_token_id=None, attn_implementation="eager",
+    )  # fmt: skip
+    if kind == "qwen2_moe":
+        cfg.update(shared_expert_intermediate_size=24)
+        classes = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
+    else:
+        cfg.update(head_dim=16)
+        classes = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    cfg.update(overrides)
+    return _randomise(classes[1](classes[0](**cfg)), seed)
+
+
+QWEN_CASES = {  # each: (model, what megalite must read from its config)
+    "qwen2-moe-dense-first-no-renorm": (
+        lambda: qwen_moe_model("qwen2_moe", 7, norm_topk_prob=False, mlp_only_layers=[0]),
+        dict(moe_layer_freq=(0, 1, 1), pre_softmax=True, qk_layernorm=False, add_qkv_bias=True),
+    ),
+    "qwen3-moe-sparse-step-renorm": (
+        lambda: qwen_moe_model("qwen3_moe", 8, norm_topk_prob=True, decoder_sparse_step=2),
+        dict(moe_layer_freq=(0, 1, 0), pre_softmax=False, qk_layernorm=True, add_qkv_bias=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QWEN_CASES))
+def test_qwen_moe_logits_match_transformers_both_ways(case, tmp_path):
+    """Tiny random Qwen2-MoE / Qwen3-MoE models: megalite's model built from their weights (in memory,
+    transformers' fused experts; or from save_pretrained's per-expert files) gives transformers'
+    logits within 1e-5; exported, the files load into transformers with the very same logits and a
+    config that reads back to the same ModelConfig. Dense layers (mlp_only_layers,
+    decoder_sparse_step) become a --moe-layer-freq pattern; norm_topk_prob=false is
+    --moe-router-pre-softmax; Qwen2's shared_expert_gate is --moe-shared-expert-gate."""
+    make, expected = QWEN_CASES[case]
+    hf_model = make()
+    ids = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+    model, state, config = megalite_from_hf(hf_model)
+    m = config.moe
+    got = dict(moe_layer_freq=m.moe_layer_freq, pre_softmax=m.moe_router_pre_softmax,
+               qk_layernorm=config.qk_layernorm, add_qkv_bias=config.add_qkv_bias)  # fmt: skip
+    assert got == expected
+    assert m.moe_shared_expert_gate == (m.moe_shared_expert_intermediate_size == 24) == ("qwen2" in case)
+    hf_model.save_pretrained(tmp_path / "in")
+    on_disk = hf.hf_to_megalite(*hf.read_hf_checkpoint(str(tmp_path / "in")))
+    assert on_disk[1] == config and all(torch.equal(on_disk[0][k], v) for k, v in state.items())
+    with torch.no_grad():
+        logits = model(ids)[..., :V]
+    print(f"{case}: max |logits diff| vs transformers = {(logits - ref).abs().max().item():.3g}")
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    back, hf_config = hf.megalite_to_hf(hf.logical_state_dict(model), config)
+    assert hf.config_from_hf(type(hf_model.config)(**hf_config).to_dict()) == config
+    hf.write_hf_checkpoint(str(tmp_path / "out"), back, hf_config)
+    rebuilt = type(hf_model).from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(ids).logits, ref, rtol=0, atol=0)
+    if "qwen2" in case:  # what no transformers MoE computes stops in one line naming it
+        unsupported = {
+            "--moe-shared-expert-intermediate-size without --moe-shared-expert-gate": dict(
+                moe=dataclasses.replace(m, moe_shared_expert_gate=False)
+            ),
+            "--qk-layernorm with a shared expert": dict(qk_layernorm=True),
+        }
+    else:
+        unsupported = {"--add-qkv-bias without a shared expert": dict(add_qkv_bias=True)}
+    for flag, change in unsupported.items():
+        with pytest.raises(hf.HFConversionError, match=flag) as e:
+            hf.config_to_hf(dataclasses.replace(config, **change))
+        assert "\n" not in str(e.value)
+    for field, value, says in (
+        ("use_sliding_window", True, "use_sliding_window"),
+        ("attention_bias", True, "attention_bias"),
+        ("mlp_only_layers", [0, 1, 2], "no MoE layer"),
+        ("hidden_act", "gelu", "hidden_act"),
+    ):
+        with pytest.raises(hf.HFConversionError, match=says):
+            hf.config_from_hf({**hf_config, field: value})
 
 
 def test_files_from_pretrained_sharding_and_legacy_names(tmp_path):

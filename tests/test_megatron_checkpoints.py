@@ -4,7 +4,8 @@ Two sources, the same assertions:
 
 * tests/data/megatron/: checkpoints written by the real megatron-core package (regenerate with
   tests/data/megatron/make_fixtures.py) at tp=2 x pp=2 — GPT-2 style (tied, biases, LayerNorm)
-  and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages) — in the ``torch``
+  and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages), and a mixture of experts
+  at pp=2 x ep=2 (``moe``: 4 experts top-2, a gated shared expert) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
   everywhere (CI has no megatron-core).
 * With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
@@ -28,12 +29,18 @@ import torch
 
 from megalite.checkpoint import load_model, save_model_checkpoint
 from megalite.checkpoint import megatron as mg
+from megalite.checkpoint.logical import split_experts, stack_experts
 from megalite.model.gpt import GPTModel
 from megalite.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "megatron"
-FLAVOURS = ("gpt2", "llama", "qwen")  # qwen: Megatron's dense features (tests/megatron_core_run.py)
+FLAVOURS = (
+    "gpt2",
+    "llama",
+    "qwen",
+    "moe",
+)  # qwen: Megatron's dense features; moe: experts at pp2 x ep2 (tests/megatron_core_run.py)
 FORMATS = ("torch", "torch_dist")
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 
@@ -41,7 +48,7 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 def megalite_logits(state: dict, config, tokens: torch.Tensor) -> torch.Tensor:
     """A single-process megalite model with ``state`` loaded: logits ``[b, s, V]``."""
     model = GPTModel(config)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    model.load_state_dict(stack_experts({k: v.float() for k, v in state.items()}, config), strict=True)
     with torch.no_grad():
         return model.eval()(tokens)[..., : config.vocab_size]
 
@@ -141,6 +148,36 @@ def test_export_writes_what_megatron_core_writes(tmp_path):
     a, b = mg.read_megatron(ours.parent), mg.read_megatron(theirs.parent)
     assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
 
+    # MoE at pp2 x ep2: each EP rank's file holds its experts under local indices, as megatron-core's
+    for fmt in FORMATS:
+        assert convert_main("--input", str(DATA / "moe" / fmt), "--output", str(tmp_path / f"moe-{fmt}"),
+                            "--output-format", "megatron", "--ckpt-format", fmt, "--target-pipeline-parallel-size",
+                            "2", "--target-expert-parallel-size", "2") == 0  # fmt: skip
+    ours, theirs = tmp_path / "moe-torch" / "iter_0000000", DATA / "moe" / "torch" / "iter_0000005"
+    for rank in ("mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"):
+        a = mg.load_pickle(ours / rank / mg.LEGACY_FILE, "test")["model"]
+        b = mg.load_pickle(theirs / rank / mg.LEGACY_FILE, "test")["model"]
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if b[k] is not None else a[k] is None for k in b), rank
+    mine = storage.read_dcp_metadata(tmp_path / "moe-torch_dist" / "iter_0000000")
+    real = storage.read_dcp_metadata(DATA / "moe" / "torch_dist" / "iter_0000005")
+    real_model = {k: v for k, v in storage.stored_shapes(real).items() if not k.startswith("chained_")}
+    assert storage.stored_shapes(mine) == real_model
+    assert mine.state_dict_metadata.keys() == {
+        k for k in real.state_dict_metadata if not k.startswith(("chained_", "optimizer.", "rng_state"))
+    }  # the _extra_state objects too
+    a, b = mg.read_megatron(ours.parent), mg.read_megatron(DATA / "moe" / "torch_dist")
+    assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
+    # and at another EP size (one expert per file): the same model reads back
+    assert convert_main("--input", str(DATA / "moe" / "torch"), "--output", str(tmp_path / "moe-ep4"),
+                        "--output-format", "megatron", "--ckpt-format", "torch", "--target-expert-parallel-size",
+                        "4") == 0  # fmt: skip
+    c = mg.read_megatron(tmp_path / "moe-ep4")
+    assert c.layout["ep"] == 4 and c.config == b.config and c.state.keys() == b.state.keys()
+    assert all(torch.equal(c.state[k], b.state[k]) for k in b.state)
+    assert convert_main("--input", str(DATA / "moe" / "torch"), "--output", str(tmp_path / "moe-ep3"),
+                        "--output-format", "megatron", "--target-expert-parallel-size", "3") == 2  # fmt: skip
+
 
 def _rewrite_rank_file(root: Path, change) -> None:
     """Apply ``change(state)`` to the first rank file of a copied legacy checkpoint (the stand-ins
@@ -150,7 +187,7 @@ def _rewrite_rank_file(root: Path, change) -> None:
         state = mg.load_pickle(path, "test")
         plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
         state["args"] = argparse.Namespace(**plain)
-        if path.parent.name == "mp_rank_00_000":
+        if path.parent.name in ("mp_rank_00_000", "mp_rank_00_000_000"):  # the first file (pp, ep)
             change(state)
         torch.save(state, path)
 
@@ -171,10 +208,22 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
     _rewrite_rank_file(foreign, lambda s: s.update(extra=fractions.Fraction(1, 3)))
     _one_line_error(foreign, r"refusing to unpickle .*fractions\.Fraction")
 
-    moe = copy("moe")
-    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    _rewrite_rank_file(moe, lambda s: s["model"].update({key: torch.zeros(2, 2)}))
-    _one_line_error(moe, rf"torch checkpoint with MoE experts \(key {key}\)")
+    packed = copy("packed")  # the legacy GroupedMLP's experts: one packed matrix, not read
+    key = "decoder.layers.0.mlp.experts.weight1"
+    _rewrite_rank_file(packed, lambda s: s["model"].update({key: torch.zeros(2, 2)}))
+    _one_line_error(packed, rf"torch checkpoint with the legacy GroupedMLP's packed experts \(key {key}\)")
+
+    # MoE args megalite does not compute the same way stop in one line naming the arg
+    for arg, value, says in (
+        ("moe_router_enable_expert_bias", True, "expert_bias buffers"),
+        ("moe_apply_probs_on_input", True, "router probabilities applied to the experts' input"),
+        ("moe_router_num_groups", 3, "--num-experts \\(4\\) is not divisible by --moe-router-num-groups"),
+    ):
+        bad = Path(shutil.copytree(DATA / "moe" / "torch", tmp_path / f"moe-{arg}"))
+        _rewrite_rank_file(bad, lambda s, a=arg, v=value: setattr(s["args"], a, v))
+        if arg == "moe_router_num_groups":
+            _rewrite_rank_file(bad, lambda s: setattr(s["args"], "moe_router_group_topk", 1))
+        assert f"args.{arg}" in _one_line_error(bad, says) or arg == "moe_router_num_groups"
 
     fp8 = copy("fp8")
     _rewrite_rank_file(fp8, lambda s: setattr(s["args"], "fp8", "hybrid"))
@@ -357,14 +406,17 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
         with torch.no_grad():
             torch.testing.assert_close(model(tokens)[..., :128], logits[flavour], rtol=1e-5, atol=1e-5)
         # and out again, from the checkpoint saved at tp=1 x pp=2, into Megatron-LM at tp=2 x pp=2
+        # (the MoE model at its own tp1 x pp2 x ep2: megatron-core's MoE wants sequence parallelism
+        # under TP, which its local spec's norms lack)
+        tp, ep = ("1", "2") if flavour == "moe" else ("2", "1")
         for fmt in FORMATS:
             out = tmp_path / f"{flavour}-back-{fmt}"
             assert convert_main("--input", str(tmp_path / f"{flavour}-tuned"), "--output", str(out),
-                                "--output-format", "megatron", "--ckpt-format", fmt,
-                                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+                                "--output-format", "megatron", "--ckpt-format", fmt, "--target-tensor-parallel-size",
+                                tp, "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", ep) == 0  # fmt: skip
             # torch_dist is global: megatron-core loads it even at 2 virtual stages
             vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
-            loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp))
+            loads.append((flavour, str(out / "iter_0000000"), fmt, int(tp), 2, vp))
     for (flavour, *_), got in zip(loads, run_distributed(_megatron_core_loads, 4, loads, timeout=400)[-1]):
         torch.testing.assert_close(got, logits[flavour], rtol=1e-5, atol=1e-5)
 
@@ -486,7 +538,8 @@ def _megalite_continues(converted: str, config, flags: list[str]) -> dict:
              "position_ids": torch.arange(mcr.SEQ).expand(mcr.BATCH, mcr.SEQ)}  # fmt: skip
     train_step(state, iter([batch]))
     model = state.model[0].module
-    return {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+    params = {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+    return split_experts(params, config)  # a MoE model's experts: one tensor each, as read
 
 
 def _continue_both(cases):

@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-pipeline-parallel-size", type=int, default=1, help="megatron output: the PP size to write."
     )
     p.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        default=1,
+        help="megatron output, MoE: the expert-parallel size of the torch files (torch_dist is global).",
+    )
+    p.add_argument(
         "--ckpt-step",
         type=int,
         default=None,
@@ -191,7 +197,7 @@ def read_megatron(path: str, iteration: int | None, include_optimizer: bool = Fa
 def convert(args: argparse.Namespace) -> None:
     from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, check_rules
 
-    positive_target = {f"--target-{d}-parallel-size": POSITIVE for d in ("tensor", "pipeline")}
+    positive_target = {f"--target-{d}-parallel-size": POSITIVE for d in ("tensor", "pipeline", "expert")}
     check_rules(args, {"--ckpt-step": NON_NEGATIVE, **positive_target})
     if not os.path.isdir(args.input):
         raise ConvertError(f"--input {args.input}: no such directory")
@@ -268,9 +274,10 @@ def convert(args: argparse.Namespace) -> None:
 
         bar.update(1)
         tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-        log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}) to {args.output}")
+        ep = args.target_expert_parallel_size
+        log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}, ep {ep}) to {args.output}")
         with ckpt_files.staged_output(args.output) as out:
-            folder = write_megatron(state, config, out, args.ckpt_format, tp, pp)
+            folder = write_megatron(state, config, out, args.ckpt_format, tp, pp, ep=ep)
         log(f"wrote {Path(args.output) / folder.name}")
     else:
         bar.update(1)

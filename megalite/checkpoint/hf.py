@@ -53,18 +53,12 @@ from megalite.checkpoint.logical import (
 )
 from megalite.errors import MegaliteError, reading
 from megalite.model.config import ModelConfig
-from megalite.model.moe import MoEConfig
+from megalite.model.moe import MoEConfig, parse_moe_layer_freq
 
 POS_EMB = "embedding.position_embeddings.weight"
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
-# MoE families whose attention megalite does not build (their experts and routers it does).
-_NOT_BUILT = {
-    "qwen3_moe": "Qwen3-MoE normalises each head's q and k (QK-norm), which megalite's attention does not "
-    "build; convert Mixtral-style models (model_type mixtral) or a Llama",
-    "qwen2_moe": "Qwen2-MoE has biases on q/k/v only, which megalite's attention does not build (it has "
-    "biases on every linear or none); convert Mixtral-style models (model_type mixtral) or a Llama",
-}
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -114,7 +108,7 @@ def hf_flavour(config: ModelConfig) -> str:
     """The transformers architecture ("gpt2" or "llama") that computes exactly what ``config`` does."""
     c = config
     if c.moe is not None:
-        return _mixtral_flavour(c)
+        return _moe_flavour(c)
     # transformers' GPT-2 / Llama norms scale by gamma itself and rotate whole heads: a
     # zero-centred gamma or a partial rotary would convert into a different model.
     features = {"--squared-relu": c.squared_relu, "--qk-layernorm": c.qk_layernorm,
@@ -158,32 +152,43 @@ def hf_flavour(config: ModelConfig) -> str:
     )
 
 
-def _mixtral_flavour(c: ModelConfig) -> str:
-    """A MoE model converts as MixtralForCausalLM when it routes as Mixtral: every layer MoE, softmax
-    top-k renormalised over the chosen experts (Megatron's softmax after the top-k), SwiGLU experts,
-    nothing Mixtral lacks."""
+def _moe_flavour(c: ModelConfig) -> str:
+    """The transformers MoE family computing what ``c`` does: Qwen2-MoE when it has a gated shared
+    expert, Qwen3-MoE when it has QK-norm, else Mixtral. All three route by softmax top-k over
+    SwiGLU experts with a Llama attention; Mixtral renormalises over the chosen experts (Megatron's
+    softmax after the top-k) in every layer, the Qwens do either (``norm_topk_prob``; without it,
+    ``--moe-router-pre-softmax``) and take dense layers (``mlp_only_layers``)."""
     m = c.moe
-    freq = m.moe_layer_freq
+    shared = bool(m.moe_shared_expert_intermediate_size)
+    family = "qwen2_moe" if shared else "qwen3_moe" if c.qk_layernorm else "mixtral"
+    freq = parse_moe_layer_freq(m.moe_layer_freq, c.num_layers)
     extra = {
-        "--moe-layer-freq (a dense layer)": not (freq == 1 or all(freq)),
+        "--moe-layer-freq (a dense layer; Qwen2/3-MoE take them)": family == "mixtral" and not all(freq),
+        "--moe-router-pre-softmax (no renormalisation; Qwen2/3-MoE take it)": family == "mixtral"
+        and m.moe_router_pre_softmax,
         "--moe-router-score-function sigmoid": m.moe_router_score_function != "softmax",
-        "--moe-router-pre-softmax (no renormalisation)": m.moe_router_pre_softmax,
         "--moe-router-num-groups": bool(m.moe_router_num_groups),
         "--moe-router-topk-scaling-factor": m.moe_router_topk_scaling_factor not in (None, 1.0),
         "--moe-router-enable-expert-bias": m.moe_router_enable_expert_bias,
-        "--moe-shared-expert-intermediate-size": bool(m.moe_shared_expert_intermediate_size),
+        "--moe-shared-expert-intermediate-size without --moe-shared-expert-gate (Qwen2-MoE gates it)": shared
+        and not m.moe_shared_expert_gate,
+        "--qk-layernorm with a shared expert (Qwen2-MoE has no QK-norm)": shared and c.qk_layernorm,
+        "--add-qkv-bias without a shared expert (only Qwen2-MoE has q/k/v biases)": c.add_qkv_bias
+        and family != "qwen2_moe",
         "--moe-expert-capacity-factor": m.capacity_factor is not None,
         "--moe-input-jitter-eps": bool(m.moe_input_jitter_eps),
+        "--squared-relu": c.squared_relu,
+        "--rotary-interleaved": c.rotary_interleaved,
     }
     found = [flag for flag, on in extra.items() if on]
     _need(
         not found and c.position_embedding_type == "rope" and c.normalization == "RMSNorm" and c.swiglu
-        and not c.add_bias_linear and c.rotary_percent == 1.0 and not c.apply_layernorm_1p,
-        "this MoE model has no transformers equivalent: MixtralForCausalLM routes every layer by softmax "
+        and m.swiglu and not c.add_bias_linear and c.rotary_percent == 1.0 and not c.apply_layernorm_1p,
+        "this MoE model has no transformers equivalent: Mixtral / Qwen2-MoE / Qwen3-MoE route by softmax "
         "top-k over SwiGLU experts with a Llama attention (rope, RMSNorm, no biases); this one has "
         f"{', '.join(found) or 'another attention or MLP'}",
     )  # fmt: skip
-    return "mixtral"
+    return family
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -208,11 +213,10 @@ def _rope_theta(hf: Mapping) -> float:
 def config_from_hf(hf: Mapping) -> ModelConfig:
     """A ``config.json`` dict of a GPT-2 or Llama model -> the ModelConfig computing the same function."""
     model_type = hf.get("model_type")
-    _need(model_type not in _NOT_BUILT, f"model_type {model_type!r}: {_NOT_BUILT.get(model_type)}")
     _need(
         model_type in SUPPORTED_MODEL_TYPES,
         f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-        "(GPT2LMHeadModel, LlamaForCausalLM)",
+        "(GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)",
     )
     if model_type == "gpt2":
         act = hf.get("activation_function", "gelu_new")
@@ -242,6 +246,8 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         )
     if model_type == "mixtral":
         return _mixtral_config(hf)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return _qwen_moe_config(hf)
     act = hf.get("hidden_act", "silu")
     _need(act == "silu", f"Llama hidden_act {act!r} is not supported (SwiGLU uses silu)")
     _need(not hf.get("attention_bias", False), "Llama with attention_bias=true is not supported")
@@ -287,9 +293,75 @@ def _mixtral_config(hf: Mapping) -> ModelConfig:
         num_experts=hf["num_local_experts"], hidden_size=dense.hidden_size,
         moe_ffn_hidden_size=hf["intermediate_size"], init_method_std=dense.init_method_std,
         moe_router_topk=hf["num_experts_per_tok"], moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), moe_layer_freq=(1,) * dense.num_layers,
     )  # fmt: skip
     return dataclasses.replace(dense, moe=moe)
+
+
+def _qwen_moe_config(hf: Mapping) -> ModelConfig:
+    """Qwen2-MoE / Qwen3-MoE config.json -> a Llama attention (Qwen2: q/k/v biases, ``qkv_bias``;
+    Qwen3: QK-norm) and a MoE: softmax over all experts then the top-k (Megatron's
+    ``--moe-router-pre-softmax``), renormalised over the chosen ones with ``norm_topk_prob`` (the same
+    function as Megatron's default softmax after the top-k); Qwen2's shared expert times
+    ``sigmoid(shared_expert_gate(x))`` (``--moe-shared-expert-gate``); the dense layers of
+    ``decoder_sparse_step`` / ``mlp_only_layers`` as a ``--moe-layer-freq`` pattern."""
+    qwen2, label = hf["model_type"] == "qwen2_moe", _NAMES[hf["model_type"]].label
+    _need(
+        hf.get("hidden_act", "silu") == "silu",
+        f"{label} hidden_act {hf.get('hidden_act')!r} is not supported",
+    )
+    _need(
+        not hf.get("use_sliding_window") and all(t == "full_attention" for t in hf.get("layer_types") or []),
+        f"{label} with use_sliding_window=true is not supported (megalite attends to all)",
+    )
+    _need(
+        not hf.get("attention_bias", False),
+        f"{label} with attention_bias=true is not supported (a bias on o_proj too; megalite's QKV-only "
+        "bias is Qwen2's)",
+    )
+    step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    _need(isinstance(step, int) and step >= 1, f"{label} decoder_sparse_step {step!r} must be an int >= 1")
+    sparse = tuple(int(i not in only and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"]))
+    _need(any(sparse), f"{label}: decoder_sparse_step / mlp_only_layers leave no MoE layer")
+    shared = hf.get("shared_expert_intermediate_size") if qwen2 else None
+    _need(not qwen2 or bool(shared), f"{label} with shared_expert_intermediate_size 0 is not supported")
+    dense = config_from_hf({**hf, "model_type": "llama"})
+    dense = dataclasses.replace(
+        dense, add_qkv_bias=qwen2 and hf.get("qkv_bias", True), qk_layernorm=not qwen2
+    )
+    moe = MoEConfig(
+        num_experts=hf.get("num_experts") or hf["num_local_experts"], hidden_size=dense.hidden_size,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"], init_method_std=dense.init_method_std,
+        moe_layer_freq=sparse, moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+        moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
+    )  # fmt: skip
+    return dataclasses.replace(dense, moe=moe)
+
+
+def _qwen_moe_to_hf(c: ModelConfig, flavour: str, dtype: torch.dtype) -> dict:
+    """Inverse of :func:`_qwen_moe_config`."""
+    m = c.moe
+    sparse = parse_moe_layer_freq(m.moe_layer_freq, c.num_layers)
+    out = {
+        **config_to_hf(dataclasses.replace(c, moe=None, qk_layernorm=False, add_qkv_bias=False), dtype),
+        "architectures": ["Qwen2MoeForCausalLM" if flavour == "qwen2_moe" else "Qwen3MoeForCausalLM"],
+        "model_type": flavour,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.moe_router_topk,
+        "moe_intermediate_size": m.moe_ffn_hidden_size,
+        "norm_topk_prob": not m.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, s in enumerate(sparse) if not s],
+        "router_aux_loss_coef": m.aux_loss_coeff("aux_loss"),
+        "use_sliding_window": False,
+    }
+    if flavour == "qwen2_moe":
+        out.update(
+            shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, qkv_bias=c.add_qkv_bias
+        )
+    return out
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -336,6 +408,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
             "router_jitter_noise": 0.0,
             "sliding_window": None,
         }
+    if flavour in ("qwen2_moe", "qwen3_moe"):
+        return _qwen_moe_to_hf(c, flavour, dtype)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -415,16 +489,46 @@ _NAMES = {
         "Llama",
     ),
 }
-_NAMES["mixtral"] = dataclasses.replace(
+_NAMES["mixtral"] = dataclasses.replace(_NAMES["llama"], label="Mixtral")
+_NAMES["qwen2_moe"] = dataclasses.replace(_NAMES["llama"], label="Qwen2-MoE")
+_NAMES["qwen3_moe"] = dataclasses.replace(
     _NAMES["llama"],
-    per_layer={k: v for k, v in _NAMES["llama"].per_layer.items() if not k.startswith("mlp.")},
-    label="Mixtral",
+    per_layer={
+        **_NAMES["llama"].per_layer,
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    },
+    label="Qwen3-MoE",
 )
-# Mixtral's experts on disk (every transformers release writes these; >= 5 fuses them in memory:
-# mlp.gate.weight, mlp.experts.gate_up_proj [E, 2 ffn, h], mlp.experts.down_proj [E, h, ffn]).
-_MIXTRAL_GATE = "block_sparse_moe.gate.weight"
-_MIXTRAL_EXPERT = "block_sparse_moe.experts.{}.{}.weight"  # w1 gate, w3 up [ffn, h]; w2 down [h, ffn]
+# Routed experts on disk (every transformers release writes these; >= 5 fuses them in memory:
+# mlp.gate.weight, mlp.experts.gate_up_proj [E, 2 ffn, h], mlp.experts.down_proj [E, h, ffn]):
+# (router [E, h], one expert's projection ({} the expert, {} the projection), its gate / up [ffn, h]
+# and down [h, ffn] projections' names).
+_EXPERTS = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{}.{}.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+_EXPERTS["qwen3_moe"] = _EXPERTS["qwen2_moe"]
+# Qwen2-MoE's shared expert and its sigmoid gate (Megatron's --moe-shared-expert-gate), in MoE layers.
+_SHARED = {
+    "mlp.shared_experts.fc1_gate.weight": "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_experts.fc1_up.weight": "mlp.shared_expert.up_proj.weight",
+    "mlp.shared_experts.fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
 _QKV = "self_attention.linear_qkv."
+
+
+def _layer_names(flavour: str, moe_layer: bool) -> dict[str, str]:
+    """megalite -> transformers names of one layer's one-to-one tensors (a MoE layer: no dense MLP;
+    Qwen2-MoE's shared expert)."""
+    out = {k: v for k, v in _NAMES[flavour].per_layer.items() if not (moe_layer and k.startswith("mlp."))}
+    return {**out, **_SHARED} if moe_layer and flavour == "qwen2_moe" else out
+
+
+def _moe_layers(c: ModelConfig) -> list[bool]:
+    """Which layers are MoE (``--moe-layer-freq``)."""
+    return parse_moe_layer_freq(c.moe.moe_layer_freq, c.num_layers) if c.moe else [False] * c.num_layers
 
 
 def _strip_prefix(hf_state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -483,7 +587,7 @@ def hf_to_megalite(
     out = {EMBEDDING: checked(names.embedding, (c.vocab_size, h))}
     if flavour == "gpt2":
         out[POS_EMB] = checked("wpe.weight", (c.max_position_embeddings, h))
-    for i in range(c.num_layers):
+    for i, moe_layer in enumerate(_moe_layers(c)):
         p, q = f"decoder.layers.{i}.", names.layer.format(i)
         if flavour == "gpt2":  # one Conv1D [h, 3h]: output columns [all q | all k | all v]
             w = checked(q + "attn.c_attn.weight", (h, 3 * h)).t()
@@ -491,15 +595,19 @@ def hf_to_megalite(
             b = checked(q + "attn.c_attn.bias", (3 * h,))
             out[p + _QKV + "bias"] = fuse_qkv(*b.chunk(3, dim=0), c)
         else:
-            qkv = [checked(q + f"self_attn.{x}_proj.weight", (n * d, h)) for x, n in zip("qkv", (nh, ng, ng))]
-            out[p + _QKV + "weight"] = fuse_qkv(*qkv, c)
-        for ours, theirs in names.per_layer.items():
+            for w, shape in (("weight", (h,)), ("bias", ())) if c.add_qkv_bias else (("weight", (h,)),):
+                qkv = [
+                    checked(q + f"self_attn.{x}_proj.{w}", (n * d, *shape))
+                    for x, n in zip("qkv", (nh, ng, ng))
+                ]
+                out[p + _QKV + w] = fuse_qkv(*qkv, c)
+        for ours, theirs in _layer_names(flavour, moe_layer).items():
             t = src.take(q + theirs)
             if flavour == "gpt2" and t.dim() == 2:  # Conv1D [in, out] -> Linear [out, in]
                 t = _check_shape(q + theirs, t, shapes[p + ours][::-1]).t().contiguous()
             out[p + ours] = t
-        if flavour == "mixtral":
-            out.update(_mixtral_experts_in(src, q, p, c))
+        if moe_layer:
+            out.update(_experts_in(src, q, p, c, flavour))
     out.update({ours: src.take(theirs) for ours, theirs in names.final.items()})
     head = src.take("lm_head.weight", required=False)  # a tied model may carry its (same) head
     if c.untie_embeddings_and_output_weights:
@@ -510,12 +618,15 @@ def hf_to_megalite(
     return out, config
 
 
-def _mixtral_experts_in(src: _StateDictReader, q: str, p: str, c: ModelConfig) -> dict[str, torch.Tensor]:
-    """One Mixtral layer's router and experts (on-disk per-expert names, or transformers >= 5's fused
+def _experts_in(
+    src: _StateDictReader, q: str, p: str, c: ModelConfig, flavour: str
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and experts (on-disk per-expert names, or transformers >= 5's fused
     in-memory ones) -> megalite's router weight and one ``[h, ffn]`` / ``[ffn, h]`` tensor per expert."""
     e, h, f = c.moe.num_experts, c.hidden_size, c.moe.moe_ffn_hidden_size
+    router, expert, projections = _EXPERTS[flavour]
     fused = q + "mlp.experts.gate_up_proj" in src.left
-    gate_name = q + ("mlp.gate.weight" if fused else _MIXTRAL_GATE)
+    gate_name = q + ("mlp.gate.weight" if fused else router)
     out = {p + "mlp.router.weight": _check_shape(gate_name, src.take(gate_name), (e, h))}
     if fused:
         gate_up = _check_shape(
@@ -527,11 +638,7 @@ def _mixtral_experts_in(src: _StateDictReader, q: str, p: str, c: ModelConfig) -
         parts = [
             tuple(
                 _check_shape(n, src.take(n), s)
-                for n, s in (
-                    (q + _MIXTRAL_EXPERT.format(i, "w1"), (f, h)),
-                    (q + _MIXTRAL_EXPERT.format(i, "w3"), (f, h)),
-                    (q + _MIXTRAL_EXPERT.format(i, "w2"), (h, f)),
-                )
+                for n, s in zip((q + expert.format(i, x) for x in projections), ((f, h), (f, h), (h, f)))
             )  # fmt: skip
             for i in range(e)
         ]
@@ -541,14 +648,15 @@ def _mixtral_experts_in(src: _StateDictReader, q: str, p: str, c: ModelConfig) -
     return out
 
 
-def _mixtral_experts_out(src: _StateDictReader, p: str, q: str, c: ModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`_mixtral_experts_in`, in the on-disk per-expert names every transformers reads."""
-    out = {q + _MIXTRAL_GATE: src.take(p + "mlp.router.weight")}
+def _experts_out(
+    src: _StateDictReader, p: str, q: str, c: ModelConfig, flavour: str
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_experts_in`, in the on-disk per-expert names every transformers reads."""
+    router, expert, projections = _EXPERTS[flavour]
+    out = {q + router: src.take(p + "mlp.router.weight")}
     for i in range(c.moe.num_experts):
-        for name, theirs in (("fc1_gate", "w1"), ("fc1_up", "w3"), ("fc2", "w2")):
-            out[q + _MIXTRAL_EXPERT.format(i, theirs)] = src.take(
-                expert_name(p + "mlp.experts." + name, i)
-            ).t()
+        for name, theirs in zip(("fc1_gate", "fc1_up", "fc2"), projections):
+            out[q + expert.format(i, theirs)] = src.take(expert_name(p + "mlp.experts." + name, i)).t()
     return out
 
 
@@ -574,19 +682,20 @@ def megalite_to_hf(
     out = {names.base + names.embedding: vocab(EMBEDDING)}
     if flavour == "gpt2":
         out["transformer.wpe.weight"] = src.take(POS_EMB)
-    for i in range(c.num_layers):
+    for i, moe_layer in enumerate(_moe_layers(c)):
         p, q = f"decoder.layers.{i}.", names.base + names.layer.format(i)
         if flavour == "gpt2":
             out[q + "attn.c_attn.weight"] = torch.cat(split_qkv(src.take(p + _QKV + "weight"), c)).t()
             out[q + "attn.c_attn.bias"] = torch.cat(split_qkv(src.take(p + _QKV + "bias"), c))
         else:
-            for x, t in zip("qkv", split_qkv(src.take(p + _QKV + "weight"), c)):
-                out[q + f"self_attn.{x}_proj.weight"] = t
-        for ours, theirs in names.per_layer.items():
+            for w in ("weight", "bias") if c.add_qkv_bias else ("weight",):
+                for x, t in zip("qkv", split_qkv(src.take(p + _QKV + w), c)):
+                    out[q + f"self_attn.{x}_proj.{w}"] = t
+        for ours, theirs in _layer_names(flavour, moe_layer).items():
             t = src.take(p + ours)
             out[q + theirs] = t.t() if flavour == "gpt2" and t.dim() == 2 else t  # Linear -> Conv1D
-        if flavour == "mixtral":
-            out.update(_mixtral_experts_out(src, p, q, c))
+        if moe_layer:
+            out.update(_experts_out(src, p, q, c, flavour))
     out.update({names.base + theirs: src.take(ours) for ours, theirs in names.final.items()})
     if c.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = vocab(OUTPUT)

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megalite.checkpoint import megatron_args, storage
+from megalite.checkpoint import megatron_args, megatron_moe, storage
 from megalite.checkpoint.files import TRACKER
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT
 from megalite.errors import MegaliteError
@@ -65,8 +65,7 @@ DIST_METADATA = "metadata.json"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the distributed optimizer's state (torch format)
 
 
-class MegatronCheckpointError(MegaliteError, ValueError):
-    """A Megatron-LM checkpoint megalite cannot read faithfully; the message names the format and key."""
+MegatronCheckpointError = megatron_moe.MegatronCheckpointError
 
 
 @dataclass
@@ -350,6 +349,7 @@ def model_config_from_args(args: argparse.Namespace, where: str) -> ModelConfig:
         hidden_dropout=float(getattr(args, "hidden_dropout", 0.1)),  # Megatron's defaults
         attention_dropout=float(getattr(args, "attention_dropout", 0.1)),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128)),
+        moe=megatron_moe.moe_config_from_args(args, where, args.hidden_size),
     )
 
 
@@ -393,10 +393,7 @@ def megalite_name(name: str) -> str:
 def refuse_unreadable(keys: Iterable[str], fmt: str, where: str) -> None:
     """One line for what megalite does not read, naming the format and the key that showed it."""
     for key in keys:
-        if ".experts." in key or ".router." in key:
-            raise MegatronCheckpointError(
-                f"{where}: {fmt} checkpoint with MoE experts (key {key}): megalite trains dense models only"
-            )
+        megatron_moe.refuse_packed(key, fmt, where)
         if re.search(r"linear_q_down_proj|linear_kv_down_proj|mtp\.", key):
             raise MegatronCheckpointError(
                 f"{where}: {fmt} checkpoint with layers megalite does not build (key {key})"
@@ -422,7 +419,7 @@ def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str
     """Megatron-Core names + whole tensors -> megalite's logical state dict, checked against the config."""
     from megalite.checkpoint.logical import check_logical_state_dict
 
-    out = {megalite_name(k): v for k, v in state.items()}
+    out = megatron_moe.megalite_moe_names({megalite_name(k): v for k, v in state.items()}, config.swiglu)
     if not config.untie_embeddings_and_output_weights:
         out.pop(OUTPUT, None)  # tied: the last stage's copy of the embedding
     out = split_swiglu(out, config)
@@ -452,7 +449,7 @@ def merge_tp(shards: list[torch.Tensor], name: str, config: ModelConfig) -> torc
     if len(shards) == 1:
         return shards[0]
     if COLUMN_PARALLEL.search(name):
-        if config.swiglu and ".mlp.linear_fc1." in name:
+        if config.swiglu and megatron_moe.SWIGLU_FC1.search(name):
             halves = [s.chunk(2, dim=0) for s in shards]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         return torch.cat(shards, dim=0)
@@ -481,32 +478,62 @@ def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, object]]:
             yield f"{prefix}{key}", value
 
 
-def _rank_files(folder: Path) -> dict[tuple[int, int], Path]:
-    """``{(tp_rank, pp_rank): model_optim_rng.pt}`` of a legacy iteration folder."""
+def _rank_names(folder: Path) -> list[tuple[Path, tuple[int, ...]]]:
+    """``(folder, its numbers)`` of each ``mp_rank_TT[_PPP][_EEE]`` folder."""
+    return [
+        (p, tuple(int(g) for g in m.groups() if g is not None))
+        for p in sorted(folder.iterdir())
+        if (m := _RANK_DIR.fullmatch(p.name))
+    ]
+
+
+def _rank_files(folder: Path) -> dict[tuple[int, int, int], Path]:
+    """``{(tp_rank, pp_rank, ep_rank): model_optim_rng.pt}`` of a legacy iteration folder.
+
+    Megatron-LM names them ``mp_rank_TT[_PPP][_EEE]``: ``_PPP`` with pipeline parallelism, ``_EEE``
+    with expert parallelism; a name with one of the two is told apart by the stored args."""
+    names = _rank_names(folder)
+    pp_and_ep = (False, False)
+    if any(len(n) == 3 for _, n in names):
+        pp_and_ep = (True, True)
+    elif any(len(n) == 2 for _, n in names):
+        first = names[0][0] / LEGACY_FILE
+        args = load_pickle(first, "torch checkpoint file").get("args") if first.is_file() else None
+        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        pipeline = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 or ep == 1
+        pp_and_ep = (pipeline, not pipeline)
     files = {}
-    for p in sorted(folder.iterdir()):
-        m = _RANK_DIR.fullmatch(p.name)
-        if not m:
-            continue
-        if m.group(3) is not None:
-            raise MegatronCheckpointError(
-                f"{folder}: torch checkpoint with expert-parallel ranks ({p.name}): MoE experts are not read"
-            )
-        rank = (int(m.group(1)), int(m.group(2) or 0))
+    for p, n in names:
+        rest = list(n[1:])
+        rank = (
+            n[0],
+            rest.pop(0) if pp_and_ep[0] and rest else 0,
+            rest.pop(0) if pp_and_ep[1] and rest else 0,
+        )
         if rank in files:
             raise MegatronCheckpointError(
                 f"{folder}: {files[rank].parent.name} and {p.name} are both TP rank {rank[0]}, PP rank "
-                f"{rank[1]}: every shard must be present once; remove the stray folder"
+                f"{rank[1]}, EP rank {rank[2]}: every shard must be present once; remove the stray folder"
             )
         files[rank] = p / LEGACY_FILE
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(r for _, r in files)
-    missing = [f"mp_rank_{t:02d}_{r:03d}" for t in range(tp) for r in range(pp) if (t, r) not in files]
+    return _check_complete(folder, files)
+
+
+def _check_complete(
+    folder: Path, files: dict[tuple[int, int, int], Path]
+) -> dict[tuple[int, int, int], Path]:
+    tp, pp, ep = (1 + max(r[i] for r in files) for i in range(3))
+    grid = [(t, r, e) for t in range(tp) for r in range(pp) for e in range(ep)]
+    missing = [
+        f"mp_rank_{t:02d}_{r:03d}" + (f"_{e:03d}" if ep > 1 else "")
+        for t, r, e in grid
+        if (t, r, e) not in files
+    ]
     missing += [str(f) for f in files.values() if not f.is_file()]
     if missing:
         layout = ""
-        if (0, 0) in files and files[(0, 0)].is_file():
-            args = load_pickle(files[(0, 0)], "torch checkpoint file").get("args")
+        if (0, 0, 0) in files and files[(0, 0, 0)].is_file():
+            args = load_pickle(files[(0, 0, 0)], "torch checkpoint file").get("args")
             stored = (
                 getattr(args, "tensor_model_parallel_size", tp),
                 getattr(args, "pipeline_model_parallel_size", pp),
@@ -547,10 +574,10 @@ def _model_chunks(state: dict, path: Path) -> list[dict[str, torch.Tensor]]:
 def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     """Every ``mp_rank_*`` file of a ``torch``-format iteration folder, as one logical model."""
     files = _rank_files(folder)
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(r for _, r in files)
+    tp, pp, ep = (1 + max(r[i] for r in files) for i in range(3))
     loaded = {rank: load_pickle(path, "torch checkpoint file") for rank, path in files.items()}
-    first = loaded[(0, 0)]
-    where = str(files[(0, 0)])
+    first = loaded[(0, 0, 0)]
+    where = str(files[(0, 0, 0)])
     if "args" not in first:
         raise MegatronCheckpointError(f"{where}: no 'args' in this torch checkpoint file")
     if float(first.get("checkpoint_version", 0)) < 2.0:
@@ -559,17 +586,18 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
             "order; load it once in Megatron-LM and save again"
         )
     config = model_config_from_args(first["args"], where)
-    check_rank_files(loaded, files, tp, pp)
-    chunks = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
-    vp = len(chunks[(0, 0)])
-    if any(len(c) != vp for c in chunks.values()):
-        counts = {files[r].parent.name: len(c) for r, c in chunks.items()}
+    check_rank_files(loaded, files, tp, pp, ep)
+    per_rank = {rank: _model_chunks(state, files[rank]) for rank, state in loaded.items()}
+    vp = len(per_rank[(0, 0, 0)])
+    if any(len(c) != vp for c in per_rank.values()):
+        counts = {files[r].parent.name: len(c) for r, c in per_rank.items()}
         raise MegatronCheckpointError(
             f"{folder}: the rank files hold different numbers of model chunks {counts}"
         )
+    chunks = fold_expert_ranks(per_rank, config, ep, where)
     state = assemble_legacy(chunks, chunks, config, where)
     refuse_copies(state, config, tp, where)
-    layout = {"tp": tp, "pp": pp, "vp": vp}
+    layout = {"tp": tp, "pp": pp, "vp": vp, **({"ep": ep} if ep > 1 else {})}
     it = first.get("iteration", iteration)
     return MegatronCheckpoint(
         finish_state(state, config, where), config, "torch", it, folder, first["args"], layout
@@ -579,21 +607,42 @@ def read_legacy(folder: Path, iteration: int | None) -> MegatronCheckpoint:
 _PER_RANK_ARGS = ("rank", "local_rank")  # what differs between the files of one save
 
 
+def fold_expert_ranks(per_rank: dict, config: ModelConfig, ep: int, where: str) -> dict:
+    """Rank files keyed (tp, pp, ep) -> keyed (tp, pp), every EP rank's experts under global indices."""
+    num_local = config.moe.num_experts // ep if config.moe else 1
+    if ep > 1 and config.moe and config.moe.num_experts % ep:
+        raise MegatronCheckpointError(f"{where}: args.num_experts not a multiple of the {ep} EP rank files")
+    return megatron_moe.fold_expert_ranks(per_rank, num_local)
+
+
 def check_rank_files(
-    loaded: dict[tuple[int, int], dict], files: dict[tuple[int, int], Path], tp: int, pp: int
+    loaded: dict[tuple[int, int, int], dict],
+    files: dict[tuple[int, int, int], Path],
+    tp: int,
+    pp: int,
+    ep: int = 1,
 ) -> None:
     """Every ``mp_rank_*`` file of one save agrees with the folder layout and with the others:
-    the stored TP x PP sizes, the same args (but the rank) and iteration, distinct ranks, and no
-    file a byte copy of another."""
-    first = loaded[(0, 0)]
+    the stored TP x PP (x EP) sizes, the same args (but the rank) and iteration, distinct ranks, and
+    no file a byte copy of another."""
+    first = loaded[(0, 0, 0)]
     stored = (
         getattr(first["args"], "tensor_model_parallel_size", tp),
         getattr(first["args"], "pipeline_model_parallel_size", pp),
+        getattr(first["args"], "expert_model_parallel_size", 1) or 1,
     )
-    if stored != (tp, pp):
+    if stored != (tp, pp, ep):
         raise MegatronCheckpointError(
-            f"{files[(0, 0)].parents[1]}: the stored args say tp {stored[0]} x pp {stored[1]} but the folder "
-            f"holds mp_rank_* folders for tp {tp} x pp {pp}: a shard folder is missing or stray"
+            f"{files[(0, 0, 0)].parents[1]}: the stored args say tp {stored[0]} x pp {stored[1]} x ep {stored[2]} "
+            f"but the folder holds mp_rank_* folders for tp {tp} x pp {pp} x ep {ep}: a shard folder is missing "
+            "or stray"
+        )
+    etp = getattr(first["args"], "expert_tensor_parallel_size", None) or tp
+    if ep > 1 and etp != tp:
+        raise MegatronCheckpointError(
+            f"{files[(0, 0, 0)].parents[1]}: args.expert_tensor_parallel_size={etp} with "
+            f"tensor_model_parallel_size={tp}: megalite reads expert-parallel torch files whose experts are "
+            "split like the dense layers (etp = tp); save it with --ckpt-format torch_dist"
         )
     common = {k: v for k, v in vars(first["args"]).items() if k not in _PER_RANK_ARGS}
     ranks: dict[object, Path] = {}
@@ -608,7 +657,7 @@ def check_rank_files(
         if differs or state.get("iteration") != first.get("iteration"):
             what = f"args.{differs[0]}" if differs else "iteration"
             raise MegatronCheckpointError(
-                f"{path}: {what} differs from {files[(0, 0)]}: the rank files come from different saves"
+                f"{path}: {what} differs from {files[(0, 0, 0)]}: the rank files come from different saves"
             )
         if args.get("rank") is not None:
             if args["rank"] in ranks:
@@ -664,7 +713,7 @@ def _refuse_identical_files(paths: list[Path]) -> None:
 def _tp_pieces(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[torch.Tensor, ...]] | None:
     """TP rank ``i``'s piece(s) of a whole Megatron-Core tensor, or None when it is replicated."""
     if COLUMN_PARALLEL.search(name):
-        if swiglu and ".mlp.linear_fc1." in name:
+        if swiglu and megatron_moe.SWIGLU_FC1.search(name):
             gate, up = t.chunk(2, dim=0)
             return list(zip(gate.chunk(tp), up.chunk(tp)))
         return [(c,) for c in t.chunk(tp, dim=0)]
@@ -742,6 +791,16 @@ def assemble_legacy(
 _NOT_MODEL = ("optimizer", "rng_state", "rerun_state_machine", "opt_param_scheduler")
 
 
+def model_names(shapes) -> list[str]:
+    """The model's tensors among a torch_dist checkpoint's (not the optimizer's, a MoE model's
+    chained ``chained_I.optimizer.*`` included, nor the RNG or schedule state)."""
+    return [
+        n
+        for n in shapes
+        if not re.sub(r"^chained_\d+\.", "", n).startswith(_NOT_MODEL) and not _SKIP.search(n)
+    ]
+
+
 def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     """A ``torch_dist`` iteration folder: ``common.pt``'s args, the DCP tensors, as one logical model."""
     common_path = folder / COMMON_FILE
@@ -755,9 +814,9 @@ def read_torch_dist(folder: Path, iteration: int | None) -> MegatronCheckpoint:
     metadata = storage.read_dcp_metadata(folder)
     check_dist_files(folder, metadata)
     shapes = storage.stored_shapes(metadata)
-    names = [n for n in shapes if not n.startswith(_NOT_MODEL) and not _SKIP.search(n)]
+    names = model_names(shapes)
     refuse_unreadable(names, "torch_dist", where)
-    state = read_dist_tensors(folder, names)
+    state = megatron_moe.unstack_dist_experts(read_dist_tensors(folder, names))
     refuse_copies(state, config, int(getattr(common["args"], "tensor_model_parallel_size", 1) or 1), where)
     it = common.get("iteration", iteration)
     return MegatronCheckpoint(
@@ -860,7 +919,8 @@ def model_flags(config: ModelConfig) -> list[str]:
                 "--disable-bias-linear": not c.add_bias_linear, "--squared-relu": c.squared_relu,
                 "--rotary-interleaved": c.rotary_interleaved, "--qk-layernorm": c.qk_layernorm,
                 "--add-qkv-bias": c.add_qkv_bias and not c.add_bias_linear}  # fmt: skip
-    return [str(f) for f in flags] + [s for s, on in switches.items() if on]
+    moe = megatron_moe.moe_flags(c.moe) if c.moe else []
+    return [str(f) for f in flags] + [s for s, on in switches.items() if on] + moe
 
 
 def refuse_direct_load(path: str | Path, iteration: int | None, flag: str = "--load") -> None:
@@ -906,12 +966,13 @@ def unreadable_reason(path: str | Path, iteration: int | None = None) -> str | N
         if (first.parent / DISTRIB_OPTIM_FILE).is_file():
             return f"the distributed optimizer's {DISTRIB_OPTIM_FILE}"
         state = load_pickle(first, "torch checkpoint file")
-        if "state" not in state.get("optimizer", {}):
+        optimizer = state.get("optimizer", {})
+        if not all("state" in o for o in (optimizer if isinstance(optimizer, list) else [optimizer])):
             return "no optimizer state"
     elif fmt == "torch_dist":
         state = load_pickle(folder / COMMON_FILE, "torch_dist common.pt")
         shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
-        if not any(n.startswith("optimizer.state.exp_avg.") for n in shapes):
+        if not any(re.match(r"(chained_\d+\.)?optimizer\.state\.exp_avg\.", n) for n in shapes):
             return "no optimizer.state.* tensors"
     else:
         return f"format {fmt}"

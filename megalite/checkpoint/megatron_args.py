@@ -35,12 +35,22 @@ READ = _names(
     tensor_model_parallel_size pipeline_model_parallel_size virtual_pipeline_model_parallel_size
     num_layers_per_virtual_pipeline_stage use_distributed_optimizer fp16 bf16 params_dtype
     consumed_train_samples iteration rank
+    num_experts moe_ffn_hidden_size moe_layer_freq moe_router_topk moe_router_score_function
+    moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups moe_router_group_topk
+    moe_router_dtype moe_router_load_balancing_type moe_aux_loss_coeff moe_z_loss_coeff
+    moe_input_jitter_eps moe_grouped_gemm moe_shared_expert_intermediate_size moe_shared_expert_gate
+    moe_expert_capacity_factor moe_token_drop_policy moe_pad_expert_input_to_capacity
+    moe_router_bias_update_rate moe_router_enable_expert_bias moe_use_legacy_grouped_gemm
+    expert_model_parallel_size expert_tensor_parallel_size
     """
 )
 
 # Args that change the model and that megalite does not build: {arg: (off values, feature)}.
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "num_experts": ((None, 0, 1), "MoE experts"),
+    "moe_apply_probs_on_input": ((None, False), "router probabilities applied to the experts' input"),
+    "moe_latent_size": ((None, 0), "latent MoE (experts in a projected space)"),
+    "moe_router_force_load_balancing": ((None, False), "forced load-balanced routing (a benchmark mode)"),
+    "moe_extended_tp": ((None, False), "extended tensor parallelism of the experts"),
     "fp8": ((None, False), "fp8 scales"),
     "fp4": ((None, False), "fp4 scales"),
     "multi_latent_attention": ((None, False), "multi-latent attention"),
@@ -73,7 +83,7 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 
 IRRELEVANT: dict[str, tuple[str, frozenset[str]]] = {
     "only_with_refused": (
-        "act only with a feature refused above (MoE, Mamba, MTP, DSA, linear attention, fp8/fp4, relative positions, QK-clip, RoPE scaling, MLA)",
+        "act only with a feature refused above (Mamba, MTP, DSA, linear attention, fp8/fp4, relative positions, QK-clip, RoPE scaling, MLA)",
         _names(
             """
             cache_mla_latents dsa_indexer_head_dim dsa_indexer_loss_coeff dsa_indexer_n_heads
@@ -81,23 +91,23 @@ IRRELEVANT: dict[str, tuple[str, frozenset[str]]] = {
             fp8_amax_compute_algo fp8_amax_history_len fp8_interval fp8_margin fp8_quantizer_factory
             fp8_recipe fp8_wgrad kv_lora_rank linear_conv_kernel_dim linear_key_head_dim
             linear_num_key_heads linear_num_value_heads linear_value_head_dim mamba_head_dim
-            mamba_num_groups mamba_num_heads mamba_state_dim moe_apply_probs_on_input
-            moe_aux_loss_coeff moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
-            moe_expert_capacity_factor moe_extended_tp moe_ffn_hidden_size
-            moe_flex_dispatcher_backend moe_grouped_gemm moe_hybridep_num_sms moe_input_jitter_eps
-            moe_latent_size moe_layer_freq moe_layer_recompute moe_pad_expert_input_to_capacity
-            moe_pad_experts_for_cuda_graph_inference moe_per_layer_logging moe_permute_fusion
-            moe_router_bias_update_rate moe_router_dtype moe_router_enable_expert_bias
-            moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
-            moe_router_load_balancing_type moe_router_num_groups moe_router_padding_for_fp8
-            moe_router_padding_for_quantization moe_router_pre_softmax moe_router_score_function
-            moe_router_topk moe_router_topk_scaling_factor moe_shared_expert_gate
-            moe_shared_expert_intermediate_size moe_shared_expert_overlap moe_token_dispatcher_type
-            moe_token_drop_policy moe_upcycling_granularity moe_use_legacy_grouped_gemm
-            moe_use_upcycling moe_z_loss_coeff mscale mscale_all_dim mtp_loss_scaling_factor
+            mamba_num_groups mamba_num_heads mamba_state_dim moe_router_padding_for_fp8
+            moe_router_padding_for_quantization mscale mscale_all_dim mtp_loss_scaling_factor
             mtp_standalone q_lora_rank qk_clip qk_clip_alpha qk_clip_threshold qk_head_dim
             qk_pos_emb_head_dim relative_attention_max_distance relative_attention_num_buckets
             rope_scaling_factor rotary_scaling_factor v_head_dim
+            """
+        ),
+    ),
+    "moe_runtime": (
+        "MoE settings that do not change the function of the stored weights: token dispatchers, fusions, "
+        "communication overlap, recomputation, logging, upcycling (a load-time transform), inference",
+        _names(
+            """
+            moe_token_dispatcher_type moe_enable_deepep moe_flex_dispatcher_backend moe_deepep_num_sms
+            moe_hybridep_num_sms moe_permute_fusion moe_router_fusion moe_shared_expert_overlap
+            moe_layer_recompute moe_per_layer_logging moe_use_upcycling moe_upcycling_granularity
+            moe_enable_routing_replay moe_pad_experts_for_cuda_graph_inference
             """
         ),
     ),
@@ -113,8 +123,7 @@ IRRELEVANT: dict[str, tuple[str, frozenset[str]]] = {
             cuda_graph_impl cuda_graph_warmup_steps decoder_num_layers defer_embedding_wgrad_compute
             delay_wgrad_compute deterministic_mode disable_bf16_reduced_precision_matmul
             distribute_saved_activations embedding_init_method_std enable_cuda_graph
-            encoder_num_layers ep_overlap_early_attn_memory_release expert_model_parallel_size
-            expert_tensor_parallel_size external_cuda_graph fine_grained_activation_offloading
+            encoder_num_layers ep_overlap_early_attn_memory_release external_cuda_graph fine_grained_activation_offloading
             first_last_layers_bf16 flash_decode fp32_residual_connection
             hierarchical_context_parallel_sizes hybrid_context_parallel
             inference_fuse_tp_communication init_model_with_meta_device kitchen_attention_backend

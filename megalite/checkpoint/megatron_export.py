@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from megalite.checkpoint import megatron_moe
 from megalite.checkpoint.files import TRACKER
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT
 from megalite.checkpoint.megatron import (
@@ -50,8 +52,11 @@ def padded_vocab(config: ModelConfig, tp: int) -> int:
 
 
 def megatron_state(state: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> dict[str, torch.Tensor]:
-    """Logical megalite tensors -> whole Megatron-Core (local spec) tensors, vocab padded for ``tp``."""
+    """Logical megalite tensors -> whole Megatron-Core (local spec) tensors, vocab padded for ``tp``
+    (routed experts: SequentialMLP's ``local_experts.G`` with the global index G)."""
     out = {}
+    if config.moe is not None:
+        state = megatron_moe.megatron_moe_names(dict(state), config.swiglu)
     for name, t in state.items():
         if ".mlp.linear_fc1_up." in name:
             continue
@@ -67,7 +72,9 @@ def megatron_state(state: dict[str, torch.Tensor], config: ModelConfig, tp: int)
     return out
 
 
-def megatron_args(config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.dtype) -> argparse.Namespace:
+def megatron_args(
+    config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.dtype, ep: int = 1
+) -> argparse.Namespace:
     """The model-defining ``args`` Megatron-LM stores (its names), for ``--use-checkpoint-args``."""
     c = config
     return argparse.Namespace(
@@ -83,10 +90,11 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         padded_vocab_size=padded_vocab(c, tp), vocab_size=c.vocab_size, megalite_vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=c.make_vocab_size_divisible_by, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, num_experts=None, fp8=None,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, fp8=None,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype, transformer_impl="local",
         ckpt_format=fmt, use_dist_ckpt=fmt != "torch", init_method_std=c.init_method_std,
         hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout,
+        **(megatron_moe.moe_args(c.moe, tp, ep) if c.moe else {"num_experts": None}),
     )  # fmt: skip
 
 
@@ -107,11 +115,20 @@ _DIST_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))  # fmt: skip
 
 
+def _linears(tensors: dict) -> list[str]:
+    """The linear layers (``self_attention.linear_qkv``, ``mlp.experts.experts.linear_fc1``, ...) of
+    the stacked ``decoder.layers.*`` tensors."""
+    found = (re.fullmatch(r"decoder\.layers\.(.*\.linear_\w+)\.weight", n) for n in tensors)
+    return sorted({m.group(1) for m in found if m})
+
+
 def write_torch_dist(
-    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0
+    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, ep: int = 1
 ) -> Path:
     """Write a ``torch_dist`` checkpoint ``root/iter_N`` (+ tracker) of a logical state dict."""
     whole = megatron_state(state, config, tp)
+    if config.moe is not None:  # every layer MoE (write_megatron checks): the experts stacked [E, ...]
+        whole = megatron_moe.stack_dist_experts(whole)
     dtype = whole[EMBEDDING].dtype
     tensors: dict[str, object] = {}
     prefix = "decoder.layers.0."
@@ -124,12 +141,19 @@ def write_torch_dist(
     tensors.update({n: t for n, t in whole.items() if not n.startswith("decoder.layers.")})
     if not config.untie_embeddings_and_output_weights:
         tensors.pop(OUTPUT, None)
-    for linear in LINEARS:  # each linear layer's (empty) extra state: one object per layer, stored
-        # as megatron-core does, a pickled list of one BytesIO that holds torch.save(None)
-        for i in range(config.num_layers):
+    n, e = config.num_layers, config.moe.num_experts if config.moe else 0
+    for linear in _linears(tensors):  # each linear layer's (empty) extra state: one object per layer
+        # (and routed expert), stored as megatron-core does, a pickled list of one BytesIO that holds
+        # torch.save(None)
+        shards = (
+            [f"{i}.{g}_{n}.{e}" for i in range(n) for g in range(e)]
+            if ".experts.experts." in linear
+            else [f"{i}_{n}" for i in range(n)]
+        )
+        for shard in shards:
             buffer = io.BytesIO()
             torch.save(None, buffer)
-            tensors[f"decoder.layers.{linear}._extra_state/shard_{i}_{config.num_layers}"] = [buffer]
+            tensors[f"decoder.layers.{linear}._extra_state/shard_{shard}"] = [buffer]
     root = Path(root)
     folder = _start(root, iteration)
     writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True)
@@ -140,7 +164,7 @@ def write_torch_dist(
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
     (folder / DIST_METADATA).write_text(json.dumps(meta))
-    common = {"args": megatron_args(config, tp, pp, "torch_dist", dtype), "checkpoint_version": CHECKPOINT_VERSION,
+    common = {"args": megatron_args(config, tp, pp, "torch_dist", dtype, ep), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": iteration}  # fmt: skip
     torch.save(common, folder / COMMON_FILE)
     _finish(root, iteration)
@@ -152,7 +176,7 @@ def split_tp(whole: torch.Tensor, name: str, tp_rank: int, tp: int, swiglu: bool
     if tp == 1:
         return whole
     if COLUMN_PARALLEL.search(name):
-        if swiglu and ".mlp.linear_fc1." in name:
+        if swiglu and megatron_moe.SWIGLU_FC1.search(name):
             gate, up = whole.chunk(2, dim=0)
             return torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]]).clone()
         return whole.chunk(tp, dim=0)[tp_rank].clone()
@@ -182,34 +206,52 @@ def _stage_names(whole: dict, config: ModelConfig, stage: int, pp: int) -> dict[
     return out
 
 
-def write_legacy(state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0) -> Path:
-    """Write a ``torch`` checkpoint: one ``model_optim_rng.pt`` per TP x PP rank, + tracker."""
+def write_legacy(
+    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, ep: int = 1
+) -> Path:
+    """Write a ``torch`` checkpoint: one ``model_optim_rng.pt`` per TP x PP (x EP) rank, + tracker
+    (``mp_rank_TT[_PPP][_EEE]``: EP rank e's file holds experts ``e * E/ep ...`` under local indices)."""
     whole = megatron_state(state, config, tp)
     dtype = whole[EMBEDDING].dtype
-    args = megatron_args(config, tp, pp, "torch", dtype)
+    args = megatron_args(config, tp, pp, "torch", dtype, ep)
     root = Path(root)
     folder = _start(root, iteration)
+    num_local = config.moe.num_experts // ep if config.moe else 0
     for stage in range(pp):
         names = _stage_names(whole, config, stage, pp)
         for t in range(tp):
-            model = {local: split_tp(whole[src], src, t, tp, config.swiglu) for local, src in names.items()}
-            for i in {int(n.split(".")[2]) for n in model if n.startswith("decoder.layers.")}:
-                model.update({f"decoder.layers.{i}.{linear}._extra_state": None for linear in LINEARS})
-            if OUTPUT in model:
-                model["output_layer._extra_state"] = None
-            rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
-            rank_dir.mkdir()
-            state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                          "model": model}  # fmt: skip
-            torch.save(state_dict, rank_dir / LEGACY_FILE)
+            for e in range(ep):
+                model = {}
+                for local, src in names.items():
+                    m = megatron_moe.LOCAL_EXPERT.search(local)
+                    if m and not e * num_local <= int(m.group(1)) < (e + 1) * num_local:
+                        continue  # another EP rank's expert
+                    local = megatron_moe.global_experts(local, -e * num_local) if m else local
+                    model[local] = split_tp(whole[src], src, t, tp, config.swiglu)
+                extra = [
+                    re.sub(r"\.weight$", "._extra_state", n)
+                    for n in model
+                    if re.search(r"linear_\w+\.weight$", n)
+                ]
+                model.update(
+                    dict.fromkeys(extra + (["output_layer._extra_state"] if OUTPUT in model else []))
+                )
+                rank_dir = folder / (
+                    f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                )
+                rank_dir.mkdir()
+                state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                              "model": model}  # fmt: skip
+                torch.save(state_dict, rank_dir / LEGACY_FILE)
     _finish(root, iteration)
     return folder
 
 
 def write_megatron(
-    state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0
+    state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0, ep: int = 1
 ):
-    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp``."""
+    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp`` (x ``ep``)."""
+    megatron_moe.check_export(config, fmt, ep)
     if config.query_groups % tp:
         raise MegatronCheckpointError(
             f"--target-tensor-parallel-size {tp}: Megatron-LM gives each TP rank whole query groups, and this "
@@ -225,4 +267,4 @@ def write_megatron(
     writer = {"torch_dist": write_torch_dist, "torch": write_legacy}.get(fmt)
     if writer is None:
         raise MegatronCheckpointError(f"--ckpt-format {fmt}: megalite writes torch_dist or torch")
-    return writer(state, config, root, tp, pp, iteration)
+    return writer(state, config, root, tp, pp, iteration, ep)

@@ -32,6 +32,7 @@ import torch
 
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint import storage
+from megalite.checkpoint.megatron_moe import is_routed_expert
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
@@ -79,17 +80,15 @@ def _no_wd(name: str, t: torch.Tensor) -> bool:
 
 def _group_names(groups: list[dict], names: list[tuple[str, torch.Tensor]], where: Path) -> list[str]:
     """The parameter name of each optimizer index: group by group, the rank's parameters (model
-    order) that satisfy the group's ``wd_mult``."""
+    order) that satisfy the group's ``wd_mult`` and are routed experts or not as the group's
+    ``is_expert_parallel`` says (a MoE model's chained optimizer: one for each kind)."""
     out = []
     for group in groups:
-        if (
-            group.get("lr_mult", 1.0) != 1.0
-            or group.get("is_decoupled_lr")
-            or group.get("is_expert_parallel")
-        ):
-            raise refuse(where, "torch", "optimizer param groups with per-group LR / experts are not read")
+        if group.get("lr_mult", 1.0) != 1.0 or group.get("is_decoupled_lr"):
+            raise refuse(where, "torch", "optimizer param groups with per-group LR are not read")
         no_wd = float(group.get("wd_mult", 1.0)) == 0.0
-        members = [n for n, t in names if _no_wd(n, t) == no_wd]
+        expert = bool(group.get("is_expert_parallel"))
+        members = [n for n, t in names if _no_wd(n, t) == no_wd and is_routed_expert(n) == expert]
         if len(members) != len(group["params"]):
             raise refuse(
                 where,
@@ -101,16 +100,26 @@ def _group_names(groups: list[dict], names: list[tuple[str, torch.Tensor]], wher
 
 
 def _rank_moments(state: dict, chunks: list[dict[str, torch.Tensor]], where: Path) -> tuple[list, int]:
-    """One rank file: ``[{kind: {name: moment}} per virtual chunk]`` and its AdamW step."""
+    """One rank file: ``[{kind: {name: moment}} per virtual chunk]`` and its AdamW step (a MoE
+    model's chained optimizer: a list, the dense parameters' optimizer then the experts')."""
     opt = state.get("optimizer")
     if opt is None:
         raise refuse(where, "torch", "no optimizer state in this file (saved with --no-save-optim)")
-    if "state" not in opt or "param_groups" not in opt:
-        raise refuse(where, "torch", f"optimizer state with keys {sorted(opt)} is not read")
     named = [(f"{v}/{n}", t) for v, chunk in enumerate(chunks) for n, t in chunk.items()]
-    index_names = _group_names(opt["param_groups"], named, where)
     per_chunk = [{kind: {} for kind in MOMENTS} for _ in chunks]
-    steps = set()
+    steps: set[int] = set()
+    for one in opt if isinstance(opt, list) else [opt]:
+        if "state" not in one or "param_groups" not in one:
+            raise refuse(where, "torch", f"optimizer state with keys {sorted(one)} is not read")
+        _one_optimizer(one, named, per_chunk, steps, where)
+    if len(steps) != 1:
+        raise refuse(where, "torch", f"AdamW steps {sorted(steps)} differ between parameters")
+    return per_chunk, steps.pop()
+
+
+def _one_optimizer(opt: dict, named: list, per_chunk: list, steps: set, where: Path) -> None:
+    """One torch optimizer's state dict: each index's moments into ``per_chunk``, its step into ``steps``."""
+    index_names = _group_names(opt["param_groups"], named, where)
     shapes = dict(named)
     for index, qualified in enumerate(index_names):
         entry = opt["state"].get(index)
@@ -124,9 +133,6 @@ def _rank_moments(state: dict, chunks: list[dict[str, torch.Tensor]], where: Pat
                 raise refuse(where, "torch", f"optimizer {kind} of {name}: shape {tuple(entry[kind].shape)}")
             per_chunk[int(v)][kind][name] = entry[kind].float()
         steps.add(int(entry["step"]))
-    if len(steps) != 1:
-        raise refuse(where, "torch", f"AdamW steps {sorted(steps)} differ between parameters")
-    return per_chunk, steps.pop()
 
 
 def _read_legacy(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
@@ -146,9 +152,16 @@ def _read_legacy(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
     if len(steps) != 1:
         raise refuse(ckpt.folder, "torch", f"AdamW steps {sorted(steps)} differ between ranks")
     where = str(ckpt.folder)
+    ep = 1 + max(r[2] for r in files)
+    folded = mg.fold_expert_ranks(chunks, ckpt.config, ep, where)
     merged = {
         kind: mg.assemble_legacy(
-            chunks, {r: [c[kind] for c in m] for r, m in moments.items()}, ckpt.config, where
+            folded,
+            mg.fold_expert_ranks(
+                {r: [c[kind] for c in m] for r, m in moments.items()}, ckpt.config, ep, where
+            ),
+            ckpt.config,
+            where,
         )
         for kind in MOMENTS
     }
@@ -156,25 +169,45 @@ def _read_legacy(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
 
 
 _DIST_PREFIX = "optimizer.state.{kind}."
+_CHAINED = re.compile(r"^chained_(\d+)\.")
 
 
 def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
+    """``optimizer.state.{kind}.NAME`` (a MoE model's chained optimizer: ``chained_I.optimizer...``,
+    I = 0 the dense parameters', 1 the experts')."""
     shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
-    model = [n for n in shapes if not n.startswith(mg._NOT_MODEL) and not mg._SKIP.search(n)]
-    optim = [n for n in shapes if n.startswith("optimizer.")]
+    model = mg.model_names(shapes)
+    optim = [n for n in shapes if _CHAINED.sub("", n).startswith("optimizer.")]
     moments = {}
     for kind in MOMENTS:
         prefix = _DIST_PREFIX.format(kind=kind)
-        missing = [n for n in model if prefix + n not in shapes]
+        where_is = {
+            n: next((c + prefix for c in _chains(optim) if c + prefix + n in shapes), None) for n in model
+        }
+        missing = [n for n, p in where_is.items() if p is None]
         if missing:
-            shown = next((n for n in optim if not re.match(r"optimizer\.state\.exp_avg", n)), None)
+            shown = next((n for n in optim if not re.search(r"optimizer\.state\.exp_avg", n)), None)
             what = f"optimizer key {shown}" if shown else f"no {prefix}{missing[0]}"
             raise refuse(ckpt.folder, "torch_dist", f"optimizer state not read ({what})")
-        moments[kind] = {n: t.float() for n, t in mg.read_dist_tensors(ckpt.folder, model, prefix).items()}
+        moments[kind] = {}
+        for p in sorted(set(where_is.values())):
+            names = [n for n, q in where_is.items() if q == p]
+            moments[kind].update(
+                {n: t.float() for n, t in mg.read_dist_tensors(ckpt.folder, names, p).items()}
+            )
+        moments[kind] = mg.megatron_moe.unstack_dist_experts(moments[kind])
     common = mg.load_pickle(ckpt.folder / mg.COMMON_FILE, "torch_dist common.pt")
-    step = common.get("optimizer", {}).get("state", {}).get("common_step")
-    if step is None:
+    opt = common.get("optimizer", {})
+    chained = opt if opt and all(isinstance(k, int) for k in opt) else {0: opt}
+    steps = {o.get("state", {}).get("common_step") for o in chained.values()}
+    steps = {None if x is None else int(x) for x in steps}
+    if None in steps or len(steps) != 1:
         raise refuse(
             ckpt.folder / mg.COMMON_FILE, "torch_dist", "no optimizer.state.common_step (AdamW's step)"
         )
-    return moments, int(step), common.get("opt_param_scheduler")
+    return moments, int(steps.pop()), common.get("opt_param_scheduler")
+
+
+def _chains(optim: list[str]) -> list[str]:
+    """The prefixes the optimizer keys come under: ``""`` or ``chained_I.`` for each I."""
+    return sorted({m.group(0) if (m := _CHAINED.match(n)) else "" for n in optim})

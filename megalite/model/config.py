@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from megalite.errors import MegaliteError
-from megalite.model.moe.config import MoEConfig
+from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 
 
 class ModelConfigError(MegaliteError, ValueError):
@@ -181,7 +181,8 @@ class ModelConfig:
             out[f.name] = getattr(self, EFFECTIVE.get(f.name, f.name))
         if self.moe is not None:  # the fields that do not change the function at their defaults
             defaults = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_NOT_IDENTITY}
-            out["moe"] = replace(self.moe, **defaults)
+            freq = tuple(int(b) for b in parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers))
+            out["moe"] = replace(self.moe, **defaults, moe_layer_freq=freq)  # an int or its 0/1 per layer
         return out
 
     # ---- validation -----------------------------------------------------------
