@@ -12,7 +12,9 @@ The inverse of :mod:`megalite.checkpoint.megatron`, for a GPT-2 / Llama model:
   chosen (layers split evenly over the stages, as Megatron-LM does without uneven-split flags).
 
 The vocabulary tables are padded with zero rows to Megatron's ``padded_vocab_size`` for the TP
-size chosen (``make_vocab_size_divisible_by x tp``). Weights only: no optimizer or RNG state.
+size chosen (``make_vocab_size_divisible_by x tp``). With ``optim`` (``--include-optimizer``), the optimizer
+state as well (:mod:`megalite.checkpoint.megatron_export_optim`); never the RNG state (Megatron-LM
+resumes with ``--no-load-rng``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from megalite.checkpoint import megatron_export_optim as opt_export
 from megalite.checkpoint.files import TRACKER
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT
 from megalite.checkpoint.megatron import (
@@ -107,13 +110,10 @@ _DIST_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))  # fmt: skip
 
 
-def write_torch_dist(
-    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0
-) -> Path:
-    """Write a ``torch_dist`` checkpoint ``root/iter_N`` (+ tracker) of a logical state dict."""
-    whole = megatron_state(state, config, tp)
-    dtype = whole[EMBEDDING].dtype
-    tensors: dict[str, object] = {}
+def _dist_tensors(whole: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Whole Megatron-Core tensors under megatron-core's sharded keys: the layers stacked
+    ``[num_layers, ...]``, the norms under the fused names, the tied output layer left out."""
+    tensors = {}
     prefix = "decoder.layers.0."
     for name in [n for n in whole if n.startswith(prefix)]:
         rest = name[len(prefix) :]
@@ -124,6 +124,21 @@ def write_torch_dist(
     tensors.update({n: t for n, t in whole.items() if not n.startswith("decoder.layers.")})
     if not config.untie_embeddings_and_output_weights:
         tensors.pop(OUTPUT, None)
+    return tensors
+
+
+def write_torch_dist(
+    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, optim=None
+) -> Path:
+    """Write a ``torch_dist`` checkpoint ``root/iter_N`` (+ tracker) of a logical state dict (and with
+    ``optim``, an :class:`~.megatron_export_optim.ExportedOptimizer`, its optimizer state)."""
+    whole = megatron_state(state, config, tp)
+    dtype = whole[EMBEDDING].dtype
+    tensors: dict[str, object] = dict(_dist_tensors(whole, config))
+    if optim is not None:
+        for kind, logical in opt_export.logical_kinds(optim, state).items():
+            moments = _dist_tensors(megatron_state(logical, config, tp), config)
+            tensors.update({f"optimizer.state.{kind}.{n}": t for n, t in moments.items()})
     for linear in LINEARS:  # each linear layer's (empty) extra state: one object per layer, stored
         # as megatron-core does, a pickled list of one BytesIO that holds torch.save(None)
         for i in range(config.num_layers):
@@ -140,11 +155,20 @@ def write_torch_dist(
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
     (folder / DIST_METADATA).write_text(json.dumps(meta))
-    common = {"args": megatron_args(config, tp, pp, "torch_dist", dtype), "checkpoint_version": CHECKPOINT_VERSION,
+    common = {"args": _args(config, tp, pp, "torch_dist", dtype, optim), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": iteration}  # fmt: skip
+    if optim is not None:
+        common.update(opt_export.dist_common(optim))
     torch.save(common, folder / COMMON_FILE)
     _finish(root, iteration)
     return folder
+
+
+def _args(config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.dtype, optim) -> argparse.Namespace:
+    args = megatron_args(config, tp, pp, fmt, dtype)
+    if optim is not None:
+        vars(args).update(opt_export.megatron_args_update(optim))
+    return args
 
 
 def split_tp(whole: torch.Tensor, name: str, tp_rank: int, tp: int, swiglu: bool) -> torch.Tensor:
@@ -182,34 +206,50 @@ def _stage_names(whole: dict, config: ModelConfig, stage: int, pp: int) -> dict[
     return out
 
 
-def write_legacy(state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0) -> Path:
-    """Write a ``torch`` checkpoint: one ``model_optim_rng.pt`` per TP x PP rank, + tracker."""
+def write_legacy(
+    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, optim=None
+) -> Path:
+    """Write a ``torch`` checkpoint: one ``model_optim_rng.pt`` per TP x PP rank, + tracker (and with
+    ``optim``, the fp32 non-distributed optimizer's state in each)."""
     whole = megatron_state(state, config, tp)
     dtype = whole[EMBEDDING].dtype
-    args = megatron_args(config, tp, pp, "torch", dtype)
+    args = _args(config, tp, pp, "torch", dtype, optim)
+    moments = {}
+    if optim is not None:
+        moments = {kind: megatron_state(optim.moments[kind], config, tp) for kind in opt_export.MOMENTS}
+        scheduler = opt_export.scheduler_state(optim)
     root = Path(root)
     folder = _start(root, iteration)
     for stage in range(pp):
         names = _stage_names(whole, config, stage, pp)
         for t in range(tp):
             model = {local: split_tp(whole[src], src, t, tp, config.swiglu) for local, src in names.items()}
+            state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+            if optim is not None:
+                local = {kind: {n: split_tp(m[src], src, t, tp, config.swiglu) for n, src in names.items()}
+                         for kind, m in moments.items()}  # fmt: skip
+                state_dict["optimizer"] = opt_export.legacy_optimizer(optim, local)
+                if scheduler is not None:
+                    state_dict["opt_param_scheduler"] = scheduler
             for i in {int(n.split(".")[2]) for n in model if n.startswith("decoder.layers.")}:
                 model.update({f"decoder.layers.{i}.{linear}._extra_state": None for linear in LINEARS})
             if OUTPUT in model:
                 model["output_layer._extra_state"] = None
             rank_dir = folder / (f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
             rank_dir.mkdir()
-            state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                          "model": model}  # fmt: skip
-            torch.save(state_dict, rank_dir / LEGACY_FILE)
+            model = {
+                n: model[n] for n in sorted(model, key=opt_export.megatron_order)
+            }  # megatron-core's order
+            torch.save({**state_dict, "model": model}, rank_dir / LEGACY_FILE)
     _finish(root, iteration)
     return folder
 
 
 def write_megatron(
-    state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0
+    state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0, optim=None
 ):
-    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp``."""
+    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp`` (with ``optim``, the
+    optimizer state too, at its iteration)."""
     if config.query_groups % tp:
         raise MegatronCheckpointError(
             f"--target-tensor-parallel-size {tp}: Megatron-LM gives each TP rank whole query groups, and this "
@@ -225,4 +265,11 @@ def write_megatron(
     writer = {"torch_dist": write_torch_dist, "torch": write_legacy}.get(fmt)
     if writer is None:
         raise MegatronCheckpointError(f"--ckpt-format {fmt}: megalite writes torch_dist or torch")
-    return writer(state, config, root, tp, pp, iteration)
+    if optim is not None and optim.distributed and fmt != "torch_dist":
+        raise MegatronCheckpointError(
+            "--use-distributed-optimizer: megalite writes the distributed optimizer's state in torch_dist "
+            "(fully_reshardable), not the legacy distrib_optim.pt: use --ckpt-format torch_dist"
+        )
+    if optim is not None:
+        iteration = optim.iteration
+    return writer(state, config, root, tp, pp, iteration, optim)
