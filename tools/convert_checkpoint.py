@@ -228,6 +228,11 @@ def check_optimizer_flags(args: argparse.Namespace) -> None:
             "--use-distributed-optimizer picks the layout of the optimizer state written to Megatron-LM: "
             "use it with --output-format megatron --include-optimizer"
         )
+    if args.use_distributed_optimizer and args.ckpt_format != "torch_dist":
+        raise ConvertError(
+            "--use-distributed-optimizer: megalite writes the distributed optimizer's state in torch_dist "
+            "(fully_reshardable), not the legacy distrib_optim.pt: use --ckpt-format torch_dist"
+        )
 
 
 def convert(args: argparse.Namespace) -> None:
