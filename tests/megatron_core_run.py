@@ -353,19 +353,20 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-def sharded_model_state(chunks: list) -> dict:
+def sharded_model_state(chunks: list, meta: dict | None = None) -> dict:
     from megatron.core import parallel_state as ps
 
-    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    meta = meta or {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict(metadata=meta)}
     return {f"model{i}": c.sharded_state_dict(metadata=meta) for i, c in enumerate(chunks)}
 
 
 def save_torch_dist(
-    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None
+    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None, sharding=None
 ) -> None:
-    """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``."""
+    """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``
+    (``sharding``: the distributed optimizer's ``distrib_optim_sharding_type``)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -381,6 +382,8 @@ def save_torch_dist(
     }
     if optimizer is not None:  # generate_state_dict's, for ckpt_format torch_dist
         meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        if sharding is not None:
+            meta["distrib_optim_sharding_type"] = sharding
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -504,18 +507,7 @@ def build_optimizer(chunks: list):
         optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
         fp16=False, bf16=False, use_distributed_optimizer=False,
     )  # fmt: skip
-    make = torch.tensor
-
-    def on_cpu(*a, **k):
-        if str(k.get("device", "")) == "cuda":
-            k["device"] = "cpu"
-        return make(*a, **k)
-
-    torch.tensor = on_cpu
-    try:
-        return get_megatron_optimizer(config, chunks)
-    finally:
-        torch.tensor = make
+    return _cuda_typed_build(lambda: get_megatron_optimizer(config, chunks))
 
 
 def labels() -> torch.Tensor:
@@ -527,12 +519,13 @@ def _stage_order(n_chunks: int, pp: int) -> list[tuple[int, int]]:
     return [(v, s) for v in range(n_chunks) for s in range(pp)]
 
 
-def train_step(chunks: list, optimizer, pp: int) -> None:
+def train_step(chunks: list, optimizer, pp: int) -> float | None:
     """One training step of megatron-core's model on :func:`tokens` -> :func:`labels`: the mean
     token cross-entropy (megatron-core's own vocab-parallel loss), run stage after stage over
     gloo (forward in model order, backward in reverse, activations / their grads sent between
     ranks), the tied embedding's grads summed over the embedding group as Megatron's
-    ``finalize_model_grads`` does, then megatron-core's optimizer step."""
+    ``finalize_model_grads`` does, then megatron-core's optimizer step. Returns the loss on the
+    last stage (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
@@ -561,12 +554,14 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
         saved[i] = (x, y)
         if i < len(order) - 1:
             dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    loss = None
     for i in reversed(range(len(order))):
         if order[i][1] != pp_rank:
             continue
         x, y = saved[i]
         if i == len(order) - 1:
-            y.float().mean().backward()
+            loss = y.float().mean()
+            loss.backward()
         else:
             g = torch.empty_like(y)
             dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
@@ -577,6 +572,7 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
     _sum_tp_replicated_grads(chunks)
     _average_data_parallel_grads(chunks)
     optimizer.step()
+    return None if loss is None else float(loss)
 
 
 def _average_data_parallel_grads(chunks: list) -> None:
@@ -685,3 +681,163 @@ def continue_one_step(flavour: str, folder: str, fmt: str, out: str, pp: int = 2
     args = megatron_args(f, tp, pp, "torch")
     args.iteration = ITERATION + 1
     save_legacy(chunks, args, out, False, optimizer, scheduler)
+
+
+# --- resuming a megalite export (tests/test_megatron_export_optimizer.py) -----------------------
+
+
+def _cuda_typed_build(make):
+    """``make()`` with two CUDA-only checks of megatron-core's optimizer build satisfied on CPU:
+    ``torch.tensor(..., device='cuda')`` (FP32Optimizer's unit loss scale) is made on the CPU, and
+    ``Tensor.type()`` reports ``torch.cuda.*`` (DistributedOptimizer accepts only CUDA parameter
+    types; the parameters, their buffers and the math stay on the CPU)."""
+    make_tensor, tensor_type = torch.tensor, torch.Tensor.type
+
+    def on_cpu(*a, **k):
+        if str(k.get("device", "")) == "cuda":
+            k["device"] = "cpu"
+        return make_tensor(*a, **k)
+
+    def cuda_type(self, *a, **k):
+        return tensor_type(self, *a, **k) if a or k else tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.tensor, torch.Tensor.type = on_cpu, cuda_type
+    try:
+        return make()
+    finally:
+        torch.tensor, torch.Tensor.type = make_tensor, tensor_type
+
+
+def build_distributed(chunks: list, bf16: bool):
+    """megatron-core's DDP wrappers (grad buffers, reduce-scatter over DP) and its
+    ``DistributedOptimizer`` (bf16: ``Float16Module`` params, fp32 main params), as Megatron-LM's
+    ``setup_model_and_optimizer`` builds them with ``--use-distributed-optimizer``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.transformer.module import Float16Module
+
+    moptimizer.get_grad_norm_fp32 = lambda *a, **k: 0.0  # clip_grad 0: only reported
+    if bf16:
+        for c in chunks:
+            c.config.bf16, c.config.params_dtype = True, torch.bfloat16
+        chunks = [Float16Module(c.config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
+        bf16=bf16, use_distributed_optimizer=True,
+    )  # fmt: skip
+    return ddp, _cuda_typed_build(lambda: get_megatron_optimizer(config, ddp))
+
+
+def ddp_train_step(ddp: list, optimizer) -> float:
+    """One step of a DP x TP job (pp 1) on this DP rank's rows of :func:`tokens` -> :func:`labels`:
+    its mean token loss, the DDP grad reduce-scatter (mean over DP), the optimizer step. Returns
+    the loss averaged over DP (the global batch's mean)."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    toks, labs = tokens()[rows], labels()[rows]
+    pos = torch.arange(SEQ).expand(toks.shape[0], SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    for d in ddp:
+        d.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = ddp[0](toks, pos, mask, labels=labs).float().mean()
+    loss.backward()
+    for d in ddp:
+        d.finish_grad_sync()
+    optimizer.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return float(total) / dp
+
+
+def _load_with_optimizer(chunks: list, optimizer, scheduler, folder: str, fmt: str, pp: int) -> None:
+    """Megatron-LM's ``load_checkpoint`` of weights, optimizer and schedule: ``torch_dist`` with the
+    sharding type its ``common.pt``'s ``content_metadata`` names, or the legacy rank file."""
+    if fmt == "torch":
+        state = load_legacy(chunks, folder, pp)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+        return
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megalite.checkpoint.megatron import enum_member_by_name
+
+    common = torch.load(os.path.join(folder, "common.pt"), weights_only=False)
+    meta = dict(common.get("content_metadata") or {})
+    meta["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    state = sharded_model_state(chunks, meta)
+    if meta.get("distrib_optim_sharding_type"):
+        # torch AdamW (no TE / Apex on CPU) has no state before its first step, and the distributed
+        # optimizer's state_dict() needs its step: one zero-grad step allocates it, as megatron-core's
+        # own _init_optimizer_states_with_dummy_values does; all it touches is loaded below
+        for inner in optimizer.chained_optimizers:
+            inner._init_optimizer_states_with_dummy_values()
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=meta)
+    with torch.serialization.safe_globals([(enum_member_by_name, "builtins.getattr")]):
+        loaded = dist_checkpointing.load(state, folder)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+    with _keep_torch_adamw_step():
+        optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(common["opt_param_scheduler"])
+
+
+@contextlib.contextmanager
+def _keep_torch_adamw_step():
+    """Two things of torch AdamW (on CPU: no TE / Apex, whose FusedAdam keeps no step per param)
+    that megatron-core's distributed optimizer load does not expect: its ``load_state_dict`` sets
+    the step from the param groups as ONE tensor shared by every param's state, which AdamW's
+    in-place ``step += 1`` would then advance once per param; and its ``fully_reshardable`` load
+    copies every state tensor from the checkpoint's, which has no ``step`` (a KeyError). Each param
+    gets its own copy of the loaded step here; the rest is megatron-core's copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def resume_export(
+    folder: str, fmt: str, out: str, tp: int, pp: int, distributed: bool, bf16: bool, iteration: int
+) -> float | None:
+    """One rank: megatron-core (GPT-2 flavour) resumes megalite's export ``folder`` (``iter_N``) at
+    tp x pp (DP: the rest of the world), with the fp32 optimizer or (``distributed``) the
+    distributed optimizer, takes one training step, and saves ``out`` (at ``iteration``) in
+    ``torch_dist`` with its optimizer state (``fully_reshardable``: the fp32 main params in model space). Returns the
+    step's loss (None off the last stage)."""
+    f = FLAVOURS["gpt2"]
+    init(tp, pp, None)
+    chunks = build_chunks(f, tp, pp)
+    if distributed:
+        assert pp == 1, "the DDP step here runs one stage"
+        wrapped, optimizer = build_distributed(chunks, bf16)
+    else:
+        optimizer = build_optimizer(chunks)
+    scheduler = build_scheduler(optimizer)
+    _load_with_optimizer(chunks, optimizer, scheduler, folder, fmt, pp)
+    loss = ddp_train_step(wrapped, optimizer) if distributed else train_step(chunks, optimizer, pp)
+    scheduler.step(increment=BATCH)
+    args = megatron_args(f, tp, pp, "torch_dist")
+    args.iteration, args.bf16 = iteration, bf16
+    save_torch_dist(
+        chunks, args, out, optimizer, scheduler, sharding="fully_reshardable" if distributed else None
+    )
+    return loss

@@ -17,6 +17,10 @@
     # megalite (or HF) -> Megatron-LM torch_dist (or --ckpt-format torch) at a layout of your choice
     python tools/convert_checkpoint.py --input SAVE --output MEGATRON_SAVE2/ --output-format megatron \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # ... with the run's optimizer state, schedule, iteration and samples, so Megatron-LM resumes it
+    # (--load MEGATRON_SAVE2 --no-load-rng, and --use-distributed-optimizer for the second form)
+    python tools/convert_checkpoint.py --input SAVE --output MEGATRON_SAVE2/ --output-format megatron \
+        --include-optimizer [--use-distributed-optimizer]
 
 --input-format is detected when left out (megalite, hf, or megatron: Megatron-LM's ``torch`` and
 ``torch_dist`` formats, told apart by their files). A Megatron checkpoint's model comes from its
@@ -101,8 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--include-optimizer",
         action="store_true",
-        help="megatron input, megalite output: carry the Adam moments, AdamW's step, the LR schedule and "
-        "the iteration, so pretrain_gpt.py --load OUTPUT continues the run (default: weights only).",
+        help="megatron input, megalite output (or megalite input, megatron output): carry the Adam moments, "
+        "AdamW's step, the LR schedule, the iteration and the samples consumed, so pretrain_gpt.py --load "
+        "OUTPUT (or Megatron-LM's --load OUTPUT --no-load-rng) continues the run (default: weights only).",
+    )
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="megatron output with --include-optimizer: write the distributed optimizer's state (torch_dist, "
+        "its fully_reshardable layout, with the fp32 main params) for a Megatron-LM run with "
+        "--use-distributed-optimizer (needed for bf16 runs; default: the fp32 non-distributed optimizer).",
     )
     p.add_argument(
         "--dtype",
@@ -158,6 +170,18 @@ def read_megalite(path: str, iteration: int | None):
     return {k: v.to(dtype) for k, v in hf.logical_state_dict(model).items()}, config
 
 
+def read_megalite_optimizer(path: str, iteration: int | None, config, distributed: bool):
+    """The optimizer state of a megalite checkpoint, for a Megatron-LM output."""
+    from megalite.checkpoint.megatron_export_optim import read_megalite_optimizer as read
+
+    folder, _ = ckpt_files.resolve(path, iteration, flag="--input")
+    opt = read(folder, config, distributed)
+    kind = "distributed optimizer (fully_reshardable)" if distributed else "fp32 optimizer"
+    log(f"optimizer: Adam moments, AdamW step {opt.step}, {opt.consumed_train_samples} samples consumed; "
+        f"written as Megatron-LM's {kind} at iteration {opt.iteration}")  # fmt: skip
+    return opt
+
+
 def write_megalite(state: dict, config, path: str, iteration: int = 0, progress=None) -> str:
     from megalite.checkpoint import save_model_checkpoint
 
@@ -194,6 +218,29 @@ def read_megatron(path: str, iteration: int | None, include_optimizer: bool = Fa
     return ckpt.state, ckpt.config, (int(ckpt.iteration or 0), progress)
 
 
+def check_optimizer_flags(args: argparse.Namespace) -> None:
+    directions = (("megatron", "megalite"), ("megalite", "megatron"))
+    if args.include_optimizer and (args.input_format, args.output_format) not in directions:
+        raise ConvertError(
+            "--include-optimizer carries a run's optimizer state from Megatron-LM to megalite or from megalite "
+            "to Megatron-LM: give --input-format megatron --output-format megalite, or the reverse"
+        )
+    if args.include_optimizer and args.dtype not in (None, "fp32"):
+        raise ConvertError(
+            f"--include-optimizer keeps the fp32 weights (its main params): drop --dtype {args.dtype}"
+        )
+    if args.use_distributed_optimizer and not (args.include_optimizer and args.output_format == "megatron"):
+        raise ConvertError(
+            "--use-distributed-optimizer picks the layout of the optimizer state written to Megatron-LM: "
+            "use it with --output-format megatron --include-optimizer"
+        )
+    if args.use_distributed_optimizer and args.ckpt_format != "torch_dist":
+        raise ConvertError(
+            "--use-distributed-optimizer: megalite writes the distributed optimizer's state in torch_dist "
+            "(fully_reshardable), not the legacy distrib_optim.pt: use --ckpt-format torch_dist"
+        )
+
+
 def convert(args: argparse.Namespace) -> None:
     from megalite.arguments.spec import NON_NEGATIVE, POSITIVE, check_rules
 
@@ -224,15 +271,7 @@ def convert(args: argparse.Namespace) -> None:
         raise ConvertError(f"--input {args.input} holds a megalite checkpoint: use --input-format megalite")
     if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
         raise ConvertError(f"--output {args.output} exists and is not an empty directory; pick a new one")
-    if args.include_optimizer and (args.input_format, args.output_format) != ("megatron", "megalite"):
-        raise ConvertError(
-            "--include-optimizer reads a Megatron-LM checkpoint's optimizer state into a megalite one: "
-            "give a Megatron-LM --input and --output-format megalite"
-        )
-    if args.include_optimizer and args.dtype not in (None, "fp32"):
-        raise ConvertError(
-            f"--include-optimizer keeps the fp32 weights (its main params): drop --dtype {args.dtype}"
-        )
+    check_optimizer_flags(args)
     max_shard = parse_size(args.max_shard_size)
     start = time.perf_counter()
     # read, convert, write: a live line on a terminal, one line per step in logs
@@ -249,6 +288,10 @@ def convert(args: argparse.Namespace) -> None:
         step = "latest" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
         log(f"reading megalite checkpoint {args.input} ({step})")
         state, config = read_megalite(args.input, args.ckpt_step)
+        if args.include_optimizer:
+            resume = read_megalite_optimizer(
+                args.input, args.ckpt_step, config, args.use_distributed_optimizer
+            )
     bar.update(1)
     if args.dtype is not None:
         state = {k: v.to(DTYPES[args.dtype]) for k, v in state.items()}
@@ -277,7 +320,7 @@ def convert(args: argparse.Namespace) -> None:
         ep = args.target_expert_parallel_size
         log(f"writing Megatron-LM {args.ckpt_format} checkpoint (tp {tp}, pp {pp}, ep {ep}) to {args.output}")
         with ckpt_files.staged_output(args.output) as out:
-            folder = write_megatron(state, config, out, args.ckpt_format, tp, pp, ep=ep)
+            folder = write_megatron(state, config, out, args.ckpt_format, tp, pp, ep=ep, optim=resume)
         log(f"wrote {Path(args.output) / folder.name}")
     else:
         bar.update(1)

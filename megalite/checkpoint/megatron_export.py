@@ -12,7 +12,9 @@ The inverse of :mod:`megalite.checkpoint.megatron`, for a GPT-2 / Llama model:
   chosen (layers split evenly over the stages, as Megatron-LM does without uneven-split flags).
 
 The vocabulary tables are padded with zero rows to Megatron's ``padded_vocab_size`` for the TP
-size chosen (``make_vocab_size_divisible_by x tp``). Weights only: no optimizer or RNG state.
+size chosen (``make_vocab_size_divisible_by x tp``). With ``optim`` (``--include-optimizer``), the optimizer
+state as well (:mod:`megalite.checkpoint.megatron_export_optim`); never the RNG state (Megatron-LM
+resumes with ``--no-load-rng``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from megalite.checkpoint import megatron_export_optim as opt_export
 from megalite.checkpoint import megatron_moe
 from megalite.checkpoint.files import TRACKER
 from megalite.checkpoint.logical import EMBEDDING, OUTPUT
@@ -122,15 +125,13 @@ def _linears(tensors: dict) -> list[str]:
     return sorted({m.group(1) for m in found if m})
 
 
-def write_torch_dist(
-    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, ep: int = 1
-) -> Path:
-    """Write a ``torch_dist`` checkpoint ``root/iter_N`` (+ tracker) of a logical state dict."""
-    whole = megatron_state(state, config, tp)
+def _dist_tensors(whole: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Whole Megatron-Core tensors under megatron-core's sharded keys: the layers stacked
+    ``[num_layers, ...]`` (routed experts ``[E, ...]`` within), the norms under the fused names, the
+    tied output layer left out."""
     if config.moe is not None:  # every layer MoE (write_megatron checks): the experts stacked [E, ...]
         whole = megatron_moe.stack_dist_experts(whole)
-    dtype = whole[EMBEDDING].dtype
-    tensors: dict[str, object] = {}
+    tensors = {}
     prefix = "decoder.layers.0."
     for name in [n for n in whole if n.startswith(prefix)]:
         rest = name[len(prefix) :]
@@ -141,9 +142,32 @@ def write_torch_dist(
     tensors.update({n: t for n, t in whole.items() if not n.startswith("decoder.layers.")})
     if not config.untie_embeddings_and_output_weights:
         tensors.pop(OUTPUT, None)
+    return tensors
+
+
+def write_torch_dist(
+    state,
+    config: ModelConfig,
+    root: str | Path,
+    tp: int,
+    pp: int,
+    iteration: int = 0,
+    ep: int = 1,
+    optim=None,
+) -> Path:
+    """Write a ``torch_dist`` checkpoint ``root/iter_N`` (+ tracker) of a logical state dict (and with
+    ``optim``, an :class:`~.megatron_export_optim.ExportedOptimizer`, its optimizer state)."""
+    whole = megatron_state(state, config, tp)
+    dtype = whole[EMBEDDING].dtype
+    tensors: dict[str, object] = dict(_dist_tensors(whole, config))
+    linears = _linears(tensors)
+    if optim is not None:
+        for kind, logical in opt_export.logical_kinds(optim, state).items():
+            moments = _dist_tensors(megatron_state(logical, config, tp), config)
+            tensors.update({f"optimizer.state.{kind}.{n}": t for n, t in moments.items()})
     n, e = config.num_layers, config.moe.num_experts if config.moe else 0
-    for linear in _linears(tensors):  # each linear layer's (empty) extra state: one object per layer
-        # (and routed expert), stored as megatron-core does, a pickled list of one BytesIO that holds
+    for linear in linears:  # each linear layer's (empty) extra state: one object per layer (and
+        # routed expert), stored as megatron-core does, a pickled list of one BytesIO that holds
         # torch.save(None)
         shards = (
             [f"{i}.{g}_{n}.{e}" for i in range(n) for g in range(e)]
@@ -164,11 +188,20 @@ def write_torch_dist(
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
     (folder / DIST_METADATA).write_text(json.dumps(meta))
-    common = {"args": megatron_args(config, tp, pp, "torch_dist", dtype, ep), "checkpoint_version": CHECKPOINT_VERSION,
+    common = {"args": _args(config, tp, pp, "torch_dist", dtype, ep, optim), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": iteration}  # fmt: skip
+    if optim is not None:
+        common.update(opt_export.dist_common(optim))
     torch.save(common, folder / COMMON_FILE)
     _finish(root, iteration)
     return folder
+
+
+def _args(config: ModelConfig, tp: int, pp: int, fmt: str, dtype: torch.dtype, ep: int, optim):
+    args = megatron_args(config, tp, pp, fmt, dtype, ep)
+    if optim is not None:
+        vars(args).update(opt_export.megatron_args_update(optim))
+    return args
 
 
 def split_tp(whole: torch.Tensor, name: str, tp_rank: int, tp: int, swiglu: bool) -> torch.Tensor:
@@ -207,27 +240,42 @@ def _stage_names(whole: dict, config: ModelConfig, stage: int, pp: int) -> dict[
 
 
 def write_legacy(
-    state, config: ModelConfig, root: str | Path, tp: int, pp: int, iteration: int = 0, ep: int = 1
+    state,
+    config: ModelConfig,
+    root: str | Path,
+    tp: int,
+    pp: int,
+    iteration: int = 0,
+    ep: int = 1,
+    optim=None,
 ) -> Path:
     """Write a ``torch`` checkpoint: one ``model_optim_rng.pt`` per TP x PP (x EP) rank, + tracker
-    (``mp_rank_TT[_PPP][_EEE]``: EP rank e's file holds experts ``e * E/ep ...`` under local indices)."""
+    (``mp_rank_TT[_PPP][_EEE]``: EP rank e's file holds experts ``e * E/ep ...`` under local indices;
+    with ``optim``, the fp32 non-distributed optimizer's state in each)."""
     whole = megatron_state(state, config, tp)
     dtype = whole[EMBEDDING].dtype
-    args = megatron_args(config, tp, pp, "torch", dtype, ep)
+    args = _args(config, tp, pp, "torch", dtype, ep, optim)
+    moments, scheduler = {}, None
+    if optim is not None:
+        moments = {kind: megatron_state(optim.moments[kind], config, tp) for kind in opt_export.MOMENTS}
+        scheduler = opt_export.scheduler_state(optim)
     root = Path(root)
     folder = _start(root, iteration)
-    num_local = config.moe.num_experts // ep if config.moe else 0
     for stage in range(pp):
         names = _stage_names(whole, config, stage, pp)
         for t in range(tp):
             for e in range(ep):
-                model = {}
-                for local, src in names.items():
-                    m = megatron_moe.LOCAL_EXPERT.search(local)
-                    if m and not e * num_local <= int(m.group(1)) < (e + 1) * num_local:
-                        continue  # another EP rank's expert
-                    local = megatron_moe.global_experts(local, -e * num_local) if m else local
-                    model[local] = split_tp(whole[src], src, t, tp, config.swiglu)
+                picked = _ep_rank_names(names, config, e, ep)
+                model = {
+                    local: split_tp(whole[src], src, t, tp, config.swiglu) for local, src in picked.items()
+                }
+                state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+                if optim is not None:
+                    local = {kind: {n: split_tp(m[src], src, t, tp, config.swiglu) for n, src in picked.items()}
+                             for kind, m in moments.items()}  # fmt: skip
+                    state_dict["optimizer"] = opt_export.legacy_optimizer(optim, local)
+                    if scheduler is not None:
+                        state_dict["opt_param_scheduler"] = scheduler
                 extra = [
                     re.sub(r"\.weight$", "._extra_state", n)
                     for n in model
@@ -236,22 +284,49 @@ def write_legacy(
                 model.update(
                     dict.fromkeys(extra + (["output_layer._extra_state"] if OUTPUT in model else []))
                 )
+                if config.moe is None:  # megatron-core's order (the legacy optimizer's indices follow it)
+                    model = {n: model[n] for n in sorted(model, key=opt_export.megatron_order)}
                 rank_dir = folder / (
                     f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
                 )
                 rank_dir.mkdir()
-                state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                              "model": model}  # fmt: skip
-                torch.save(state_dict, rank_dir / LEGACY_FILE)
+                torch.save({**state_dict, "model": model}, rank_dir / LEGACY_FILE)
     _finish(root, iteration)
     return folder
 
 
+def _ep_rank_names(names: dict[str, str], config: ModelConfig, e: int, ep: int) -> dict[str, str]:
+    """``names`` (local name: whole name) held by EP rank ``e``: its routed experts, renumbered to
+    local indices, and everything that is not a routed expert."""
+    num_local = config.moe.num_experts // ep if config.moe else 0
+    out = {}
+    for local, src in names.items():
+        m = megatron_moe.LOCAL_EXPERT.search(local)
+        if m and not e * num_local <= int(m.group(1)) < (e + 1) * num_local:
+            continue  # another EP rank's expert
+        out[megatron_moe.global_experts(local, -e * num_local) if m else local] = src
+    return out
+
+
 def write_megatron(
-    state, config: ModelConfig, root: str | Path, fmt: str, tp: int, pp: int, iteration: int = 0, ep: int = 1
+    state,
+    config: ModelConfig,
+    root: str | Path,
+    fmt: str,
+    tp: int,
+    pp: int,
+    iteration: int = 0,
+    ep: int = 1,
+    optim=None,
 ):
-    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp`` (x ``ep``)."""
+    """Write ``fmt`` (``torch_dist`` or ``torch``) at the layout ``tp`` x ``pp`` (x ``ep``) (with
+    ``optim``, the optimizer state too, at its iteration)."""
     megatron_moe.check_export(config, fmt, ep)
+    if optim is not None and config.moe is not None:
+        raise MegatronCheckpointError(
+            "--include-optimizer: megalite exports a mixture-of-experts model's weights only (megatron-core's "
+            "chained dense + expert optimizer layout is not written); convert without --include-optimizer"
+        )
     if config.query_groups % tp:
         raise MegatronCheckpointError(
             f"--target-tensor-parallel-size {tp}: Megatron-LM gives each TP rank whole query groups, and this "
@@ -267,4 +342,11 @@ def write_megatron(
     writer = {"torch_dist": write_torch_dist, "torch": write_legacy}.get(fmt)
     if writer is None:
         raise MegatronCheckpointError(f"--ckpt-format {fmt}: megalite writes torch_dist or torch")
-    return writer(state, config, root, tp, pp, iteration, ep)
+    if optim is not None and optim.distributed and fmt != "torch_dist":
+        raise MegatronCheckpointError(
+            "--use-distributed-optimizer: megalite writes the distributed optimizer's state in torch_dist "
+            "(fully_reshardable), not the legacy distrib_optim.pt: use --ckpt-format torch_dist"
+        )
+    if optim is not None:
+        iteration = optim.iteration
+    return writer(state, config, root, tp, pp, iteration, ep, optim)
