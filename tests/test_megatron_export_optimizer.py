@@ -137,6 +137,16 @@ def test_export_with_optimizer_refuses_in_one_line(tmp_path, capsys):
     ckpt = mg.read_megatron(DATA / "gpt2" / "torch")
     save_model_checkpoint(ckpt.state, ckpt.config, weights)
     assert "holds no optimizer state" in refused("--include-optimizer", source=weights)
+    moe = tmp_path / "moe"  # a mixture of experts: weights only, said so
+    ckpt = mg.read_megatron(DATA / "moe" / "torch")
+    g = torch.Generator().manual_seed(4)
+    moments = {kind: {n: torch.rand(t.shape, generator=g) for n, t in ckpt.state.items()} for kind in MOMENTS}
+    save_model_checkpoint(
+        ckpt.state, ckpt.config, moe, iteration=5, progress=TrainingProgress(moments, 5, SCHEDULE, 10)
+    )
+    assert "exports a mixture-of-experts model's weights only" in refused(
+        "--include-optimizer", "--target-expert-parallel-size", "2", source=moe
+    )
 
 
 # ---- megatron-core resumes a megalite run (optional dependency) ------------------------------------
