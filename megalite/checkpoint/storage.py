@@ -30,6 +30,7 @@ Nothing in the files is unpickled with code execution:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import pathlib
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -60,6 +62,24 @@ from megalite.errors import MegaliteError
 
 class CheckpointFormatError(MegaliteError, RuntimeError):
     """A checkpoint that cannot be read (corrupt, foreign, or refused as unsafe)."""
+
+
+class StorageFailure(RuntimeError):
+    """DCP's ``CheckpointException`` as an ``Exception``: DCP raises a ``BaseException`` (its
+    ``failures``: ``{rank: (exception, traceback)}``), which ``except Exception`` handlers (the save's
+    one-line errors) would let through as a traceback; same text, same ``failures``."""
+
+    def __init__(self, e: BaseException):
+        super().__init__(str(e))
+        self.failures = getattr(e, "failures", None)
+
+
+@contextlib.contextmanager
+def _dcp_errors():
+    try:
+        yield
+    except CheckpointException as e:
+        raise StorageFailure(e) from None
 
 
 @dataclass
@@ -269,7 +289,7 @@ def write(state: dict, path: str | pathlib.Path, no_dist: bool = False, group=No
     (``--async-save``'s writer thread has a gloo group of its own) keeps the file names.
     """
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dcp_errors():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save(
             state,
@@ -288,7 +308,7 @@ def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
     """
     read_dcp_metadata(path)
     reader = SafeFileSystemReader(str(path))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dcp_errors():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=_no_dist(no_dist))
 
