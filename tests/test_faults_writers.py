@@ -95,8 +95,9 @@ def test_a_file_size_limit_under_a_checkpoint_write(tmp_path, capfd, reference):
 def _tensorboard_fault(how: str, tb):
     """From iteration 2 on, TensorBoard's writer thread fails: its folder removed, or ENOSPC (the
     thread's appends only; the main thread's calls are left alone)."""
-    import megalite.training as training
     from tensorboard.compat.tensorflow_stub.io import gfile
+
+    import megalite.training as training
 
     step, append = training.train_step, gfile.LocalFileSystem.append
 
@@ -107,9 +108,9 @@ def _tensorboard_fault(how: str, tb):
         return out
 
     def full(self, filename, file_content, binary_mode=False):
-        if how == "full" and threading.current_thread().name != "MainThread" and os.path.isdir(tb):
-            if any(p.name.startswith("events") and p.stat().st_size > 0 for p in tb.iterdir()):
-                raise OSError(errno.ENOSPC, "No space left on device", filename)
+        thread = threading.current_thread().name != "MainThread"
+        if how == "full" and thread and any(p.stat().st_size > 0 for p in tb.glob("events*")):
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
         return append(self, filename, file_content, binary_mode)
 
     return mock.patch.object(training, "train_step", train_step), mock.patch.object(
