@@ -510,6 +510,11 @@ def _all_writers(tmp) -> dict:
         "index cache": lambda: _index_cache(tmp, rng),
         "tokenizer": lambda: _tokenizer(tmp, rng),
     }
+    import importlib.util
+
+    for name, module in (("convert hf", "safetensors"), ("tokenizer", "tokenizers")):
+        if importlib.util.find_spec(module) is None:  # an optional extra missing here: that family only
+            del families[name]
     for name, family in families.items():
         t = time.perf_counter()
         out[name] = family()
@@ -521,8 +526,6 @@ def _all_writers(tmp) -> dict:
 
 @pytest.mark.timeout(170)
 def test_a_kill_during_every_writer_leaves_old_or_new(tmp_path):
-    pytest.importorskip("safetensors")
-    pytest.importorskip("tokenizers")
     result = run_distributed(_all_writers, 1, tmp_path, timeout=150)[0]
     families = result["families"]
     problems = [p for f in families.values() for p in f["problems"]]
