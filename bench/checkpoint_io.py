@@ -16,7 +16,9 @@ Prints one JSON object per (model, layout): save_s / load_s (median over repeats
 collective call on every rank, measured on rank 0 between barriers), bytes on disk,
 and the parameter count (vocab padding included, so it varies with tp); checksum_all_files_one_rank_s:
 reading and crc32-checking every file of the checkpoint on one rank (save and load each spend about
-this much, split over the ranks). The 8-rank layout is tp=2, pp=2, dp=2 with the
+this much, split over the ranks); save_s_without_checksums / load_s_without_checksums: the same saves
+and loads in the same run with the checksum step switched off (nothing read back, recorded or
+verified), and the *_ratio_checksums fields: with / without. The 8-rank layout is tp=2, pp=2, dp=2 with the
 distributed optimizer. A checkpoint holds weights + fp32 Adam moments (+ RNG
 states), so about 3 x 4 bytes per parameter in fp32. On a 2-core CPU the 8-rank
 figures are oversubscribed: compare them with themselves across changes.
@@ -67,18 +69,31 @@ def _measure_quietly(argv: list[str], folder: str, repeats: int) -> dict:
 
     state = setup(RunConfig.from_flags(argv + ["--save", folder, "--load", folder]))
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-    saves, loads = [], []
-    for i in range(repeats):
-        state.iteration = i + 1
-        barrier()
-        t = time.perf_counter()
-        path = save_checkpoint(state)
-        barrier()
-        saves.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        load_checkpoint(state)
-        barrier()
-        loads.append(time.perf_counter() - t)
+
+    def timed(iterations) -> tuple[list[float], list[float], object]:
+        saves, loads, path = [], [], None
+        for i in iterations:
+            state.iteration = i
+            barrier()
+            t = time.perf_counter()
+            path = save_checkpoint(state)
+            barrier()
+            saves.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            load_checkpoint(state)
+            barrier()
+            loads.append(time.perf_counter() - t)
+        return saves, loads, path
+
+    timed([10 * repeats + 1])  # warm-up: first-use imports and allocations go to neither side
+    # "Before" checksums, in the same run: no file is read back or recorded, so none is verified.
+    real = files.checksum_files
+    files.checksum_files = lambda folder, names, rank: {}
+    try:
+        bare_saves, bare_loads, _ = timed(range(1, repeats + 1))
+    finally:
+        files.checksum_files = real
+    saves, loads, path = timed(range(repeats + 1, 2 * repeats + 1))
     _, params = count_parameters(state.model, state.mesh)
     # The crc32 verification alone (inside load_s above; save_s holds the same read-back of each
     # rank's own files): here one rank reads and checks the whole folder, an upper bound.
@@ -90,6 +105,10 @@ def _measure_quietly(argv: list[str], folder: str, repeats: int) -> dict:
         "checksum_all_files_one_rank_s": round(verify, 3),
         "save_s": round(statistics.median(saves), 3),
         "load_s": round(statistics.median(loads), 3),
+        "save_s_without_checksums": round(statistics.median(bare_saves), 3),
+        "load_s_without_checksums": round(statistics.median(bare_loads), 3),
+        "save_ratio_checksums": round(statistics.median(saves) / statistics.median(bare_saves), 3),
+        "load_ratio_checksums": round(statistics.median(loads) / statistics.median(bare_loads), 3),
         "bytes": files.directory_bytes(path),
         "parameters": params,
     }

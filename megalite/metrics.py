@@ -7,6 +7,7 @@ import json
 import math
 import os
 import resource
+import threading
 
 import torch
 import torch.distributed as dist
@@ -167,6 +168,43 @@ def _writing(flag: str, path: str | None):
         ) from None
 
 
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread (``_AsyncWriterThread``) keeps an OSError it hits (a full disk, its
+    folder removed) and re-raises it at the next ``add_scalar`` / ``flush`` / ``close``, where
+    :func:`_writing` makes it one line naming ``--tensorboard-dir``; but it also hands it to
+    ``threading.excepthook``, which prints a traceback. Installed once: that thread's OSErrors print
+    nothing there (any other thread or exception goes to the previous hook)."""
+    previous = threading.excepthook
+    if getattr(previous, "megalite_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.megalite_tensorboard = True
+    threading.excepthook = hook
+
+
+def _open_jsonl(path: str):
+    """``--metrics-file`` for appending, after cutting what a killed run left of its last line: a
+    JSON-lines log holds whole lines only (a kill mid-line would glue that half to the next run's first)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = open(path, "a+b")  # noqa: SIM115 - closed below
+    try:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+            if not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n")
+                f.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= 65536 else size))
+    finally:
+        f.close()
+    return open(path, "a", buffering=1)  # noqa: SIM115 - closed in MetricSinks.close()
+
+
 class MetricSinks:
     """Where metrics go: console always; TensorBoard, wandb and JSON lines when asked.
 
@@ -191,12 +229,12 @@ class MetricSinks:
                 raise MegaliteError(
                     "--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'"
                 ) from e
+            _quiet_tensorboard_thread()
             self.tb = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
         if config.wandb_project:
             self.wandb = _wandb_start(wandb_init_kwargs(config))
         if config.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-            self.jsonl = open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self.jsonl = _open_jsonl(config.metrics_file)
 
     @classmethod
     def open(cls, config: LoggingConfig, enabled: bool, mesh) -> MetricSinks:

@@ -45,10 +45,12 @@ CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099
     # 1900 -> 2350: --async-save's staging and writer thread (issue 37, async_save.py) and the MoE
     # checkpoint's per-expert pieces (issue 36, logical.py); 2350 -> 2500: issue 38's streamed
     # checkpoint of the nvme optimizer tier (storage.deferred and the planners' read / commit of it,
-    # optimizer_state.streams)
+    # optimizer_state.streams); 2500 -> 2550: issue 40's external faults (DCP's CheckpointException
+    # as an Exception: storage.StorageFailure; EFBIG / EDQUOT named; the partial outputs of killed
+    # converter runs removed)
     "checkpoint core": (
         tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE + ("async_save",)),
-        2500,
+        2550,
     ),
     # 700 -> 760: MoE's step (issue 35): the aux-loss scale, the expert-bias update, aux-loss logging
     "training": ("megalite/training.py", 760),

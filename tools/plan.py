@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
 from megalite.arguments import model_config  # noqa: E402
+from megalite.checkpoint.files import write_file_atomic  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
 from megalite.planning import calibration, fake_rank, planner  # noqa: E402
 
@@ -114,7 +115,7 @@ def plan(argv=None) -> int:
         path = Path(args.calibration or calibration.default_path())
         cal = calibration.calibrate(torch.bfloat16 if args.bf16 else torch.float32)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cal, indent=1))
+        write_file_atomic(path, json.dumps(cal, indent=1))  # a kill leaves the old calibration or the new
         t, ar = (
             cal["train"],
             {(r["active"], r["group"]): r for r in cal["collectives"] if r["kind"] == "allreduce"},

@@ -393,11 +393,20 @@ def save_failed(e: BaseException, job: SaveJob) -> files.CheckpointError:
     cause = (
         f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
     )
+    if isinstance(e, OSError) and e.errno in _LIMIT_HINTS:
+        cause += f" ({_LIMIT_HINTS[e.errno]})"
     where = f" on rank {rank}" if rank is not None else ""
     return files.CheckpointError(
         f"--save {job.root}: saving iteration {job.iteration} failed{where}: {type(e).__name__}: {cause}; "
         f"{_kept(job.root)}: fix the cause (or pick another --save) and rerun the same command to resume"
     )
+
+
+# Limits that stop a write before the disk is full: each named with where it is set.
+_LIMIT_HINTS = {
+    errno.EFBIG: "a file would pass this process's file-size limit: raise `ulimit -f`",
+    errno.EDQUOT: "the disk quota of this user or project is used up: `quota -s` shows it",
+}
 
 
 def _cause(e: BaseException) -> tuple[BaseException, int | None]:

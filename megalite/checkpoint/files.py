@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
@@ -433,12 +434,16 @@ def staged_output(path: str | Path, flag: str = "--output"):
     """Write a whole output folder under a temporary sibling, renamed to ``path`` only when every
     file is written: a failure (a full disk, a bug) leaves no partial folder, so a retry works.
 
-    ``path`` must be absent or an empty directory. An ``OSError`` while writing (ENOSPC, EACCES,
+    A killed run leaves its hidden ``.NAME.partial-PID`` sibling; the next run removes those of pids
+    no longer alive. ``path`` must be absent or an empty directory. An ``OSError`` while writing (ENOSPC, EACCES,
     ...) stops in one line naming ``flag`` and the cause.
     """
     path = Path(path)
     temp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(temp, ignore_errors=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.partial-*"):  # left by killed runs
+        pid = stale.name.rsplit("-", 1)[-1]
+        if stale == temp or (pid.isdigit() and not _pid_alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
         yield temp

@@ -30,6 +30,7 @@ Nothing in the files is unpickled with code execution:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import math
@@ -45,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -62,6 +64,24 @@ from megalite.errors import MegaliteError
 
 class CheckpointFormatError(MegaliteError, RuntimeError):
     """A checkpoint that cannot be read (corrupt, foreign, or refused as unsafe)."""
+
+
+class StorageFailure(RuntimeError):
+    """DCP's ``CheckpointException`` as an ``Exception``: DCP raises a ``BaseException`` (its
+    ``failures``: ``{rank: (exception, traceback)}``), which ``except Exception`` handlers (the save's
+    one-line errors) would let through as a traceback; same text, same ``failures``."""
+
+    def __init__(self, e: BaseException):
+        super().__init__(str(e))
+        self.failures = getattr(e, "failures", None)
+
+
+@contextlib.contextmanager
+def _dcp_errors():
+    try:
+        yield
+    except CheckpointException as e:
+        raise StorageFailure(e) from None
 
 
 @dataclass
@@ -337,7 +357,7 @@ def write(state: dict, path: str | pathlib.Path, no_dist: bool = False, group=No
     (``--async-save``'s writer thread has a gloo group of its own) keeps the file names.
     """
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dcp_errors():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save(
             state,
@@ -356,7 +376,7 @@ def read(state: dict, path: str | pathlib.Path, no_dist: bool = False) -> None:
     """
     read_dcp_metadata(path)
     reader = SafeFileSystemReader(str(path))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dcp_errors():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         planner = ShardLoadPlanner()
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=_no_dist(no_dist))

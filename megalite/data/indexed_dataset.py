@@ -26,6 +26,7 @@ with a message naming it instead of returning garbage tokens mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from enum import Enum
@@ -255,8 +256,8 @@ class IndexedDatasetBuilder:
     """Writes ``PREFIX.bin`` / ``PREFIX.idx`` in Megatron's format, streaming tokens to disk.
 
     Only the per-sequence lengths stay in memory (4 bytes each). Both files are
-    written under temporary names and renamed by ``finalize``, so an interrupted
-    run never leaves a pair that looks complete.
+    written under temporary names and renamed by ``finalize``, the ``.idx`` last (an old one is removed
+    first), so an interrupted run never leaves a pair that looks complete.
     """
 
     def __init__(self, path_prefix: str, dtype=np.uint16) -> None:
@@ -315,9 +316,14 @@ class IndexedDatasetBuilder:
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.empty(0, np.int32)
         doc_indices = np.concatenate([np.zeros(1, np.int64), *self._doc_ends])
-        write_index(index_file_path(self.path_prefix) + ".tmp", self.dtype, lengths, doc_indices)
+        idx = index_file_path(self.path_prefix)
+        write_index(idx + ".tmp", self.dtype, lengths, doc_indices)
+        # The .idx is the pair's commit point: an old one goes first, so a kill between the two renames
+        # leaves a .bin without its .idx (unfinished: rerun), never a new .bin under an old .idx.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(idx)
         os.replace(self._bin_tmp, data_file_path(self.path_prefix))
-        os.replace(index_file_path(self.path_prefix) + ".tmp", index_file_path(self.path_prefix))
+        os.replace(idx + ".tmp", idx)
 
     def abort(self) -> None:
         """Drop the partial files (on error)."""

@@ -5,17 +5,62 @@ included: no normalization (``identity``), whitespace kept as is, byte fallback 
 characters outside the vocabulary, and ``\\n`` as a piece of its own (the trainer
 sees one line per sentence, so it would never learn a newline otherwise).
 Ids: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (the eod id), no pad.
+
+Every output is written under a hidden temporary name beside it and renamed into place when whole,
+the file a run is started with (``.model``, ``-vocab.json``) last: a kill leaves the old set, the new
+set, or a set without that file (unfinished), never a mix that loads.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 
 from megalite.data.optional import require
 from megalite.data.tokenizers import bytes_to_unicode, read_merges
+
+
+@contextlib.contextmanager
+def _staged(prefix: str):
+    """A temporary prefix beside ``prefix`` to train into; its files are removed if training fails."""
+    out_dir = os.path.dirname(os.path.abspath(prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f".{os.path.basename(prefix)}.partial-")
+    temp = f"{stem}{os.getpid()}"
+    for leftover in glob.glob(glob.escape(stem) + "*"):  # a killed run's, once its process is gone
+        pid = re.match(r"\d+", leftover[len(stem) :])
+        if pid and not _alive(int(pid.group())):
+            os.remove(leftover)
+    try:
+        yield temp
+    finally:
+        for leftover in glob.glob(glob.escape(temp) + "*"):
+            os.remove(leftover)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _publish(moves: list[tuple[str, str]]) -> None:
+    """``(temporary, final)`` renames, the last (the set's commit point) last; of a set of several, the
+    old commit file goes first (a kill between the renames leaves no old commit file beside new files)."""
+    if len(moves) > 1:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(moves[-1][1])
+    for temp, final in moves:
+        os.replace(temp, final)
 
 
 def iter_lines(paths: list[str], json_key: str | None = "text") -> Iterator[str]:
@@ -48,10 +93,17 @@ def train_sentencepiece(
     ``max_sentences`` lines are sampled from the input (sentencepiece's
     ``input_sentence_size``), which bounds time and memory on big corpora.
     """
+    with _staged(model_prefix) as temp:
+        _train_sentencepiece(inputs, temp, vocab_size, json_key, model_type, max_sentences, num_threads,
+                             seed_sentencepiece_size, seed)  # fmt: skip
+        _publish([(temp + ".vocab", model_prefix + ".vocab"), (temp + ".model", model_prefix + ".model")])
+    return model_prefix + ".model"
+
+
+def _train_sentencepiece(inputs, model_prefix, vocab_size, json_key, model_type, max_sentences, num_threads,
+                         seed_sentencepiece_size, seed) -> None:  # fmt: skip
     import sentencepiece as spm
 
-    out_dir = os.path.dirname(os.path.abspath(model_prefix))
-    os.makedirs(out_dir, exist_ok=True)
     # The sentence sample is shuffled; a fixed seed makes the same corpus give the same tokenizer.
     spm.set_random_generator_seed(seed)
     spm.SentencePieceTrainer.train(
@@ -77,7 +129,6 @@ def train_sentencepiece(
         pad_id=-1,
         minloglevel=2,
     )
-    return model_prefix + ".model"
 
 
 def train_gpt2_bpe(inputs: list[str], prefix: str, vocab_size: int = 8000, json_key: str | None = "text"):
@@ -98,15 +149,15 @@ def train_gpt2_bpe(inputs: list[str], prefix: str, vocab_size: int = 8000, json_
     )
     tok.train_from_iterator(iter_documents(inputs, json_key), trainer=trainer)
     tok.add_special_tokens(["<|endoftext|>"])
-    out_dir = os.path.dirname(os.path.abspath(prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    tok.model.save(out_dir, os.path.basename(prefix))
     vocab_file, merge_file = f"{prefix}-vocab.json", f"{prefix}-merges.txt"
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
-    vocab["<|endoftext|>"] = len(vocab)
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
+    with _staged(prefix) as temp:
+        tok.model.save(os.path.dirname(temp), os.path.basename(temp))
+        with open(f"{temp}-vocab.json", encoding="utf-8") as f:
+            vocab = json.load(f)
+        vocab["<|endoftext|>"] = len(vocab)
+        with open(f"{temp}-vocab.json", "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
+        _publish([(f"{temp}-merges.txt", merge_file), (f"{temp}-vocab.json", vocab_file)])
     return vocab_file, merge_file
 
 
@@ -141,6 +192,8 @@ def write_megatron_tiktoken(merge_file: str, output: str) -> int:
         }
         for i, t in enumerate(tokens)
     ]
-    with open(output, "w", encoding="utf-8") as f:
-        json.dump(entries, f, ensure_ascii=False)
+    with _staged(output) as temp:
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(entries, f, ensure_ascii=False)
+        _publish([(temp, output)])
     return len(entries)
