@@ -67,6 +67,11 @@ def feature(f: dict, name: str) -> bool:
     return bool(f.get(name, False))
 
 
+def dtype(f: dict) -> torch.dtype:
+    """The model's parameter dtype (``--bf16``: bf16 weights, fp32 main params in the optimizer)."""
+    return torch.bfloat16 if feature(f, "bf16") else torch.float32
+
+
 def stub_cuda() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -122,7 +127,7 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
         add_bias_linear=f["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=f["vp"], use_cpu_initialization=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        params_dtype=dtype(f), pipeline_dtype=dtype(f), bf16=feature(f, "bf16"), bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )  # fmt: skip
@@ -287,9 +292,11 @@ def sharded_model_state(chunks: list) -> dict:
 
 
 def save_torch_dist(
-    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None
+    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None, meta: dict | None = None
 ) -> None:
-    """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``."""
+    """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``
+    (``meta``: the optimizer's sharded-state-dict metadata, e.g. the distributed optimizer's
+    ``distrib_optim_sharding_type``)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -304,7 +311,7 @@ def save_torch_dist(
         **sharded_model_state(chunks),
     }
     if optimizer is not None:  # generate_state_dict's, for ckpt_format torch_dist
-        meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        meta = meta or {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -447,32 +454,32 @@ def _stage_order(n_chunks: int, pp: int) -> list[tuple[int, int]]:
     return [(v, s) for v in range(n_chunks) for s in range(pp)]
 
 
-def train_step(chunks: list, optimizer, pp: int) -> None:
-    """One training step of megatron-core's model on :func:`tokens` -> :func:`labels`: the mean
-    token cross-entropy (megatron-core's own vocab-parallel loss), run stage after stage over
-    gloo (forward in model order, backward in reverse, activations / their grads sent between
-    ranks), the tied embedding's grads summed over the embedding group as Megatron's
-    ``finalize_model_grads`` does, then megatron-core's optimizer step."""
+def train_step(chunks: list, optimizer, pp: int, rows: slice = slice(None), finalize=None) -> float | None:
+    """One training step of megatron-core's model on :func:`tokens` -> :func:`labels` (the batch
+    rows ``rows``: this DP rank's micro-batch): the mean token cross-entropy (megatron-core's own
+    vocab-parallel loss), run stage after stage over gloo (forward in model order, backward in
+    reverse, activations / their grads sent between ranks), the tied embedding's grads summed over
+    the embedding group as Megatron's ``finalize_model_grads`` does (or ``finalize()``: the real
+    one, with DDP), then megatron-core's optimizer step. The loss on the last stage (else None)."""
     from megatron.core import parallel_state as ps
 
-    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    toks, labs = tokens()[rows], labels()[rows]
+    pos = torch.arange(SEQ).expand(toks.shape[0], SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     pp_rank, h = ps.get_pipeline_model_parallel_rank(), chunks[0].config.hidden_size
     order = _stage_order(len(chunks), pp)
     optimizer.zero_grad()
-    saved = {}
+    saved, loss = {}, None
     for i, (v, stage) in enumerate(order):
         if stage != pp_rank:
             continue
         x = None
         if i > 0:
-            x = torch.empty(SEQ, BATCH, h)
+            x = torch.empty(SEQ, toks.shape[0], h, dtype=chunks[v].config.pipeline_dtype)
             dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
             x.requires_grad_(True)
             chunks[v].set_input_tensor(x)
-        y = chunks[v](
-            tokens() if i == 0 else None, pos, mask, labels=labels() if i == len(order) - 1 else None
-        )
+        y = chunks[v](toks if i == 0 else None, pos, mask, labels=labs if i == len(order) - 1 else None)
         saved[i] = (x, y)
         if i < len(order) - 1:
             dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
@@ -481,16 +488,22 @@ def train_step(chunks: list, optimizer, pp: int) -> None:
             continue
         x, y = saved[i]
         if i == len(order) - 1:
-            y.float().mean().backward()
+            mean = y.float().mean()
+            loss = mean.item()
+            mean.backward()
         else:
             g = torch.empty_like(y)
             dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
             y.backward(g)
         if i > 0:
             dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
-    _sum_tied_embedding_grads(chunks)
-    _sum_qk_layernorm_grads(chunks)
+    if finalize is None:
+        _sum_tied_embedding_grads(chunks)
+        _sum_qk_layernorm_grads(chunks)
+    else:
+        finalize()
     optimizer.step()
+    return loss
 
 
 def _sum_qk_layernorm_grads(chunks: list) -> None:
