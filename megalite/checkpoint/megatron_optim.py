@@ -51,6 +51,8 @@ class MegatronOptimizerState:
     step: int
     scheduler: dict | None
     consumed_train_samples: int
+    main: dict[str, torch.Tensor] | None = None  # bf16 / fp16 runs: the fp32 main params (logical)
+    grad_scaler: dict | None = None  # fp16's dynamic loss scaler, megalite's state_dict form
 
 
 def refuse(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
@@ -60,10 +62,13 @@ def refuse(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
 def read_megatron_optimizer(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
     """The Adam state of the checkpoint ``ckpt`` was read from (its iteration folder)."""
     if getattr(ckpt.args, "use_distributed_optimizer", False):
-        name = DISTRIB_OPTIM_FILE if ckpt.fmt == "torch" else "the optimizer.distributed.* tensors"
-        raise refuse(ckpt.folder, ckpt.fmt, f"the distributed optimizer's state ({name}) is not read")
+        return _read_distributed(ckpt)
     if getattr(ckpt.args, "fp16", False) or getattr(ckpt.args, "bf16", False):
-        raise refuse(ckpt.folder, ckpt.fmt, "the bf16 / fp16 optimizer's fp32 main params are not read")
+        raise refuse(
+            ckpt.folder,
+            ckpt.fmt,
+            "the bf16 / fp16 optimizer's fp32 main params are read with --use-distributed-optimizer only",
+        )
     read = _read_legacy if ckpt.fmt == "torch" else _read_dist
     moments, step, scheduler = read(ckpt)
     where = str(ckpt.folder)
@@ -178,3 +183,79 @@ def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
             ckpt.folder / mg.COMMON_FILE, "torch_dist", "no optimizer.state.common_step (AdamW's step)"
         )
     return moments, int(step), common.get("opt_param_scheduler")
+
+
+def _read_distributed(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
+    """The distributed optimizer's state (:mod:`megatron_distopt_state`): fp32 main params, the
+    moments, AdamW's step and the loss scaler, checked against the stored weights."""
+    from megalite.checkpoint import megatron_distopt_state as ds
+
+    scheduler = None
+    if ckpt.fmt == "torch":
+        merged, optimizers, scheduler = ds.read_legacy(ckpt)
+    else:
+        common = mg.load_pickle(ckpt.folder / mg.COMMON_FILE, "torch_dist common.pt")
+        scheduler = common.get("opt_param_scheduler")
+        sharding = common.get("optimizer", {}).get("param_state_sharding_type")
+        metadata = storage.read_dcp_metadata(ckpt.folder)
+        if sharding == "dp_reshardable":
+            merged, optimizers = ds.read_dp_reshardable(ckpt, metadata)
+        elif sharding == "fully_reshardable":
+            merged = {kind: _dist_state(ckpt, kind) for kind in ds.KINDS}
+            optimizers = [(ckpt.folder / mg.COMMON_FILE, common["optimizer"])]
+        else:
+            raise refuse(
+                ckpt.folder / mg.COMMON_FILE, "torch_dist",
+                f"the distributed optimizer's {sharding!r} layout is not read (dp_reshardable and "
+                "fully_reshardable are)",
+            )  # fmt: skip
+    step, scaler = _progress(optimizers, ckpt.fmt)
+    where = str(ckpt.folder)
+    logical = {kind: mg.finish_state(state, ckpt.config, where) for kind, state in merged.items()}
+    main = logical.pop("param")
+    for name, weight in ckpt.state.items():
+        if weight.dtype != torch.float32 and not torch.equal(main[name].to(weight.dtype), weight):
+            raise refuse(
+                ckpt.folder, ckpt.fmt,
+                f"the fp32 main param of {name} does not round to its stored {weight.dtype} weight: the "
+                "optimizer state is from another save",
+            )  # fmt: skip
+    samples = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
+    return MegatronOptimizerState(logical, step, scheduler, samples, main, scaler)
+
+
+def _dist_state(ckpt: mg.MegatronCheckpoint, kind: str) -> dict[str, torch.Tensor]:
+    """``optimizer.state.KIND.*`` of a fully_reshardable save, under the model's own keys."""
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
+    model = [n for n in shapes if not n.startswith(mg._NOT_MODEL) and not mg._SKIP.search(n)]
+    prefix = f"optimizer.state.{kind}."
+    missing = [n for n in model if prefix + n not in shapes]
+    if missing:
+        raise refuse(ckpt.folder, "torch_dist", f"no {prefix}{missing[0]} (fully_reshardable layout)")
+    return {n: t.float() for n, t in mg.read_dist_tensors(ckpt.folder, model, prefix).items()}
+
+
+def _progress(optimizers: list, fmt: str) -> tuple[int, dict | None]:
+    """AdamW's step (the param groups') and the dynamic loss scaler, the same on every rank."""
+    steps, scalers = set(), []
+    for where, opt in optimizers:
+        groups = (opt.get("optimizer") or {}).get("param_groups")
+        if not groups:
+            raise refuse(where, fmt, "no optimizer param groups (AdamW's step)")
+        for group in groups:
+            if group.get("lr_mult", 1.0) != 1.0 or group.get("is_decoupled_lr") or group.get("is_expert_parallel"):
+                raise refuse(where, fmt, "optimizer param groups with per-group LR / experts are not read")
+            steps.add(int(group["step"]))
+        scalers.append(opt.get("grad_scaler"))
+    if len(steps) != 1:
+        raise refuse(optimizers[0][0], fmt, f"AdamW steps {sorted(steps)} differ between param groups / ranks")
+    scaler = scalers[0]
+    if scaler is not None and "growth_tracker" in scaler:  # DynamicGradScaler (fp16); constant: the run's own
+        scaler = {
+            "scale": float(scaler["scale"]),
+            "growth_tracker": int(scaler["growth_tracker"]),
+            "hysteresis_tracker": int(scaler["hysteresis_tracker"]),
+        }
+    else:
+        scaler = None
+    return steps.pop(), scaler
