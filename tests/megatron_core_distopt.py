@@ -29,10 +29,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import megatron_core_run as mcr
 import torch
 import torch.distributed as dist
-
-import megatron_core_run as mcr
 
 TP, PP, DP = 2, 2, 2
 FLAVOUR = dict(mcr.FLAVOURS["gpt2"], bf16=True, save_rng=False)
@@ -80,7 +79,6 @@ def build(f: dict):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer import optimizer as moptimizer
-
     from megatron.core.transformer.module import Float16Module
 
     raw = mcr.build_chunks(f, TP, PP)
@@ -88,7 +86,8 @@ def build(f: dict):
     chunks = [Float16Module(c.config, c) for c in raw]  # Megatron-LM's get_model under --bf16
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     ddp = [
-        DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
+        DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
     ]
     moptimizer.get_grad_norm_fp32 = lambda *a, **k: 0.0
     config = OptimizerConfig(
@@ -129,7 +128,9 @@ def save(chunks, ddp, optimizer, scheduler, out: str) -> None:
     if dp_rank == 0:
         mcr.save_legacy(chunks, args("torch"), os.path.join(out, "torch"), False, optimizer, scheduler)
     dist.barrier()
-    rank_dir = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    rank_dir = (
+        f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    )
     folder = os.path.join(out, "torch", f"iter_{mcr.ITERATION:07d}", rank_dir)
     optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
     for fmt, sharding in FORMATS.items():
@@ -155,7 +156,9 @@ def layouts(ddp) -> list[dict]:
                 {
                     "names": [names[p] for p in buffer.params],
                     "places": [buffer.param_index_map[p] for p in buffer.params],
-                    "buckets": [(b.offset, b.offset + b.grad_data.numel(), b.numel_unpadded) for b in buffer.buckets],
+                    "buckets": [
+                        (b.offset, b.offset + b.grad_data.numel(), b.numel_unpadded) for b in buffer.buckets
+                    ],
                 }
             )
     return out

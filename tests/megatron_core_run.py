@@ -292,7 +292,12 @@ def sharded_model_state(chunks: list) -> dict:
 
 
 def save_torch_dist(
-    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None, meta: dict | None = None
+    chunks: list,
+    args: argparse.Namespace,
+    root: str,
+    optimizer=None,
+    scheduler=None,
+    meta: dict | None = None,
 ) -> None:
     """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``
     (``meta``: the optimizer's sharded-state-dict metadata, e.g. the distributed optimizer's

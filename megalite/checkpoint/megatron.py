@@ -69,6 +69,17 @@ class MegatronCheckpointError(MegaliteError, ValueError):
     """A Megatron-LM checkpoint megalite cannot read faithfully; the message names the format and key."""
 
 
+OMIT_OPTIMIZER = (
+    "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
+    "<converted> --no-load-optim (or --finetune)"
+)
+
+
+def refuse_optimizer_state(where: object, fmt: str, what: str) -> MegatronCheckpointError:
+    """The one line for optimizer state that is not read (megatron_optim, megatron_distopt_state)."""
+    return MegatronCheckpointError(f"{where}: Megatron-LM {fmt} checkpoint: {what}{OMIT_OPTIMIZER}")
+
+
 @dataclass
 class MegatronCheckpoint:
     """A Megatron-LM checkpoint read into megalite's terms.
@@ -176,7 +187,9 @@ def load_pickle(path: Path, what: str, data: bytes | None = None) -> dict:
     ours = [g for g in _safe_globals() if g not in registered]
     try:
         with torch.serialization.safe_globals(ours):
-            return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(
+                path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True
+            )
     except pickle.UnpicklingError as e:
         found = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(e))
         detail = found.group(0) if found else str(e).splitlines()[0]

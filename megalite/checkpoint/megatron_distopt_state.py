@@ -42,9 +42,7 @@ Chunks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]
 
 
 def error(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
-    from megalite.checkpoint.megatron_optim import refuse
-
-    return refuse(where, fmt, what)
+    return mg.refuse_optimizer_state(where, fmt, what)
 
 
 # ------------------------------------------------------------------------------ layout of a rank
@@ -107,14 +105,22 @@ def _world_tensors(path: Path, n_chunks: int) -> list[dict]:
         raise error(path, "torch", "the older per-bucket format (no buckets_coalesced) is not read")
     gbufs = sorted(k for k in state if k != "buckets_coalesced")
     if gbufs != list(range(n_chunks)):
-        raise error(path, "torch", f"buffers {gbufs} for {n_chunks} model chunk(s): one buffer per chunk expected")
+        raise error(
+            path, "torch", f"buffers {gbufs} for {n_chunks} model chunk(s): one buffer per chunk expected"
+        )
     out = []
     for g in gbufs:
         if len(state[g]) != 1:
-            raise error(path, "torch", f"buffer {g} has dtypes {list(state[g])}: one (bf16 / fp16 / fp32) expected")
+            raise error(
+                path, "torch", f"buffer {g} has dtypes {list(state[g])}: one (bf16 / fp16 / fp32) expected"
+            )
         (world,) = state[g].values()
         if set(world) != set(KINDS) | {"numel_unpadded"}:
-            raise error(path, "torch", f"buffer {g} holds {sorted(world)}: Adam's param / exp_avg / exp_avg_sq expected")
+            raise error(
+                path,
+                "torch",
+                f"buffer {g} holds {sorted(world)}: Adam's param / exp_avg / exp_avg_sq expected",
+            )
         out.append(world)
     return out
 
@@ -164,9 +170,15 @@ def dist_rank_chunks(args: argparse.Namespace, state: dict[str, torch.Tensor], w
             f"the dp_reshardable optimizer layout of --transformer-impl {impl} is not read (its parameter order "
             "is not known here); save with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch",
         )
-    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
+    for flag in (
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+        "pipeline_model_parallel_layout",
+    ):
         if getattr(args, flag, None):
-            raise error(where, "torch_dist", f"uneven pipeline stages (--{flag.replace('_', '-')}) are not read")
+            raise error(
+                where, "torch_dist", f"uneven pipeline stages (--{flag.replace('_', '-')}) are not read"
+            )
     tp, pp = int(args.tensor_model_parallel_size or 1), int(args.pipeline_model_parallel_size or 1)
     vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     per_chunk, rest = divmod(int(args.num_layers), pp * vp)
@@ -188,7 +200,9 @@ def dist_rank_chunks(args: argparse.Namespace, state: dict[str, torch.Tensor], w
                 for j in range(per_chunk):
                     g = (v * pp + r) * per_chunk + j
                     for s in suffixes:
-                        chunk[f"decoder.layers.{j}.{s}"] = _tp_shard(state[f"decoder.layers.{g}.{s}"], s, t, tp, args)
+                        chunk[f"decoder.layers.{j}.{s}"] = _tp_shard(
+                            state[f"decoder.layers.{g}.{s}"], s, t, tp, args
+                        )
                 if r == pp - 1 and v == vp - 1:
                     final = [n for n in state if n.startswith("decoder.final_layernorm.")]
                     for name in sorted(final, key=lambda n: not n.endswith("weight")):  # weight, bias
@@ -247,7 +261,11 @@ def check_tiled(metadata, key: str, where: object) -> None:
     for c in sorted(md.chunks, key=lambda c: c.offsets[0]):
         if c.offsets[0] != end:
             what = "missing" if c.offsets[0] > end else "written twice"
-            raise error(where, "torch_dist", f"{key}: elements {min(end, c.offsets[0])}..{max(end, c.offsets[0])} {what}")
+            raise error(
+                where,
+                "torch_dist",
+                f"{key}: elements {min(end, c.offsets[0])}..{max(end, c.offsets[0])} {what}",
+            )
         end = c.offsets[0] + c.sizes[0]
     if end != n:
         raise error(where, "torch_dist", f"{key}: elements {end}..{n} missing")
@@ -265,7 +283,9 @@ def read_dp_reshardable(ckpt: mg.MegatronCheckpoint, metadata) -> tuple[dict, li
     for (t, r), rank_chunks in chunks.items():
         prefix = f"optimizer.distributed.dp_group_idx_{t + tp * r}."
         layouts = chunk_layouts(ckpt.args, rank_chunks, r, folder, "torch_dist")
-        stored = [list(d.values()) for d in read_object(folder, metadata, prefix + "per_bucket_numel_unpadded")]
+        stored = [
+            list(d.values()) for d in read_object(folder, metadata, prefix + "per_bucket_numel_unpadded")
+        ]
         if stored != [[[b.numel_unpadded for b in lay.buckets]] for lay in layouts]:
             raise error(
                 folder, "torch_dist",
@@ -277,8 +297,12 @@ def read_dp_reshardable(ckpt: mg.MegatronCheckpoint, metadata) -> tuple[dict, li
         for g, (layout, chunk) in enumerate(zip(layouts, rank_chunks)):
             keys = _bucket_keys(shapes, f"{prefix}gbuf_idx_{g}.", folder)
             if len(keys) != len(layout.buckets):
-                raise error(folder, "torch_dist", f"{prefix}gbuf_idx_{g}: {len(keys)} buckets stored, the layout has {len(layout.buckets)}")
-            for b, (key, bucket) in enumerate(zip(keys, layout.buckets)):
+                raise error(
+                    folder,
+                    "torch_dist",
+                    f"{prefix}gbuf_idx_{g}: {len(keys)} buckets stored, the layout has {len(layout.buckets)}",
+                )
+            for key, bucket in zip(keys, layout.buckets):
                 for kind in KINDS:
                     if shapes.get(key + kind) != (bucket.numel_unpadded,):
                         raise error(
@@ -334,5 +358,7 @@ def read_object(folder: Path, metadata, key: str):
         data = f.read(info.length)
     value = mg.load_pickle(folder / info.relative_path, f"torch_dist object {key}", data=data)
     if not isinstance(value, list) or len(value) != 1:
-        raise error(folder, "torch_dist", f"{key}: a {type(value).__name__}, not the one-element list Megatron stores")
+        raise error(
+            folder, "torch_dist", f"{key}: a {type(value).__name__}, not the one-element list Megatron stores"
+        )
     return value[0]

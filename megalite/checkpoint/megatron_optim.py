@@ -35,10 +35,6 @@ from megalite.checkpoint import storage
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
-OMIT = (
-    "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
-    "<converted> --no-load-optim (or --finetune)"
-)
 
 
 @dataclass
@@ -55,8 +51,7 @@ class MegatronOptimizerState:
     grad_scaler: dict | None = None  # fp16's dynamic loss scaler, megalite's state_dict form
 
 
-def refuse(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
-    return mg.MegatronCheckpointError(f"{where}: Megatron-LM {fmt} checkpoint: {what}{OMIT}")
+refuse = mg.refuse_optimizer_state
 
 
 def read_megatron_optimizer(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
@@ -243,12 +238,18 @@ def _progress(optimizers: list, fmt: str) -> tuple[int, dict | None]:
         if not groups:
             raise refuse(where, fmt, "no optimizer param groups (AdamW's step)")
         for group in groups:
-            if group.get("lr_mult", 1.0) != 1.0 or group.get("is_decoupled_lr") or group.get("is_expert_parallel"):
+            if (
+                group.get("lr_mult", 1.0) != 1.0
+                or group.get("is_decoupled_lr")
+                or group.get("is_expert_parallel")
+            ):
                 raise refuse(where, fmt, "optimizer param groups with per-group LR / experts are not read")
             steps.add(int(group["step"]))
         scalers.append(opt.get("grad_scaler"))
     if len(steps) != 1:
-        raise refuse(optimizers[0][0], fmt, f"AdamW steps {sorted(steps)} differ between param groups / ranks")
+        raise refuse(
+            optimizers[0][0], fmt, f"AdamW steps {sorted(steps)} differ between param groups / ranks"
+        )
     scaler = scalers[0]
     if scaler is not None and "growth_tracker" in scaler:  # DynamicGradScaler (fp16); constant: the run's own
         scaler = {
