@@ -40,10 +40,12 @@ CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099
     "optim": ("megalite/optim/**/*.py", 1750),
     "data": ("megalite/data/**/*.py", 3250),
     # 1900 -> 2350: --async-save's staging and writer thread (issue 37, async_save.py) and the MoE
-    # checkpoint's per-expert pieces (issue 36, logical.py)
+    # checkpoint's per-expert pieces (issue 36, logical.py); 2350 -> 2400: a --bf16 run resuming an fp32
+    # checkpoint's weights as its main params loads its model params too (optimizer_state.fill_model),
+    # and TrainingProgress carries fp16's loss scaler (issue 39, Megatron's distributed optimizer import)
     "checkpoint core": (
         tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE + ("async_save",)),
-        2350,
+        2400,
     ),
     # 700 -> 760: MoE's step (issue 35): the aux-loss scale, the expert-bias update, aux-loss logging
     "training": ("megalite/training.py", 760),
