@@ -82,6 +82,11 @@ def feature(f: dict, name: str) -> bool:
     return bool(f.get(name, False))
 
 
+def dtype(f: dict) -> torch.dtype:
+    """The model's parameter dtype (``--bf16``: bf16 weights, fp32 main params in the optimizer)."""
+    return torch.bfloat16 if feature(f, "bf16") else torch.float32
+
+
 def stub_cuda() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -166,7 +171,7 @@ def build_chunks(f: dict, tp: int, pp: int) -> list:
         add_bias_linear=f["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=f["vp"], use_cpu_initialization=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        params_dtype=dtype(f), pipeline_dtype=dtype(f), bf16=feature(f, "bf16"), bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **moe_config(f),
     )  # fmt: skip
@@ -363,10 +368,17 @@ def sharded_model_state(chunks: list, meta: dict | None = None) -> dict:
 
 
 def save_torch_dist(
-    chunks: list, args: argparse.Namespace, root: str, optimizer=None, scheduler=None, sharding=None
+    chunks: list,
+    args: argparse.Namespace,
+    root: str,
+    optimizer=None,
+    scheduler=None,
+    sharding=None,
+    meta: dict | None = None,
 ) -> None:
     """Megatron-LM's ``torch_dist`` format, written by megatron-core's ``dist_checkpointing.save``
-    (``sharding``: the distributed optimizer's ``distrib_optim_sharding_type``)."""
+    (``sharding``: the distributed optimizer's ``distrib_optim_sharding_type``; ``meta``: the
+    optimizer's whole sharded-state-dict metadata instead)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -381,7 +393,7 @@ def save_torch_dist(
         **sharded_model_state(chunks),
     }
     if optimizer is not None:  # generate_state_dict's, for ckpt_format torch_dist
-        meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        meta = meta or {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         if sharding is not None:
             meta["distrib_optim_sharding_type"] = sharding
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
@@ -519,60 +531,64 @@ def _stage_order(n_chunks: int, pp: int) -> list[tuple[int, int]]:
     return [(v, s) for v in range(n_chunks) for s in range(pp)]
 
 
-def train_step(chunks: list, optimizer, pp: int) -> float | None:
-    """One training step of megatron-core's model on :func:`tokens` -> :func:`labels`: the mean
-    token cross-entropy (megatron-core's own vocab-parallel loss), run stage after stage over
-    gloo (forward in model order, backward in reverse, activations / their grads sent between
-    ranks), the tied embedding's grads summed over the embedding group as Megatron's
-    ``finalize_model_grads`` does, then megatron-core's optimizer step. Returns the loss on the
-    last stage (None elsewhere)."""
+def train_step(chunks: list, optimizer, pp: int, rows: slice | None = None, finalize=None) -> float | None:
+    """One training step of megatron-core's model on :func:`tokens` -> :func:`labels` (the batch
+    rows ``rows``, else this DP rank's share, :func:`local`): the mean token cross-entropy
+    (megatron-core's own vocab-parallel loss), run stage after stage over gloo (forward in model
+    order, backward in reverse, activations / their grads sent between ranks), then Megatron's
+    ``finalize_model_grads`` work (the tied embedding's grads summed over the embedding group, the
+    TP-replicated grads over TP, the data-parallel average; or ``finalize()``: the real one, with
+    DDP), then megatron-core's optimizer step. The loss on the last stage (else None)."""
     from megatron.core import parallel_state as ps
 
-    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    toks, labs = (tokens()[rows], labels()[rows]) if rows is not None else (local(tokens()), local(labels()))
+    pos = torch.arange(SEQ).expand(toks.shape[0], SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     pp_rank, h = ps.get_pipeline_model_parallel_rank(), chunks[0].config.hidden_size
     order = _stage_order(len(chunks), pp)
-    pos = pos[: BATCH // ps.get_data_parallel_world_size()]
     mbs = pos.shape[0]
     optimizer.zero_grad()
-    saved = {}
+    saved, loss = {}, None
     for i, (v, stage) in enumerate(order):
         if stage != pp_rank:
             continue
         x = None
         if i > 0:
-            x = torch.empty(stage_seq(chunks[v], ps.get_tensor_model_parallel_world_size()), mbs, h)
+            x = torch.empty(
+                stage_seq(chunks[v], ps.get_tensor_model_parallel_world_size()),
+                mbs,
+                h,
+                dtype=chunks[v].config.pipeline_dtype,
+            )
             dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
             x.requires_grad_(True)
             chunks[v].set_input_tensor(x)
-        y = chunks[v](
-            local(tokens()) if i == 0 else None,
-            pos,
-            mask,
-            labels=local(labels()) if i == len(order) - 1 else None,
-        )
+        y = chunks[v](toks if i == 0 else None, pos, mask, labels=labs if i == len(order) - 1 else None)
         saved[i] = (x, y)
         if i < len(order) - 1:
             dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-    loss = None
     for i in reversed(range(len(order))):
         if order[i][1] != pp_rank:
             continue
         x, y = saved[i]
         if i == len(order) - 1:
-            loss = y.float().mean()
-            loss.backward()
+            mean = y.float().mean()
+            loss = mean.item()
+            mean.backward()
         else:
             g = torch.empty_like(y)
             dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
             y.backward(g)
         if i > 0:
             dist.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
-    _sum_tied_embedding_grads(chunks)
-    _sum_tp_replicated_grads(chunks)
-    _average_data_parallel_grads(chunks)
+    if finalize is None:
+        _sum_tied_embedding_grads(chunks)
+        _sum_tp_replicated_grads(chunks)
+        _average_data_parallel_grads(chunks)
+    else:
+        finalize()
     optimizer.step()
-    return None if loss is None else float(loss)
+    return loss
 
 
 def _average_data_parallel_grads(chunks: list) -> None:
@@ -739,7 +755,7 @@ def ddp_train_step(ddp: list, optimizer) -> float:
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
-    toks, labs = tokens()[rows], labels()[rows]
+    toks, labs = (tokens()[rows], labels()[rows]) if rows is not None else (local(tokens()), local(labels()))
     pos = torch.arange(SEQ).expand(toks.shape[0], SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     for d in ddp:

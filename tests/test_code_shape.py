@@ -47,10 +47,12 @@ CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099
     # checkpoint of the nvme optimizer tier (storage.deferred and the planners' read / commit of it,
     # optimizer_state.streams); 2500 -> 2550: issue 40's external faults (DCP's CheckpointException
     # as an Exception: storage.StorageFailure; EFBIG / EDQUOT named; the partial outputs of killed
-    # converter runs removed)
+    # converter runs removed); 2550 -> 2600: a --bf16 run resuming an fp32 checkpoint's weights as its
+    # main params loads its model params too (optimizer_state.fill_model), and TrainingProgress
+    # carries fp16's loss scaler (issue 39, Megatron's distributed optimizer import)
     "checkpoint core": (
         tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE + ("async_save",)),
-        2550,
+        2600,
     ),
     # 700 -> 760: MoE's step (issue 35): the aux-loss scale, the expert-bias update, aux-loss logging
     "training": ("megalite/training.py", 760),

@@ -608,3 +608,215 @@ def test_megatrons_own_argument_defaults_import_as_megatron_reads_them():
         mg.model_config_from_args(argparse.Namespace(**{**base, "num_query_groups": 2}), "test").query_groups
         == 4
     )
+
+
+# ---- megatron-core's distributed optimizer, bf16 (tests/data/megatron/distopt) ----------------------
+DISTOPT = DATA / "distopt"
+DISTOPT_FORMATS = ("torch", "torch_dist", "torch_dist_fully_reshardable")  # dp_reshardable is the torch_dist
+
+
+def test_distributed_optimizer_state_reads_the_same_from_its_three_layouts():
+    """distrib_optim.pt (buckets' unpadded prefixes concatenated), dp_reshardable (a DCP tensor per
+    bucket, DP slices as chunks) and fully_reshardable (per model key): the same fp32 main params
+    and moments, bit for bit; the bf16 weights are the main params rounded; the buffer layout
+    megalite computes for each rank is megatron-core's own (recorded when the fixture was made)."""
+    from megalite.checkpoint import megatron_distopt_state as ds
+    from megalite.checkpoint.megatron_optim import MOMENTS, read_megatron_optimizer
+
+    reads = {fmt: read_megatron_optimizer(mg.read_megatron(DISTOPT / fmt)) for fmt in DISTOPT_FORMATS}
+    legacy = reads["torch"]
+    weights = mg.read_megatron(DISTOPT / "torch").state
+    assert legacy.main.keys() == weights.keys() and legacy.grad_scaler is None
+    for name, w in weights.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(legacy.main[name].bfloat16(), w), name
+        assert not torch.equal(legacy.main[name], w.float()), name  # the masters carry more than bf16
+    for fmt, got in reads.items():
+        assert (got.step, got.consumed_train_samples, got.scheduler) == (5, 10, legacy.scheduler), fmt
+        for name in weights:
+            assert torch.equal(got.main[name], legacy.main[name]), (fmt, name)
+            for kind in MOMENTS:
+                assert torch.equal(got.moments[kind][name], legacy.moments[kind][name]), (fmt, kind, name)
+                assert got.moments[kind][name].abs().sum() > 0, (fmt, kind, name)
+    # megatron-core's layout of each TP x PP rank's buffer vs megalite's, from the legacy rank files
+    # and from the torch_dist global tensors (the dp_reshardable road)
+    ckpt = mg.read_megatron(DISTOPT / "torch_dist")
+    files = {(t, p): f for (t, p, _), f in mg._rank_files(mg.read_megatron(DISTOPT / "torch").folder).items()}
+    shapes = storage_names(ckpt.folder)
+    dist_chunks = ds.dist_rank_chunks(ckpt.args, mg.read_dist_tensors(ckpt.folder, shapes), "test")
+    for rank, (core,) in expected_distopt()["layouts"].items():
+        legacy_chunks = mg._model_chunks(mg.load_pickle(files[rank], "test"), files[rank])
+        for chunks in (legacy_chunks, dist_chunks[rank]):
+            (layout,) = ds.chunk_layouts(ckpt.args, chunks, rank[1], "test", "torch")
+            assert [mg.megalite_name(n) for n in chunks[0]] == [mg.megalite_name(n) for n in core["names"]]
+            assert [(p.start, p.end, p.bucket) for p in layout.places] == core["places"], rank
+            assert [(b.start, b.end, b.numel_unpadded) for b in layout.buckets] == core["buckets"], rank
+
+
+def expected_distopt() -> dict:
+    return torch.load(DISTOPT / "expected.pt", weights_only=True)
+
+
+def storage_names(folder: Path) -> list[str]:
+    from megalite.checkpoint import storage
+
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(folder))
+    return [n for n in shapes if not n.startswith(mg._NOT_MODEL) and not mg._SKIP.search(n)]
+
+
+def test_damaged_distributed_optimizer_state_fails_in_one_line(tmp_path):
+    from megalite.checkpoint import storage
+    from megalite.checkpoint.megatron_optim import _progress, read_megatron_optimizer
+
+    def fails(path: Path, match: str) -> str:
+        with pytest.raises(mg.MegatronCheckpointError, match=match) as e:
+            read_megatron_optimizer(mg.read_megatron(path))
+        assert "\n" not in str(e.value) and "convert without --include-optimizer" in str(e.value)
+        return str(e.value)
+
+    def copy(fmt: str, name: str) -> Path:
+        return Path(shutil.copytree(DISTOPT / fmt, tmp_path / name))
+
+    rank = "iter_0000005/mp_rank_01_001"
+    missing = copy("torch", "missing")
+    (missing / rank / mg.DISTRIB_OPTIM_FILE).unlink()
+    fails(missing, r"mp_rank_01_001/distrib_optim\.pt: .*missing")
+    short = copy("torch", "short")  # one element short: its ranges no longer fit the buffer
+    state = torch.load(short / rank / mg.DISTRIB_OPTIM_FILE, weights_only=True)
+    (world,) = state[0].values()
+    world["exp_avg"] = world["exp_avg"][:-1]
+    torch.save(state, short / rank / mg.DISTRIB_OPTIM_FILE)
+    fails(short, r"mp_rank_01_001/distrib_optim\.pt: .*exp_avg holds 2639 elements .* fill 2640")
+    # other buckets than the run's (--overlap-grad-reduce, --ddp-bucket-size 1: a bucket per parameter)
+    bucketed = copy("torch", "bucketed")
+    for path in sorted((bucketed / "iter_0000005").glob(f"mp_rank_*/{mg.LEGACY_FILE}")):
+        state = mg.load_pickle(path, "test")
+        plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, mg._MegatronObject)}
+        state["args"] = argparse.Namespace(**plain, overlap_grad_reduce=True, ddp_bucket_size=1)
+        torch.save(state, path)
+    fails(bucketed, r"mp_rank_00_000/distrib_optim\.pt: .*Megatron's bucket padding")
+    # dp_reshardable: one DP rank's range of a bucket is missing from the DCP metadata
+    holed = copy("torch_dist", "holed")
+    folder = holed / "iter_0000005"
+    md = storage.read_dcp_metadata(folder)
+    key = next(
+        k for k in md.state_dict_metadata if k.startswith("optimizer.distributed.") and k.endswith(".exp_avg")
+    )
+    md.state_dict_metadata[key].chunks.pop(1)
+    with open(folder / ".metadata", "wb") as f:
+        import pickle
+
+        pickle.dump(md, f)
+    fails(holed, r"bucket_idx_0\.exp_avg: elements \d+\.\.\d+ missing")
+    # fp16's dynamic loss scaler: Megatron's state in megalite's form (a constant one is the run's own)
+    groups = {"optimizer": {"param_groups": [{"step": 3.0}]}}
+    scaler = {"scale": torch.tensor([1024.0]), "growth_tracker": 7, "hysteresis_tracker": 2}
+    assert _progress([("f", {**groups, "grad_scaler": scaler})], "torch") == (
+        3,
+        {"scale": 1024.0, "growth_tracker": 7, "hysteresis_tracker": 2},
+    )
+    assert _progress([("f", {**groups, "grad_scaler": {"scale": torch.tensor([8.0])}})], "torch") == (3, None)
+
+
+def _megalite_bf16_continues(converted: str, config, layout: list[str], save: str) -> float | None:
+    """pretrain_gpt.py --bf16 at ``layout``: --load ``converted``, one step on megatron_core_run's
+    rows (this DP rank's), --save; the step's loss (None off the last stage)."""
+    import megatron_core_run as mcr
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import load_checkpoint, save_checkpoint
+    from megalite.training import setup, train_step
+
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1),
+            "--seq-length", str(mcr.SEQ), "--train-iters", str(mcr.DECAY_ITERS), "--load", converted,
+            "--save", save, "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
+            *mcr.MEGALITE_SCHEDULE_FLAGS, *mg.model_flags(config), "--micro-batch-size", "1", *layout]  # fmt: skip
+    state = setup(RunConfig.from_flags(argv))
+    assert load_checkpoint(state)
+    per_rank = mcr.BATCH // state.mesh.dp_size
+    rows = range(state.mesh.dp_rank * per_rank, (state.mesh.dp_rank + 1) * per_rank)
+    batches = [{"tokens": mcr.tokens()[r : r + 1], "labels": mcr.labels()[r : r + 1],
+                "loss_mask": torch.ones(1, mcr.SEQ), "position_ids": torch.arange(mcr.SEQ)[None]}
+               for r in rows]  # fmt: skip
+    loss = train_step(state, iter(batches))["loss"]
+    save_checkpoint(state)
+    return None if loss is None else float(loss)
+
+
+def _bf16_continues(cases):
+    return [_megalite_bf16_continues(*case) for case in cases]
+
+
+def _stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a megalite checkpoint folder (logical names, ``optimizer.KIND.NAME``)."""
+    from megalite.checkpoint import storage
+
+    md = storage.read_dcp_metadata(folder)
+    shapes, dtypes = storage.stored_shapes(md), storage.stored_dtypes(md)
+    out = {k: torch.empty(shapes[k], dtype=dtypes[k]) for k in shapes if not k.startswith("rng")}
+    storage.read(out, folder, no_dist=True)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_converted_bf16_distributed_optimizer_run_continues_as_megatron_core(tmp_path, capsys):
+    """megatron-core's DistributedOptimizer (bf16, dp 2 x tp 2 x pp 2), converted
+    --include-optimizer from each layout: the converted checkpoints are one and the same, with
+    Megatron's fp32 main params as the weights and its moments, bit for bit; megalite --bf16 then
+    takes megatron-core's next step at its layout (with --use-distributed-optimizer) and at
+    tp 4 x pp 2 x dp 1.
+
+    Tolerances: both codes round the forward and backward to bf16 in their own order, so the
+    gradients differ in their last bf16 bits. The loss (one forward of the same bf16 weights) is
+    within 1e-3 relative. The step's change of each fp32 main param and moment (Adam's m, v take
+    0.1 / 0.001 of the new gradient) is within 10% of that change's norm (measured: under 4% for
+    the moments); a lost moment or a skipped step moves it by 100%. The key bias's rows are left out (its true gradient is 0: Adam scales rounding
+    noise to a step of about the LR). The schedule and step count are compared exactly (above)."""
+    import megatron_core_run as mcr
+
+    want = expected_distopt()
+    before = {}
+    converted = {}
+    for fmt in DISTOPT_FORMATS:
+        out = tmp_path / fmt
+        assert convert_main("--input", str(DISTOPT / fmt), "--output", str(out), "--output-format", "megalite",
+                            "--include-optimizer") == 0  # fmt: skip
+        assert "fp32 main params of the distributed optimizer" in capsys.readouterr().out
+        converted[fmt] = _stored_tensors(out / "iter_0000005")
+    first = converted["torch"]
+    for fmt, got in converted.items():
+        assert got.keys() == first.keys() and all(torch.equal(got[k], first[k]) for k in got), fmt
+    config = mg.read_megatron(DISTOPT / "torch").config
+    from megalite.checkpoint.megatron_optim import read_megatron_optimizer
+
+    megatron = read_megatron_optimizer(mg.read_megatron(DISTOPT / "torch"))
+    for name, t in megatron.main.items():
+        assert torch.equal(first[name], t), name  # the converted weights: Megatron's fp32 main params
+        before[("param", name)] = t
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(first[f"optimizer.{kind}.{name}"], megatron.moments[kind][name]), (kind, name)
+            before[(kind, name)] = megatron.moments[kind][name]
+    layouts = {
+        "torch_dist": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--use-distributed-optimizer"],
+        "torch": ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],
+    }  # fmt: skip
+    cases = [
+        (str(tmp_path / fmt), config, flags, str(tmp_path / f"{fmt}-next")) for fmt, flags in layouts.items()
+    ]
+    losses = run_distributed(_bf16_continues, 8, cases, timeout=500)
+    for i, (fmt, _) in enumerate(layouts.items()):
+        loss = next(r[i] for r in losses if r[i] is not None)
+        assert abs(loss - want["loss"]) <= 1e-3 * want["loss"], (fmt, loss, want["loss"])
+        got = _stored_tensors(tmp_path / f"{fmt}-next" / f"iter_{mcr.ITERATION + 1:07d}")
+        for kind, stored in (("param", "main"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            for name, t in want["next"][kind].items():
+                rows = _determined_rows(name, config)
+                change = t[rows] - before[(kind, name)][rows]
+                err = got[f"optimizer.{stored}.{name}"][rows] - t[rows]
+                assert change.norm() > 0, (fmt, kind, name)
+                assert err.norm() <= 0.1 * change.norm(), (
+                    fmt,
+                    kind,
+                    name,
+                    (err.norm() / change.norm()).item(),
+                )

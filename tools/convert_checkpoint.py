@@ -11,7 +11,8 @@
     # a Megatron-LM checkpoint (torch or torch_dist, any TP/PP/VP layout; format detected) -> megalite / HF
     python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite
     # ... with its Adam moments, step count, LR schedule and iteration: pretrain_gpt.py --load SAVE3
-    # then continues the run (fp32 runs with Megatron's non-distributed optimizer)
+    # then continues the run (fp32 runs with Megatron's optimizer; bf16 / fp16 runs with
+    # --use-distributed-optimizer, whose fp32 main params become the weights written)
     python tools/convert_checkpoint.py --input MEGATRON_SAVE --output SAVE3/ --output-format megalite \
         --include-optimizer
     # megalite (or HF) -> Megatron-LM torch_dist (or --ckpt-format torch) at a layout of your choice
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--include-optimizer",
         action="store_true",
         help="megatron input, megalite output (or megalite input, megatron output): carry the Adam moments, "
-        "AdamW's step, the LR schedule, the iteration and the samples consumed, so pretrain_gpt.py --load "
+        "AdamW's step, the LR schedule, the iteration and the samples consumed (and a bf16 / fp16 run's fp32 "
+        "main params and loss scaler), so pretrain_gpt.py --load "
         "OUTPUT (or Megatron-LM's --load OUTPUT --no-load-rng) continues the run (default: weights only).",
     )
     p.add_argument(
@@ -214,8 +216,14 @@ def read_megatron(path: str, iteration: int | None, include_optimizer: bool = Fa
         return ckpt.state, ckpt.config, None
     opt = read_megatron_optimizer(ckpt)
     log(f"optimizer: Adam moments, AdamW step {opt.step}, {opt.consumed_train_samples} samples consumed")
-    progress = TrainingProgress(opt.moments, opt.step, opt.scheduler, opt.consumed_train_samples)
-    return ckpt.state, ckpt.config, (int(ckpt.iteration or 0), progress)
+    progress = TrainingProgress(
+        opt.moments, opt.step, opt.scheduler, opt.consumed_train_samples, opt.grad_scaler
+    )
+    if opt.main is None:
+        return ckpt.state, ckpt.config, (int(ckpt.iteration or 0), progress)
+    # bf16 / fp16 run: its fp32 main params are the weights written (a --bf16 / --fp16 run's masters)
+    log("optimizer: fp32 main params of the distributed optimizer (written as the fp32 weights)")
+    return opt.main, ckpt.config, (int(ckpt.iteration or 0), progress)
 
 
 def check_optimizer_flags(args: argparse.Namespace) -> None:

@@ -506,6 +506,8 @@ def _read_tensors(state, folder: str, meta: dict, load_optim: bool, load_rng: bo
         rng_targets = rng_state.load_targets(mesh, state.rng, stored) if load_rng else {}
         targets.update(rng_targets)
         storage.read(targets, folder)
+        if opt_load is not None:
+            opt_load.fill_model()  # the weights read as fp32 main params reach the model too
         zero_vocab_padding(state.model, model_config, mesh)
         if not load_optim:
             optimizer_state.reload_main_params(state.optimizer)  # reads the loaded model params

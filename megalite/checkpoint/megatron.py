@@ -68,6 +68,17 @@ DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the distributed optimizer's state (to
 MegatronCheckpointError = megatron_moe.MegatronCheckpointError
 
 
+OMIT_OPTIMIZER = (
+    "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
+    "<converted> --no-load-optim (or --finetune)"
+)
+
+
+def refuse_optimizer_state(where: object, fmt: str, what: str) -> MegatronCheckpointError:
+    """The one line for optimizer state that is not read (megatron_optim, megatron_distopt_state)."""
+    return MegatronCheckpointError(f"{where}: Megatron-LM {fmt} checkpoint: {what}{OMIT_OPTIMIZER}")
+
+
 @dataclass
 class MegatronCheckpoint:
     """A Megatron-LM checkpoint read into megalite's terms.
@@ -164,16 +175,20 @@ def _check_zip(path: Path, what: str) -> None:
         )
 
 
-def load_pickle(path: Path, what: str) -> dict:
-    """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused."""
+def load_pickle(path: Path, what: str, data: bytes | None = None) -> dict:
+    """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused.
+    ``data``: the bytes to read instead of the file (an object stored inside ``path``)."""
     # Only what is not allowed already: leaving the context removes its entries, and must not
     # remove a caller's own (megatron-core registers the same classes when it is imported).
-    _check_zip(path, what)
+    if data is None:
+        _check_zip(path, what)
     registered = torch.serialization.get_safe_globals()
     ours = [g for g in _safe_globals() if g not in registered]
     try:
         with torch.serialization.safe_globals(ours):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(
+                path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True
+            )
     except pickle.UnpicklingError as e:
         found = re.search(r"(?:Unsupported global|Unsupported operand)[^\n]*", str(e))
         detail = found.group(0) if found else str(e).splitlines()[0]

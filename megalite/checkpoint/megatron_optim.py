@@ -15,11 +15,15 @@ What each format holds (Megatron-LM's ``generate_state_dict``, fp32 model, non-d
 Both have ``opt_param_scheduler`` (Megatron's LR schedule; megalite's has the same fields) and the
 stored args' ``consumed_train_samples``. The moments then take the weights' road: the same name
 map, TP merge and SwiGLU ``[gate; up]`` split (:func:`megatron.assemble_legacy`,
-:func:`megatron.finish_state`). fp32 models only: their main params are the weights.
+:func:`megatron.finish_state`). For these fp32 models the main params are the weights.
+
+The distributed optimizer (``--use-distributed-optimizer``, fp32 or bf16 / fp16) is read by
+:func:`_read_distributed` in all three of its layouts (``distrib_optim.pt``, torch_dist
+``dp_reshardable`` and ``fully_reshardable``; :mod:`megatron_distopt_state`): its fp32 main params
+become the weights, and fp16's loss scaler comes along.
 
 What is not read stops in one line naming the format and the file or key: no optimizer state
-(``--no-save-optim``), the distributed optimizer (``distrib_optim.pt``, or its flat ``torch_dist``
-buffers), the bf16 / fp16 optimizer's fp32 copies.
+(``--no-save-optim``), a bf16 / fp16 run without the distributed optimizer, per-group learning rates.
 """
 
 from __future__ import annotations
@@ -36,10 +40,6 @@ from megalite.checkpoint.megatron_moe import is_routed_expert
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
-OMIT = (
-    "; convert without --include-optimizer (weights only) and continue with pretrain_gpt.py --load "
-    "<converted> --no-load-optim (or --finetune)"
-)
 
 
 @dataclass
@@ -52,19 +52,23 @@ class MegatronOptimizerState:
     step: int
     scheduler: dict | None
     consumed_train_samples: int
+    main: dict[str, torch.Tensor] | None = None  # bf16 / fp16 runs: the fp32 main params (logical)
+    grad_scaler: dict | None = None  # fp16's dynamic loss scaler, megalite's state_dict form
 
 
-def refuse(where: object, fmt: str, what: str) -> mg.MegatronCheckpointError:
-    return mg.MegatronCheckpointError(f"{where}: Megatron-LM {fmt} checkpoint: {what}{OMIT}")
+refuse = mg.refuse_optimizer_state
 
 
 def read_megatron_optimizer(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
     """The Adam state of the checkpoint ``ckpt`` was read from (its iteration folder)."""
     if getattr(ckpt.args, "use_distributed_optimizer", False):
-        name = DISTRIB_OPTIM_FILE if ckpt.fmt == "torch" else "the optimizer.distributed.* tensors"
-        raise refuse(ckpt.folder, ckpt.fmt, f"the distributed optimizer's state ({name}) is not read")
+        return _read_distributed(ckpt)
     if getattr(ckpt.args, "fp16", False) or getattr(ckpt.args, "bf16", False):
-        raise refuse(ckpt.folder, ckpt.fmt, "the bf16 / fp16 optimizer's fp32 main params are not read")
+        raise refuse(
+            ckpt.folder,
+            ckpt.fmt,
+            "the bf16 / fp16 optimizer's fp32 main params are read with --use-distributed-optimizer only",
+        )
     read = _read_legacy if ckpt.fmt == "torch" else _read_dist
     moments, step, scheduler = read(ckpt)
     where = str(ckpt.folder)
@@ -211,3 +215,85 @@ def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
 def _chains(optim: list[str]) -> list[str]:
     """The prefixes the optimizer keys come under: ``""`` or ``chained_I.`` for each I."""
     return sorted({m.group(0) if (m := _CHAINED.match(n)) else "" for n in optim})
+
+
+def _read_distributed(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
+    """The distributed optimizer's state (:mod:`megatron_distopt_state`): fp32 main params, the
+    moments, AdamW's step and the loss scaler, checked against the stored weights."""
+    from megalite.checkpoint import megatron_distopt_state as ds
+
+    scheduler = None
+    if ckpt.fmt == "torch":
+        merged, optimizers, scheduler = ds.read_legacy(ckpt)
+    else:
+        common = mg.load_pickle(ckpt.folder / mg.COMMON_FILE, "torch_dist common.pt")
+        scheduler = common.get("opt_param_scheduler")
+        sharding = common.get("optimizer", {}).get("param_state_sharding_type")
+        metadata = storage.read_dcp_metadata(ckpt.folder)
+        if sharding == "dp_reshardable":
+            merged, optimizers = ds.read_dp_reshardable(ckpt, metadata)
+        elif sharding == "fully_reshardable":
+            merged = {kind: _dist_state(ckpt, kind) for kind in ds.KINDS}
+            optimizers = [(ckpt.folder / mg.COMMON_FILE, common["optimizer"])]
+        else:
+            raise refuse(
+                ckpt.folder / mg.COMMON_FILE, "torch_dist",
+                f"the distributed optimizer's {sharding!r} layout is not read (dp_reshardable and "
+                "fully_reshardable are)",
+            )  # fmt: skip
+    step, scaler = _progress(optimizers, ckpt.fmt)
+    where = str(ckpt.folder)
+    logical = {kind: mg.finish_state(state, ckpt.config, where) for kind, state in merged.items()}
+    main = logical.pop("param")
+    for name, weight in ckpt.state.items():
+        if weight.dtype != torch.float32 and not torch.equal(main[name].to(weight.dtype), weight):
+            raise refuse(
+                ckpt.folder, ckpt.fmt,
+                f"the fp32 main param of {name} does not round to its stored {weight.dtype} weight: the "
+                "optimizer state is from another save",
+            )  # fmt: skip
+    samples = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
+    return MegatronOptimizerState(logical, step, scheduler, samples, main, scaler)
+
+
+def _dist_state(ckpt: mg.MegatronCheckpoint, kind: str) -> dict[str, torch.Tensor]:
+    """``optimizer.state.KIND.*`` of a fully_reshardable save, under the model's own keys."""
+    shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
+    model = mg.model_names(shapes)
+    prefix = f"optimizer.state.{kind}."
+    missing = [n for n in model if prefix + n not in shapes]
+    if missing:
+        raise refuse(ckpt.folder, "torch_dist", f"no {prefix}{missing[0]} (fully_reshardable layout)")
+    return {n: t.float() for n, t in mg.read_dist_tensors(ckpt.folder, model, prefix).items()}
+
+
+def _progress(optimizers: list, fmt: str) -> tuple[int, dict | None]:
+    """AdamW's step (the param groups') and the dynamic loss scaler, the same on every rank."""
+    steps, scalers = set(), []
+    for where, opt in optimizers:
+        groups = (opt.get("optimizer") or {}).get("param_groups")
+        if not groups:
+            raise refuse(where, fmt, "no optimizer param groups (AdamW's step)")
+        for group in groups:
+            if (
+                group.get("lr_mult", 1.0) != 1.0
+                or group.get("is_decoupled_lr")
+                or group.get("is_expert_parallel")
+            ):
+                raise refuse(where, fmt, "optimizer param groups with per-group LR / experts are not read")
+            steps.add(int(group["step"]))
+        scalers.append(opt.get("grad_scaler"))
+    if len(steps) != 1:
+        raise refuse(
+            optimizers[0][0], fmt, f"AdamW steps {sorted(steps)} differ between param groups / ranks"
+        )
+    scaler = scalers[0]
+    if scaler is not None and "growth_tracker" in scaler:  # DynamicGradScaler (fp16); constant: the run's own
+        scaler = {
+            "scale": float(scaler["scale"]),
+            "growth_tracker": int(scaler["growth_tracker"]),
+            "hysteresis_tracker": int(scaler["hysteresis_tracker"]),
+        }
+    else:
+        scaler = None
+    return steps.pop(), scaler

@@ -111,6 +111,7 @@ class OptimizerLoad:
         self.optimizer = optimizer
         self.buffers: dict[tuple[str, nn.Parameter], torch.Tensor] = {}
         self.pieces: dict = {}
+        self.from_weights: list[nn.Parameter] = []  # main params read from the stored fp32 weights
         names = _param_names(chunks)
         wanted = {m.model for m in optimizer.main_params}
         kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
@@ -125,9 +126,20 @@ class OptimizerLoad:
                     buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 self.buffers[(kind, param)] = buf
                 for logical, piece in logical_pieces(source, buf, param, config, mesh).items():
-                    # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights.
+                    # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights,
+                    # read in fp32 here and given to the model param too (:meth:`fill_model`).
                     entry = key(kind, logical)
-                    self.pieces[entry if kind != "main" or entry in stored else logical] = piece
+                    if kind == "main" and entry not in stored:
+                        entry = logical
+                        self.from_weights.append(param)
+                    self.pieces[entry] = piece
+
+    @torch.no_grad()
+    def fill_model(self) -> None:
+        """The model params whose stored weights were read as fp32 main params (a bf16 / fp16 run
+        resuming an fp32 model's checkpoint) take them, rounded to their dtype."""
+        for param in dict.fromkeys(self.from_weights):
+            param.copy_(self.buffers[("main", param)])
 
     @torch.no_grad()
     def apply(self, step: int) -> None:

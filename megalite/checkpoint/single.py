@@ -65,6 +65,7 @@ class TrainingProgress:
     adam_step: int
     scheduler: dict | None
     consumed_train_samples: int
+    grad_scaler: dict | None = None  # the dynamic loss scaler's state_dict (fp16 runs)
 
 
 def save_model_checkpoint(
@@ -140,6 +141,10 @@ def _progress_metadata(progress: TrainingProgress | None) -> dict:
     if progress is None:
         return {}
     return {
-        "optimizer": {"adam_step": progress.adam_step, "main_params_stored": False, "grad_scaler": None},
+        "optimizer": {
+            "adam_step": progress.adam_step,
+            "main_params_stored": False,
+            "grad_scaler": progress.grad_scaler,
+        },
         "scheduler": progress.scheduler,
     }

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: megatron_core_run
 sys.path.insert(0, str(HERE.parents[2]))  # the repository: megalite
 
+import megatron_core_distopt as mcd  # noqa: E402
 import megatron_core_run as mcr  # noqa: E402
 
 from megalite.checkpoint import megatron as mg  # noqa: E402
@@ -49,7 +50,40 @@ def write_and_continue(flavour: str, out: str, scratch: str):
     return logits
 
 
+def logical(ranks: list[dict], kind: str, scratch: Path) -> dict[str, torch.Tensor]:
+    """The ranks' ``kind`` tensors (megatron-core names, per TP x PP rank and chunk) in
+    megalite's logical terms: written as the model of a legacy checkpoint and read back."""
+    root = scratch / kind
+    for r in ranks:
+        tp_rank, pp_rank = r["rank"]
+        folder = root / f"iter_{mcr.ITERATION + 1:07d}" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        folder.mkdir(parents=True)
+        args = mcd.args("torch")
+        args.iteration = mcr.ITERATION + 1
+        (model,) = r["state"][kind]
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": args.iteration, "model": model},
+                   folder / mg.LEGACY_FILE)  # fmt: skip
+    (root / mg.TRACKER).write_text(str(mcr.ITERATION + 1))
+    return mg.read_megatron(root).state
+
+
+def distopt() -> None:
+    """tests/data/megatron/distopt: megatron-core's DistributedOptimizer, bf16, dp 2 x tp 2 x pp 2."""
+    out = HERE / "distopt"
+    shutil.rmtree(out, ignore_errors=True)
+    results = run_distributed(mcd.write_fixture, 8, str(out), timeout=900)
+    ranks = [r for r in results if r]
+    with tempfile.TemporaryDirectory() as scratch:
+        nxt = {kind: logical(ranks, kind, Path(scratch)) for kind in mcd.KINDS}
+    layouts = {r["rank"]: r["layouts"] for r in ranks}
+    torch.save({"loss": ranks[0]["loss"], "next": nxt, "layouts": layouts}, out / "expected.pt")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"distopt: {size / 1024:.0f} KiB in {os.path.relpath(out)}")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["distopt"]:
+        return distopt()
     for flavour in sys.argv[1:] or mcr.FLAVOURS:  # the flavours named, or all
         out = HERE / flavour
         shutil.rmtree(out, ignore_errors=True)
