@@ -18,6 +18,7 @@ line naming the format and the key.
 from __future__ import annotations
 
 import argparse
+import enum
 import fractions
 import importlib.util
 import shutil
@@ -187,6 +188,59 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
     storage.write({"model.decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(2, 2)}, fsdp, no_dist=True)
     (fsdp.parent / "latest_checkpointed_iteration.txt").write_text("3")
     _one_line_error(fsdp.parent, r"fsdp_dtensor checkpoint \(key model\.decoder\.layers\.0")
+
+
+_BY_NAME = []  # non-empty: AttnBackend members pickle as Python 3.11.0-3.11.4 pickle them
+
+
+class AttnBackend(enum.Enum):
+    """megatron-core's enum of this name, as a test's own class: allowing it with torch is what
+    importing megatron-core does with its class, under the name the reader's stand-in has."""
+
+    flash = 1
+    auto = 5
+
+    def __reduce_ex__(self, protocol):  # cls(value), or getattr(cls, name) (Python 3.11.2)
+        return (getattr, (type(self), self.name)) if _BY_NAME else (type(self), (self.value,))
+
+
+def test_megatron_enum_members_read_alike_whichever_class_and_form(tmp_path, monkeypatch):
+    """Within one process a save reads as megatron-core's enums once that class is allowed (imported),
+    in every file (torch resolves a name allowed twice by set order: half stand-ins before), and a
+    member read either way, pickled either way (cls(value) / getattr(cls, name)), is one member."""
+    monkeypatch.setattr(mg, "_MEGATRON_CLASSES", (*mg._MEGATRON_CLASSES, f"{__name__}.AttnBackend"))
+    paths = {}
+    for key, member, by_name in (("auto", AttnBackend.auto, False), ("auto-by-name", AttnBackend.auto, True),
+                                 ("flash", AttnBackend.flash, False)):  # fmt: skip
+        _BY_NAME[:] = [True] if by_name else []
+        args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                  rank=len(paths), attention_backend=member)  # fmt: skip
+        torch.save({"args": args, "iteration": 5}, paths.setdefault(key, tmp_path / f"{key}.pt"))
+    _BY_NAME.clear()
+
+    def check(first, second) -> None:  # two rank files of one save, read as given
+        files = {(0, 0): paths[first[0]], (1, 0): paths[second[0]]}
+        mg.check_rank_files({(0, 0): first[1], (1, 0): second[1]}, files, 2, 1)
+
+    def read(key: str) -> tuple[str, dict]:
+        return key, mg.load_pickle(paths[key], "test")
+
+    plain = {key: read(key) for key in paths}  # no megatron-core: stand-ins, as each file has it
+    assert [plain[k][1]["args"].attention_backend.args for k in paths] == [(5,), ("auto",), (1,)]
+    with torch.serialization.safe_globals([AttnBackend]):
+        loads = [read(key) for key in paths for _ in range(12)]
+        assert all(type(s["args"].attention_backend) is AttnBackend for _, s in loads)
+        real = {key: read(key) for key in paths}
+    assert real["auto-by-name"][1]["args"].attention_backend is AttnBackend.auto
+    check(plain["auto"], plain["auto-by-name"])  # one member, pickled two ways
+    check(plain["auto"], real["auto-by-name"])  # read by the two classes
+    check(real["auto"], plain["auto-by-name"])
+    for a, b in ((plain["auto"], plain["flash"]), (real["flash"], plain["auto-by-name"]),
+                 (plain["flash"], real["auto"])):  # fmt: skip
+        with pytest.raises(mg.MegatronCheckpointError, match="args.attention_backend differs"):
+            check(a, b)
+    stand_in, member = plain["auto-by-name"][1]["args"].attention_backend, AttnBackend.auto
+    assert not mg._differ([stand_in], [member]) and mg._differ([stand_in], [AttnBackend.flash])  # lists too
 
 
 def test_stored_megatron_optimizer_state_reads_the_same_from_both_formats():
