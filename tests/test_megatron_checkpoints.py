@@ -6,7 +6,7 @@ Two sources, the same assertions:
   tests/data/megatron/make_fixtures.py) at tp=2 x pp=2 — GPT-2 style (tied, biases, LayerNorm)
   and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
-  everywhere (CI has no megatron-core).
+  without megatron-core too.
 * With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
   converted model trains on at another megalite layout, and its export loads back into
   megatron-core (``dist_checkpointing.load`` and the legacy ``load_state_dict``) with equal logits.
@@ -330,9 +330,24 @@ def test_unreadable_megatron_optimizer_state_fails_in_one_line(tmp_path, capsys)
 
 needs_mcore = pytest.mark.skipif(
     not HAVE_MCORE,
-    reason="megatron-core is not installed (optional: pip install megatron-core==0.16.1); "
+    reason="megatron-core is not installed (the dev extra: pip install -e '.[dev]'); "
     "test_stored_megatron_checkpoints_* read checkpoints it wrote",
 )
+
+
+@needs_mcore
+def test_megatron_enum_table_is_megatron_cores():
+    """The reader's table of Megatron's enum members (name -> value) is megatron-core's own, for every
+    enum class of its allowlist."""
+    import importlib
+
+    found = {}
+    for name in mg._MEGATRON_CLASSES:
+        module, cls = name.rsplit(".", 1)
+        real = getattr(importlib.import_module(module), cls)
+        if issubclass(real, enum.Enum):
+            found[cls] = {m.name: m.value for m in real}
+    assert found == mg.MEGATRON_ENUMS
 
 
 def _write_all(out: str) -> dict:
