@@ -18,6 +18,7 @@ line naming the format and the key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import fractions
 import importlib.util
@@ -420,7 +421,7 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
             ]  # fmt: skip
         )
     run_distributed(_continue_training, 2, runs, timeout=300)
-    loads = []
+    loads, wants = [], []
     for flavour in FLAVOURS:
         model, _ = load_model(tmp_path / f"{flavour}-tuned")
         with torch.no_grad():
@@ -434,12 +435,58 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
             # torch_dist is global: megatron-core loads it even at 2 virtual stages
             vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
             loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp))
-    for (flavour, *_), got in zip(loads, run_distributed(_megatron_core_loads, 4, loads, timeout=400)[-1]):
-        torch.testing.assert_close(got, logits[flavour], rtol=1e-5, atol=1e-5)
+            wants.append(logits[flavour])
+    _padded_vocab_exports(tmp_path, tokens, loads, wants)
+    results = run_distributed(_megatron_core_loads, 4, loads, timeout=400)
+    for (_, folder, fmt, *_), want, ranks in zip(loads, wants, zip(*results)):
+        got, n = ranks[-1][0], want.shape[-1]
+        torch.testing.assert_close(got[..., :n], want, rtol=1e-5, atol=1e-5, msg=folder)
+        assert not got[..., n:].any(), f"{folder}: a padded row's logit is not zero"
+        if fmt == "torch_dist":  # no key megatron-core does not ask for (an extra tied copy), none missing
+            from megalite.checkpoint import storage
+
+            asked = set().union(*(keys for _, keys in ranks))
+            assert set(storage.read_dcp_metadata(folder).state_dict_metadata) == asked, folder
+
+
+# A 150-token vocabulary at make_vocab_size_divisible_by 64: Megatron-LM pads it to a multiple of 64 x tp
+# (its _vocab_size_with_padding), 256 rows at tp=2, as numbers (192 at tp 1, or without the x tp).
+GROWN_VOCAB, MEGATRON_PADDED_AT_TP2 = 150, 256
+
+
+def _padded_vocab_exports(tmp_path: Path, tokens: torch.Tensor, loads: list, wants: list) -> None:
+    """Cases for megatron-core's loaders: each stored checkpoint's model with its vocabulary grown to
+    GROWN_VOCAB tokens (rows drawn), exported to Megatron-LM at tp=2 x pp=2; megatron-core builds its
+    model at Megatron's padded size (per-rank shapes in the legacy load, global shapes and keys in
+    torch_dist) and computes megalite's logits, the padded rows' logits zero."""
+    from megalite.checkpoint.logical import EMBEDDING, OUTPUT
+
+    for flavour in ("gpt2", "llama"):
+        ckpt = mg.read_megatron(DATA / flavour / "torch")
+        config = dataclasses.replace(ckpt.config, vocab_size=GROWN_VOCAB)
+        assert ckpt.config.make_vocab_size_divisible_by == 64
+        state = dict(ckpt.state)
+        for name in (EMBEDDING, OUTPUT) if config.untie_embeddings_and_output_weights else (EMBEDDING,):
+            grown = torch.zeros(config.padded_vocab_size(1), config.hidden_size)  # megalite's own padding
+            grown[:GROWN_VOCAB] = torch.randn(
+                GROWN_VOCAB, config.hidden_size, generator=torch.Generator().manual_seed(5)
+            )
+            grown[: len(state[name])] = state[name]
+            state[name] = grown
+        save_model_checkpoint(state, config, tmp_path / f"{flavour}-grown")
+        for fmt in FORMATS:
+            out = tmp_path / f"{flavour}-grown-{fmt}"
+            assert convert_main("--input", str(tmp_path / f"{flavour}-grown"), "--output", str(out),
+                                "--output-format", "megatron", "--ckpt-format", fmt,
+                                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+            vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
+            loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp, MEGATRON_PADDED_AT_TP2))
+            wants.append(megalite_logits(state, config, tokens))
 
 
 def _megatron_core_loads(cases):
-    """megatron-core's own loaders, one case after another on the same 4 ranks: logits per case."""
+    """megatron-core's own loaders, one case after another on the same 4 ranks: per case the logits
+    and (torch_dist) the keys the rank's model asked for."""
     import megatron_core_run as mcr
 
     return [mcr.logits_after_load(*case) for case in cases]
