@@ -4,8 +4,9 @@
 #   bash scripts/quickstart.sh
 #
 #   1. environment: the active virtual environment, or .venv (created if missing), with torch
-#      and megalite (pip install -e '.[dev,hf]': what `bash scripts/test.sh` needs; tests of the
-#      other extras skip, naming them) installed unless already importable; pip's cache is reused
+#      and megalite (pip install -e '.[dev,hf,data,wandb]': everything `bash scripts/test.sh`
+#      runs, the independent readers of its cross-checks included) installed unless already
+#      importable; pip's cache is reused
 #   2. data: a sentencepiece tokenizer and a Megatron .bin/.idx dataset built from this
 #      Python's standard library sources (no download)
 #   3. pretraining: a small GPT under torchrun with tp=2 x pp=2 x dp=2 = 8 processes on CPU
@@ -20,7 +21,7 @@
 #                                     torch is not importable yet). The CPU build on a machine
 #                                     without a GPU: "torch --index-url https://download.pytorch.org/whl/cpu"
 #   QUICKSTART_VENV=.venv             virtual environment to create / reuse when none is active
-#   QUICKSTART_EXTRAS=dev,hf          megalite extras to install ("" for the bare package)
+#   QUICKSTART_EXTRAS=dev,hf,data,wandb  megalite extras to install ("" for the bare package)
 #   QUICKSTART_SKIP_INSTALL=1         use the current python as it is (no venv, no pip)
 #   QUICKSTART_DEVICE=auto|cpu|gpu    QUICKSTART_GPUS=N (GPUs to use; default all)
 #   QUICKSTART_MAX_MB, QUICKSTART_VOCAB, QUICKSTART_ITERS, QUICKSTART_LAYERS, QUICKSTART_HIDDEN,
@@ -86,17 +87,23 @@ else
         read -r -a torch_spec <<<"${QUICKSTART_TORCH:-torch==2.13.0}"
         run python -m pip install --no-compile --progress-bar off "${torch_spec[@]}"
     fi
-    # megalite with the extras the test suite needs (dev: pytest, ruff, tensorboard; hf:
-    # transformers), so `bash scripts/test.sh` passes in this environment afterwards (the tests of
-    # the other extras, data and wandb, skip and name them). --no-compile: no .pyc for every file
-    # of every package at install (torch alone: 33 s -> 8 s on 2 cores); Python writes them for the
-    # modules it imports, once.
-    EXTRAS=${QUICKSTART_EXTRAS-dev,hf}
+    # megalite with every extra the test suite uses (dev: pytest, ruff, tensorboard and the
+    # independent readers megatron-core and datasets; hf: transformers; data: pyarrow, zstandard;
+    # wandb), so `bash scripts/test.sh` runs all of it in this environment afterwards: only the
+    # CUDA tests skip on a machine without a GPU (docs/testing.md). CI runs exactly this (.ci/run).
+    # --no-compile: no .pyc for every file of every package at install (torch alone: 33 s -> 8 s
+    # on 2 cores); Python writes them for the modules it imports, once.
+    EXTRAS=${QUICKSTART_EXTRAS-dev,hf,data,wandb}
     modules="megalite numpy sentencepiece yaml"
-    [[ ",$EXTRAS," == *,dev,* ]] && modules+=" pytest pytest_timeout ruff tensorboard"
+    found=""  # seconds each to import (megatron-core, datasets, wandb): looked up, not imported
+    [[ ",$EXTRAS," == *,dev,* ]] && modules+=" pytest pytest_timeout ruff tensorboard setuptools" &&
+        found+=" megatron.core datasets"
     [[ ",$EXTRAS," == *,hf,* ]] && modules+=" transformers safetensors"
+    [[ ",$EXTRAS," == *,data,* ]] && modules+=" pyarrow zstandard"
+    [[ ",$EXTRAS," == *,wandb,* ]] && found+=" wandb"
     # Installed = importable from outside the checkout, with its dependencies.
-    if (cd / && python -c "import ${modules// /, }") 2>/dev/null; then
+    if (cd / && python -c "import ${modules// /, }, importlib.util as u
+assert all(u.find_spec(m) for m in '$found'.split())") 2>/dev/null; then
         echo "megalite${EXTRAS:+[$EXTRAS]} and its dependencies are already installed"
     else
         run python -m pip install --no-compile --progress-bar off -e ".${EXTRAS:+[$EXTRAS]}"

@@ -464,22 +464,36 @@ def load_legacy(chunks: list, folder: str, pp: int) -> dict:
 
 
 def logits_after_load(
-    flavour: str, folder: str, fmt: str, tp: int, pp: int, vp: int | None
-) -> torch.Tensor | None:
-    """One rank: a fresh megatron-core model at tp x pp (x vp) loads the ``fmt`` checkpoint folder
-    ``iter_N`` with megatron-core's own loader (``dist_checkpointing.load``, or the legacy
-    ``load_state_dict``); its logits (None off the last stage)."""
-    f = dict(FLAVOURS[flavour], vp=vp)
+    flavour: str, folder: str, fmt: str, tp: int, pp: int, vp: int | None, vocab: int | None = None
+) -> tuple[torch.Tensor | None, set[str] | None]:
+    """One rank: a fresh megatron-core model at tp x pp (x vp), of padded vocabulary ``vocab`` (default
+    the flavour's), loads the ``fmt`` checkpoint folder ``iter_N`` with megatron-core's own loader
+    (``dist_checkpointing.load``, which checks each tensor's global shape, or the legacy strict
+    ``load_state_dict``, each rank's keys and shapes); its logits (None off the last stage) and, for
+    ``torch_dist``, the keys this rank's ``sharded_state_dict`` asks the checkpoint for."""
+    f = dict(FLAVOURS[flavour], vp=vp, vocab=vocab or FLAVOURS[flavour]["vocab"])
     init(tp, pp, vp, f.get("ep", 1))
     chunks = build_chunks(f, tp, pp)
     for c in chunks:  # nothing of the fresh init may survive the load
         for p in c.parameters():
             p.data.fill_(float("nan"))
+    keys = None
     if fmt == "torch_dist":
+        keys = sharded_keys(chunks)
         load_torch_dist(chunks, folder)
     else:
         load_legacy(chunks, folder, pp)
-    return logits(chunks, tp, pp)
+    return logits(chunks, tp, pp), keys
+
+
+def sharded_keys(chunks: list) -> set[str]:
+    """The checkpoint keys megatron-core's ``sharded_state_dict`` of ``chunks`` reads: its tensors'
+    keys (a tied output layer reads the embedding's) and its objects' per-shard keys."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    values = nested_values(sharded_model_state(chunks))
+    return {v.unique_key if isinstance(v, ShardedObject) else v.key for v in values if hasattr(v, "key")}
 
 
 # --- megatron-core's optimizer on CPU (continue-a-run fixtures) ---------------------------------

@@ -7,7 +7,7 @@ Two sources, the same assertions:
   and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages), and a mixture of experts
   at pp=2 x ep=2 (``moe``: 4 experts top-2, a gated shared expert) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
-  everywhere (CI has no megatron-core).
+  without megatron-core too.
 * With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
   converted model trains on at another megalite layout, and its export loads back into
   megatron-core (``dist_checkpointing.load`` and the legacy ``load_state_dict``) with equal logits.
@@ -19,6 +19,8 @@ line naming the format and the key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import fractions
 import importlib.util
 import shutil
@@ -238,6 +240,59 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
     _one_line_error(fsdp.parent, r"fsdp_dtensor checkpoint \(key model\.decoder\.layers\.0")
 
 
+_BY_NAME = []  # non-empty: AttnBackend members pickle as Python 3.11.0-3.11.4 pickle them
+
+
+class AttnBackend(enum.Enum):
+    """megatron-core's enum of this name, as a test's own class: allowing it with torch is what
+    importing megatron-core does with its class, under the name the reader's stand-in has."""
+
+    flash = 1
+    auto = 5
+
+    def __reduce_ex__(self, protocol):  # cls(value), or getattr(cls, name) (Python 3.11.2)
+        return (getattr, (type(self), self.name)) if _BY_NAME else (type(self), (self.value,))
+
+
+def test_megatron_enum_members_read_alike_whichever_class_and_form(tmp_path, monkeypatch):
+    """Within one process a save reads as megatron-core's enums once that class is allowed (imported),
+    in every file (torch resolves a name allowed twice by set order: half stand-ins before), and a
+    member read either way, pickled either way (cls(value) / getattr(cls, name)), is one member."""
+    monkeypatch.setattr(mg, "_MEGATRON_CLASSES", (*mg._MEGATRON_CLASSES, f"{__name__}.AttnBackend"))
+    paths = {}
+    for key, member, by_name in (("auto", AttnBackend.auto, False), ("auto-by-name", AttnBackend.auto, True),
+                                 ("flash", AttnBackend.flash, False)):  # fmt: skip
+        _BY_NAME[:] = [True] if by_name else []
+        args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                  rank=len(paths), attention_backend=member)  # fmt: skip
+        torch.save({"args": args, "iteration": 5}, paths.setdefault(key, tmp_path / f"{key}.pt"))
+    _BY_NAME.clear()
+
+    def check(first, second) -> None:  # two rank files of one save, read as given
+        files = {(0, 0, 0): paths[first[0]], (1, 0, 0): paths[second[0]]}
+        mg.check_rank_files({(0, 0, 0): first[1], (1, 0, 0): second[1]}, files, 2, 1)
+
+    def read(key: str) -> tuple[str, dict]:
+        return key, mg.load_pickle(paths[key], "test")
+
+    plain = {key: read(key) for key in paths}  # no megatron-core: stand-ins, as each file has it
+    assert [plain[k][1]["args"].attention_backend.args for k in paths] == [(5,), ("auto",), (1,)]
+    with torch.serialization.safe_globals([AttnBackend]):
+        loads = [read(key) for key in paths for _ in range(12)]
+        assert all(type(s["args"].attention_backend) is AttnBackend for _, s in loads)
+        real = {key: read(key) for key in paths}
+    assert real["auto-by-name"][1]["args"].attention_backend is AttnBackend.auto
+    check(plain["auto"], plain["auto-by-name"])  # one member, pickled two ways
+    check(plain["auto"], real["auto-by-name"])  # read by the two classes
+    check(real["auto"], plain["auto-by-name"])
+    for a, b in ((plain["auto"], plain["flash"]), (real["flash"], plain["auto-by-name"]),
+                 (plain["flash"], real["auto"])):  # fmt: skip
+        with pytest.raises(mg.MegatronCheckpointError, match="args.attention_backend differs"):
+            check(a, b)
+    stand_in, member = plain["auto-by-name"][1]["args"].attention_backend, AttnBackend.auto
+    assert not mg._differ([stand_in], [member]) and mg._differ([stand_in], [AttnBackend.flash])  # lists too
+
+
 def test_stored_megatron_optimizer_state_reads_the_same_from_both_formats():
     """The two formats reach the moments by different roads (param-group indices and per-rank TP
     shards; named global DCP tensors): the same logical moments, step, schedule and samples."""
@@ -325,9 +380,24 @@ def test_unreadable_megatron_optimizer_state_fails_in_one_line(tmp_path, capsys)
 
 needs_mcore = pytest.mark.skipif(
     not HAVE_MCORE,
-    reason="megatron-core is not installed (optional: pip install megatron-core==0.16.1); "
+    reason="megatron-core is not installed (the dev extra: pip install -e '.[dev]'); "
     "test_stored_megatron_checkpoints_* read checkpoints it wrote",
 )
+
+
+@needs_mcore
+def test_megatron_enum_table_is_megatron_cores():
+    """The reader's table of Megatron's enum members (name -> value) is megatron-core's own, for every
+    enum class of its allowlist."""
+    import importlib
+
+    found = {}
+    for name in mg._MEGATRON_CLASSES:
+        module, cls = name.rsplit(".", 1)
+        real = getattr(importlib.import_module(module), cls)
+        if issubclass(real, enum.Enum):
+            found[cls] = {m.name: m.value for m in real}
+    assert found == mg.MEGATRON_ENUMS
 
 
 def _write_all(out: str) -> dict:
@@ -400,7 +470,7 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
             ]  # fmt: skip
         )
     run_distributed(_continue_training, 2, runs, timeout=300)
-    loads = []
+    loads, wants = [], []
     for flavour in FLAVOURS:
         model, _ = load_model(tmp_path / f"{flavour}-tuned")
         with torch.no_grad():
@@ -417,12 +487,58 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
             # torch_dist is global: megatron-core loads it even at 2 virtual stages
             vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
             loads.append((flavour, str(out / "iter_0000000"), fmt, int(tp), 2, vp))
-    for (flavour, *_), got in zip(loads, run_distributed(_megatron_core_loads, 4, loads, timeout=400)[-1]):
-        torch.testing.assert_close(got, logits[flavour], rtol=1e-5, atol=1e-5)
+            wants.append(logits[flavour])
+    _padded_vocab_exports(tmp_path, tokens, loads, wants)
+    results = run_distributed(_megatron_core_loads, 4, loads, timeout=400)
+    for (_, folder, fmt, *_), want, ranks in zip(loads, wants, zip(*results)):
+        got, n = ranks[-1][0], want.shape[-1]
+        torch.testing.assert_close(got[..., :n], want, rtol=1e-5, atol=1e-5, msg=folder)
+        assert not got[..., n:].any(), f"{folder}: a padded row's logit is not zero"
+        if fmt == "torch_dist":  # no key megatron-core does not ask for (an extra tied copy), none missing
+            from megalite.checkpoint import storage
+
+            asked = set().union(*(keys for _, keys in ranks))
+            assert set(storage.read_dcp_metadata(folder).state_dict_metadata) == asked, folder
+
+
+# A 150-token vocabulary at make_vocab_size_divisible_by 64: Megatron-LM pads it to a multiple of 64 x tp
+# (its _vocab_size_with_padding), 256 rows at tp=2, as numbers (192 at tp 1, or without the x tp).
+GROWN_VOCAB, MEGATRON_PADDED_AT_TP2 = 150, 256
+
+
+def _padded_vocab_exports(tmp_path: Path, tokens: torch.Tensor, loads: list, wants: list) -> None:
+    """Cases for megatron-core's loaders: each stored checkpoint's model with its vocabulary grown to
+    GROWN_VOCAB tokens (rows drawn), exported to Megatron-LM at tp=2 x pp=2; megatron-core builds its
+    model at Megatron's padded size (per-rank shapes in the legacy load, global shapes and keys in
+    torch_dist) and computes megalite's logits, the padded rows' logits zero."""
+    from megalite.checkpoint.logical import EMBEDDING, OUTPUT
+
+    for flavour in ("gpt2", "llama"):
+        ckpt = mg.read_megatron(DATA / flavour / "torch")
+        config = dataclasses.replace(ckpt.config, vocab_size=GROWN_VOCAB)
+        assert ckpt.config.make_vocab_size_divisible_by == 64
+        state = dict(ckpt.state)
+        for name in (EMBEDDING, OUTPUT) if config.untie_embeddings_and_output_weights else (EMBEDDING,):
+            grown = torch.zeros(config.padded_vocab_size(1), config.hidden_size)  # megalite's own padding
+            grown[:GROWN_VOCAB] = torch.randn(
+                GROWN_VOCAB, config.hidden_size, generator=torch.Generator().manual_seed(5)
+            )
+            grown[: len(state[name])] = state[name]
+            state[name] = grown
+        save_model_checkpoint(state, config, tmp_path / f"{flavour}-grown")
+        for fmt in FORMATS:
+            out = tmp_path / f"{flavour}-grown-{fmt}"
+            assert convert_main("--input", str(tmp_path / f"{flavour}-grown"), "--output", str(out),
+                                "--output-format", "megatron", "--ckpt-format", fmt,
+                                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2") == 0  # fmt: skip
+            vp = 2 if fmt == "torch_dist" and flavour == "llama" else None
+            loads.append((flavour, str(out / "iter_0000000"), fmt, 2, 2, vp, MEGATRON_PADDED_AT_TP2))
+            wants.append(megalite_logits(state, config, tokens))
 
 
 def _megatron_core_loads(cases):
-    """megatron-core's own loaders, one case after another on the same 4 ranks: logits per case."""
+    """megatron-core's own loaders, one case after another on the same 4 ranks: per case the logits
+    and (torch_dist) the keys the rank's model asked for."""
     import megatron_core_run as mcr
 
     return [mcr.logits_after_load(*case) for case in cases]

@@ -175,15 +175,24 @@ def _check_zip(path: Path, what: str) -> None:
         )
 
 
+def _allowed_names(entries: Iterable) -> set[str]:
+    """The names torch's weights-only unpickler resolves ``entries`` by (its own rule: a pair's
+    name, else the object's module and qualified name)."""
+    return {e[1] if isinstance(e, tuple) else f"{e.__module__}.{e.__qualname__}" for e in entries}
+
+
 def load_pickle(path: Path, what: str, data: bytes | None = None) -> dict:
     """``torch.load(path, weights_only=True)`` with Megatron's allowlist; anything else is refused.
     ``data``: the bytes to read instead of the file (an object stored inside ``path``)."""
-    # Only what is not allowed already: leaving the context removes its entries, and must not
-    # remove a caller's own (megatron-core registers the same classes when it is imported).
+    # Only names that are not allowed already. Leaving the context removes its entries, and must not
+    # remove a caller's own. And a name allowed twice resolves to whichever entry torch's set of them
+    # happens to list last, a different one from one load to the next: once megatron-core is
+    # imported (it registers its enum classes), one save would read half as its enums, half as our
+    # stand-ins. Its registered class is used instead, in every file.
     if data is None:
         _check_zip(path, what)
-    registered = torch.serialization.get_safe_globals()
-    ours = [g for g in _safe_globals() if g not in registered]
+    taken = _allowed_names(torch.serialization.get_safe_globals())
+    ours = [g for g in _safe_globals() if not _allowed_names([g]) & taken]
     try:
         with torch.serialization.safe_globals(ours):
             return torch.load(
@@ -684,24 +693,51 @@ def check_rank_files(
     _refuse_identical_files(list(files.values()))
 
 
+# Megatron-Core's enums that args hold (megatron-core 0.16.1): member name -> value. A member is pickled
+# as ``cls(value)``, or as ``getattr(cls, name)`` by Python 3.11.0-3.11.4; read without megatron-core
+# its stand-in keeps whichever of the two the file has, and this table tells that both are one member.
+MEGATRON_ENUMS = {
+    "ModelType": {"encoder_or_decoder": 1},
+    "AttnBackend": {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5},
+    "CudaGraphScope": {"full_iteration": 1, "attn": 2, "mlp": 3, "moe": 4, "moe_router": 5,
+                       "moe_preprocess": 6, "mamba": 7},
+    "AttnMaskType": {"padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5,
+                     "causal_bottom_right": 6},
+    "RerunDiagnostic": {"CORRECT_RESULT": "correct_result", "TRANSIENT_ERROR": "transient_error",
+                        "PERSISTENT_ERROR": "persistent_error"},
+    "RerunMode": {"DISABLED": "disabled", "VALIDATE_RESULTS": "validate_results",
+                  "REPORT_DETERMINISM_STATS": "report_determinism_stats"},
+    "RerunState": {"NOT_RUNNING_YET": 0, "INITIAL_RUN": 1, "RERUNNING_IN_PLACE": 2,
+                   "WILL_RERUN_FROM_CHECKPOINT": 3, "RERUNNING_FROM_CHECKPOINT": 4,
+                   "RERUNNING_AGAIN_FROM_CHECKPOINT": 5},
+}  # fmt: skip
+
+
 def _member_forms(x):
     """A Megatron enum member as (class name, the forms it may be pickled by: its name and its value),
     whether read as megatron-core's own enum (megatron-core imported registers its classes with
     torch) or as our stand-in (its one argument: the value, or the name under Python 3.11.2's
-    getattr pickling); None for anything else."""
+    getattr pickling; the other form from :data:`MEGATRON_ENUMS`); None for anything else."""
     if isinstance(x, enum.Enum):
         return type(x).__name__, {x.name, x.value}
     if isinstance(x, _MegatronObject) and not hasattr(x, "state") and len(x.args) == 1:
-        return type(x).__name__, {x.args[0]}
+        members = MEGATRON_ENUMS.get(type(x).__name__, {})
+        (form,) = x.args
+        named = {n for n, v in members.items() if v == form and type(v) is type(form)}
+        return type(x).__name__, {form} | named | ({members[form]} if form in members else set())
     return None
 
 
 def _differ(a, b) -> bool:
+    """Two values of one arg in two rank files are not the same (an enum member is the same whichever
+    class read it and whichever form pickled it; lists and tuples element by element)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is not type(b) or len(a) != len(b) or any(map(_differ, a, b))
     fa, fb = _member_forms(a), _member_forms(b)
-    if fa is not None and fb is not None:
-        return fa[0] != fb[0] or not (fa[1] & fb[1])
+    if fa is not None or fb is not None:
+        return fa is None or fb is None or fa[0] != fb[0] or not (fa[1] & fb[1])
     try:
         return bool(a != b)
     except Exception:  # objects without a plain comparison (stand-ins): compared by their repr
