@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, DISTOPT, GPT2_DROPOUT, ITERS, LLAMA, layout, losses, metrics, pretrain_runs
+from conftest import (
+    COMMON,
+    DISTOPT,
+    GPT2_DROPOUT,
+    ITERS,
+    LLAMA,
+    layout,
+    losses,
+    metrics,
+    one_thread,
+    pretrain_runs,
+)
 
 from megalite.checkpoint import files
 from megalite.spawn import run_distributed
@@ -168,20 +179,73 @@ def test_exact_resume_and_reshard(tmp_path):
     assert sum(k.startswith("rng.") and k.endswith(".torch_cpu") for k in shapes) == 8
 
 
+def _bf16_grads_runs(d, processes: int) -> tuple[list[list[str]], dict[str, tuple[str, str]]]:
+    """--bf16 --grad-reduce-in-bf16, 2 microbatches a step, 4 iterations: for each case an
+    uninterrupted run saving at 2 and a run resumed from it ({case: (straight, resumed)} metrics
+    files); dp 2 also under ZeRO-1 and ZeRO-3. A straight run with full recompute too ("recompute")."""
+    base = COMMON + ["--bf16", "--grad-reduce-in-bf16", "--num-layers", "2", "--train-iters", "4"]
+    base += ["--global-batch-size", str(4 * processes)]
+    cases = {"nd1": []} if processes == 1 else {"nd2": [], "zero1": DISTOPT}
+    if processes == 2:
+        cases["zero3"] = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    runs, pairs = [], {}
+    for name, flags in cases.items():
+        ck = str(d / f"ck-{name}")
+        runs.append(
+            base + flags + ["--save", ck, "--save-interval", "2", "--metrics-file", str(d / f"{name}.s")]
+        )
+        runs.append(base + flags + ["--load", ck, "--ckpt-step", "2", "--metrics-file", str(d / f"{name}.r")])
+        pairs[name] = (str(d / f"{name}.s"), str(d / f"{name}.r"))
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    first = next(iter(cases))
+    runs.append(base + cases[first] + full + ["--metrics-file", str(d / "recompute")])
+    pairs["recompute"] = (pairs[first][0], str(d / "recompute"))
+    return runs, pairs
+
+
+def _assert_bitwise(pairs: dict[str, tuple[str, str]]) -> None:
+    for name, (straight, other) in pairs.items():
+        want, got = _loss_and_norm(straight), _loss_and_norm(other)
+        assert got == want[-len(got) :] and len(got) in (2, 4), f"{name}: not bitwise\n{got}\n{want}"
+
+
+def _loss_and_norm(path) -> list[tuple]:
+    import json
+
+    with open(path) as f:
+        rows = [json.loads(x) for x in f]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"]
+
+
 def test_bf16_resume_restores_fp32_main_params(tmp_path):
-    """bf16 weights + fp32 main params (ZeRO-sharded over dp 2): bitwise resume; also into tp 2."""
+    """bf16 weights + fp32 main params (ZeRO-sharded over dp 2): bitwise resume; also into tp 2.
+
+    With bf16 grads (--grad-reduce-in-bf16) and 2 microbatches a step, in one process and over dp 2
+    (plain, ZeRO-1, ZeRO-3): the resume is the uninterrupted run bit for bit (losses and grad norms),
+    and full recompute gives the plain run bit for bit. Both once failed: the weight-gradient GEMM's
+    fusion (the default) looked its buffer up on the tensor autograd saved, which under saved-tensor
+    hooks (the memory probe's first step after a start, full recompute) is not the Parameter, so
+    those steps ran unfused: a bf16 grad rounded before the add, one ulp off at the 2nd microbatch."""
     base = COMMON + ["--bf16", "--train-iters", "8"]
     ck = str(tmp_path / "ck")
 
     def out(name):
         return ["--metrics-file", str(tmp_path / name)]
 
+    one, one_pairs = _bf16_grads_runs(tmp_path / "p1", 1)
+    (tmp_path / "p1").mkdir()
+    with one_thread():
+        pretrain_runs(one)  # one process: here, not spawned
+    two, two_pairs = _bf16_grads_runs(tmp_path, 2)
     runs = [
         base + DISTOPT + ["--save", ck, "--save-interval", "4"] + out("a"),
         base + DISTOPT + ["--load", ck, "--ckpt-step", "4"] + out("b"),
         base + layout(2, 1) + ["--load", ck, "--ckpt-step", "4", "--exit-interval", "6"] + out("c"),
+        *two,
     ]
-    run_distributed(_pretrain_runs, 2, runs, timeout=120)
+    run_distributed(_pretrain_runs, 2, runs, timeout=180)
+    _assert_bitwise(one_pairs)
+    _assert_bitwise(two_pairs)
     a, b, c = (metrics(tmp_path / n) for n in "abc")
     assert b == a[4:]
     assert [it for it, _ in c] == [5, 6]

@@ -150,6 +150,11 @@ def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Te
     into that fp32 buffer instead (Megatron's gradient accumulation fusion: no model-dtype weight
     grad, no separate add kernel) and autograd gets an uninitialised placeholder, so DDP's grad hook
     still fires in backward order; the hook drops it (``grad_added_to_main_grad``).
+
+    ``weight`` is the Parameter itself, kept on the autograd ctx in forward (as Megatron keeps
+    ``main_grad`` there), never the tensor ``ctx.saved_tensors`` gives back: under saved-tensor hooks
+    (the memory probe's first step, full recompute's checkpoint) that is another Python object,
+    without the accumulator, and the GEMM silently ran unfused there.
     """
     accumulator = param_attributes.wgrad_accumulator(weight)
     if accumulator is None:
@@ -165,6 +170,7 @@ class _LinearWithFusedWgrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
+        ctx.param = weight  # the Parameter, for _weight_grad (not a saved tensor: see there)
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
@@ -174,7 +180,7 @@ class _LinearWithFusedWgrad(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [n, out]
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = (
-            _weight_grad(weight, grad_2d, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+            _weight_grad(ctx.param, grad_2d, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         )
         grad_b = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
@@ -217,6 +223,7 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.group, ctx.has_bias = group, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
+        ctx.params = weights  # the Parameters, for _weight_grad (not saved tensors: see there)
         total = gather_along_sequence_dim(x, group)  # [b, s, in]; freed after forward
         return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
 
@@ -229,7 +236,7 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
             need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
             grads.append(
-                _weight_grad(weights[i], grad_2d, total.reshape(-1, total.shape[-1])) if need_w else None
+                _weight_grad(ctx.params[i], grad_2d, total.reshape(-1, total.shape[-1])) if need_w else None
             )
             grads.append(grad_2d.sum(0) if ctx.has_bias[i] and need_b else None)
         grad_x = None
