@@ -3,7 +3,7 @@
     python bench/compile.py [--repeats 7] [--steps 3] [--vocab-size 1024|own] [--dtype bf16]   # one process
     python bench/compile.py --tp2pp2 [--iters 8]                           # one spawn, 4 ranks
     python bench/compile.py --cache                                        # second start vs first
-    python bench/compile.py --fusion [--iters 8] [--rounds 3] [--dtype bf16]  # fusion x compile, 1 rank
+    python bench/compile.py --fusion [--iters 8] [--rounds 3] [--dtype bf16] [--vocab-size own]  # fusion x compile
 
 One process: GPT-2 and Llama, 4 layers, hidden 256, 8 heads, seq 256, micro batch 2, fp32 (or
 ``--dtype bf16``: bf16 params and activations, as ``--bf16`` trains), forward + backward, built as pretrain() builds them (with the TP RNG streams). Five copies of
@@ -30,7 +30,9 @@ time of the first step, wall clock and CPU seconds (with the C++ compiler's).
 
 ``--fusion``: pretrain() in one process (DDP's fp32 grad buffer, so ``--gradient-accumulation-fusion``
 applies), eager and ``--torch-compile``, each with and without fusion, ``--rounds`` times in turn;
-median CPU-seconds per iteration (the first two of each run left out) and the ratios.
+median CPU-seconds per iteration (the first two of each run left out) and the ratios. GPT-2, with
+``--vocab-size`` words (default 1024; ``own``: GPT-2's 50257), through ``--mock-data`` and the
+NullTokenizer (whose vocabulary is its ``--vocab-size`` + 1 ids).
 
 The machine is shared and noisy: compare the columns of one run, not figures across runs.
 JSON on stdout.
@@ -158,9 +160,11 @@ def breaks_at_collectives():
             setattr(dist, n, f)
 
 
-def tp2pp2_argv(iters: int, metrics_file: str, dtype: str, tp: int = 2, pp: int = 2) -> list[str]:
+def tp2pp2_argv(
+    iters: int, metrics_file: str, dtype: str, tp: int = 2, pp: int = 2, vocab: int = 1023
+) -> list[str]:
     return (["--bf16"] if dtype == "bf16" else []) + [
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
         "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
         "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "1e-4",
@@ -249,7 +253,7 @@ FUSION_VARIANTS = {
 }
 
 
-def fusion_rank(iters: int, tmp: str, dtype: str, rounds: int) -> dict:
+def fusion_rank(iters: int, tmp: str, dtype: str, rounds: int, vocab: int) -> dict:
     from megalite.training import pretrain
 
     cpu: dict[str, list[float]] = {v: [] for v in FUSION_VARIANTS}
@@ -257,22 +261,25 @@ def fusion_rank(iters: int, tmp: str, dtype: str, rounds: int) -> dict:
         for name, extra in FUSION_VARIANTS.items():
             steps: list[float] = []
             with cpu_time_per_step(steps):
-                pretrain(tp2pp2_argv(iters, os.path.join(tmp, f"{name}-{rnd}.jsonl"), dtype, 1, 1) + extra)
+                path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
+                pretrain(tp2pp2_argv(iters, path, dtype, 1, 1, vocab) + extra)
             cpu[name] += steps[2:]  # the first two: compile and warm-up
     return cpu
 
 
-def fusion(iters: int, dtype: str, rounds: int) -> dict:
-    """pretrain() in one process (1 rank: DDP's fp32 grad buffer, so fusion is on), each variant
-    ``rounds`` times in turn: median CPU-seconds per iteration, compiled/eager with and without
+def fusion(iters: int, dtype: str, rounds: int, vocab: int) -> dict:
+    """pretrain() in one process (1 rank: DDP's fp32 grad buffer, so fusion is on), GPT-2 with a
+    ``vocab``-word vocabulary (NullTokenizer: ``vocab`` + 1 ids), each variant ``rounds`` times in
+    turn: median CPU-seconds per iteration, compiled/eager with and without
     --gradient-accumulation-fusion."""
     from megalite.spawn import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
-        (cpu,) = run_distributed(fusion_rank, 1, iters, tmp, dtype, rounds, timeout=1800)
+        (cpu,) = run_distributed(fusion_rank, 1, iters, tmp, dtype, rounds, vocab, timeout=3600)
     med = {k: statistics.median(v) for k, v in cpu.items()}
     return {
         "layout": f"one process (tp1 pp1 dp1), global batch 8 (4 microbatches of 2), {SHAPE}, {dtype}",
+        "model": f"GPT-2, NullTokenizer vocab {vocab} + 1",
         "cpu_s_per_iteration": {k: round(v, 4) for k, v in med.items()},
         "compiled_over_eager_fused": round(med["eager_fused"] / med["compiled_fused"], 3),
         "compiled_over_eager_unfused": round(med["eager_unfused"] / med["compiled_unfused"], 3),
@@ -367,7 +374,8 @@ def main() -> None:
     if a.tp2pp2:
         out["tp2pp2"] = tp2pp2(a.iters, a.dtype)
     elif a.fusion:
-        out["fusion"] = fusion(a.iters, a.dtype, a.rounds)
+        gpt2_vocab = OWN_VOCAB["gpt2"] - 1 if a.vocab_size == "own" else int(a.vocab_size) - 1
+        out["fusion"] = fusion(a.iters, a.dtype, a.rounds, gpt2_vocab)
     elif a.cache:
         out["cache"] = [cache(f, vocab(f)) for f in a.flavours]
     else:

@@ -162,3 +162,56 @@ def test_cross_entropy_loss_fusion_compiles_only_the_loss_region(tmp_path):
         graphs[name] = counters["stats"]["unique_graphs"] - before
     assert graphs == {"eager": 0, "fused": 1}
     assert_losses_match(metrics(tmp_path / "eager.jsonl"), metrics(tmp_path / "fused.jsonl"), iters=2)
+
+
+def test_fused_linear_stays_in_the_compiled_graph():
+    """--gradient-accumulation-fusion under compile: three chained fused linears compile to ONE
+    graph (the weight-gradient GEMM is a torch.library op, no graph break), their grads land in the
+    fp32 buffers (fp32: eager's within float reordering, and bitwise in eager), and every grad hook
+    fires once with ``grad_added_to_main_grad`` set, in the order the unfused compiled backward's do
+    (per compiled region all weight grads come out together, as without fusion)."""
+    from torch._dynamo.utils import counters
+
+    from megalite.parallel import layers, param_attributes
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(24, 24, generator=g) * 0.2 for _ in range(3)]
+    x = torch.randn(2, 5, 24, generator=g)
+
+    def f(x, ws):
+        for w in ws:
+            x = torch.tanh(layers.linear(x, w))
+        return x.sum()
+
+    def run(fn, fused: bool):
+        ws = [torch.nn.Parameter(w.clone()) for w in init]
+        mains, seen = [torch.zeros(24, 24) for _ in ws], []
+        for i, (w, main) in enumerate(zip(ws, mains)):
+            if fused:
+                param_attributes.set_wgrad_accumulator(w, lambda main=main: main)
+            w.register_post_accumulate_grad_hook(
+                lambda p, i=i: seen.append((i, param_attributes.take_grad_added(p)))
+            )
+        for _ in range(2):  # two microbatches accumulate
+            fn(x, ws).backward()
+            for w, main in zip(ws, mains):
+                if not fused:
+                    main.add_(w.grad)
+                w.grad = None
+        return mains, seen
+
+    torch._dynamo.reset()
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    eager, eager_seen = run(f, True)
+    unfused, unfused_seen = run(f, False)
+    compiled, compiled_seen = run(torch.compile(f), True)
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    compiled_unfused, compiled_unfused_seen = run(torch.compile(f), False)
+    assert eager_seen == [(2, True), (1, True), (0, True)] * 2
+    assert [i for i, _ in compiled_seen] == [i for i, _ in compiled_unfused_seen]
+    assert all(added for _, added in compiled_seen) and len(compiled_seen) == 6
+    for a, b, c, d in zip(eager, unfused, compiled, compiled_unfused):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, d, rtol=1e-5, atol=1e-6)

@@ -151,10 +151,11 @@ def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Te
     grad, no separate add kernel) and autograd gets an uninitialised placeholder, so DDP's grad hook
     still fires in backward order; the hook drops it (``grad_added_to_main_grad``).
 
-    ``weight`` is the Parameter itself, kept on the autograd ctx in forward (as Megatron keeps
-    ``main_grad`` there), never the tensor ``ctx.saved_tensors`` gives back: under saved-tensor hooks
-    (the memory probe's first step, full recompute's checkpoint) that is another Python object,
-    without the accumulator, and the GEMM silently ran unfused there.
+    ``weight`` is the Parameter itself, found through its ``wgrad_key`` (the fused op below), never
+    the tensor ``ctx.saved_tensors`` gives back: under saved-tensor hooks (the memory probe's first
+    step, full recompute's checkpoint) and in a compiled backward that is another Python object,
+    without the accumulator, and the GEMM would silently run unfused there (a resume was not
+    bitwise with bf16 grads and 2+ microbatches: tests/test_checkpoint_resume.py).
     """
     accumulator = param_attributes.wgrad_accumulator(weight)
     if accumulator is None:
@@ -164,31 +165,55 @@ def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Te
     return torch.empty_like(weight)
 
 
+@torch.library.custom_op("megalite::wgrad_into_accumulator", mutates_args=())
+def _wgrad_into_accumulator(key: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """:func:`_weight_grad` of the weight registered as ``key`` (``wgrad_key``), as one opaque op.
+
+    Under ``--torch-compile`` dynamo and AOTAutograd keep it inside the layer's backward graph
+    (its fake implementation gives the placeholder's shape), where the eager ``_weight_grad``,
+    which writes into a buffer that is no input of the graph, would break the graph around every
+    linear. It declares no mutated args because it mutates none: the buffer it adds into belongs
+    to DDP and no graph reads it (the optimizer step does, after backward). Returns the
+    placeholder grad, which autograd hands to DDP's hook in backward order, as in eager.
+    """
+    weight = param_attributes.param_of_wgrad_key(key)
+    return _weight_grad(weight, grad_2d, input_2d)
+
+
+@_wgrad_into_accumulator.register_fake
+def _(key, grad_2d, input_2d):
+    return grad_2d.new_empty(grad_2d.shape[1], input_2d.shape[1])
+
+
+def _wgrad(key: torch.Tensor | None, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """The weight grad of autograd: the plain GEMM (``key`` None: no accumulator), else the fused op."""
+    if key is None:
+        return grad_2d.t().matmul(input_2d)
+    return _wgrad_into_accumulator(key, grad_2d, input_2d)
+
+
+def _wgrad_key(weight: torch.Tensor) -> torch.Tensor | None:
+    return getattr(weight, "wgrad_key", None) if fused_wgrad([weight]) else None
+
+
 class _LinearWithFusedWgrad(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward hands the weight grad to :func:`_weight_grad`."""
+    """``F.linear(x, weight, bias)`` whose backward hands the weight grad to the fused op (``key``:
+    the weight's ``wgrad_key``). Traceable: under ``--torch-compile`` it stays in the layer's graph."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.param = weight  # the Parameter, for _weight_grad (not a saved tensor: see there)
+    def forward(ctx, x, weight, bias, key):
+        ctx.save_for_backward(x, weight, key)
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight, key = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [n, out]
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = (
-            _weight_grad(ctx.param, grad_2d, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        )
+        grad_w = _wgrad(key, grad_2d, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-# The fused backward writes into a buffer that is no input of the graph, which dynamo cannot
-# trace: under --torch-compile a fused linear runs eagerly between its layer's compiled graphs.
-_fused_linear = torch.compiler.disable(_LinearWithFusedWgrad.apply)
+        return grad_x, grad_w, grad_b, None
 
 
 def fused_wgrad(weights) -> bool:
@@ -200,7 +225,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``; for a weight with a grad accumulator, with the fused weight-gradient GEMM."""
     if not fused_wgrad([weight]):
         return F.linear(x, weight, bias)
-    return _fused_linear(x, weight, bias)
+    return _LinearWithFusedWgrad.apply(x, weight, bias, weight.wgrad_key)
 
 
 # ---- the column-parallel matmul ------------------------------------------------------------------
@@ -219,34 +244,38 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, *weights_and_biases):
-        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)
-        ctx.params = weights  # the Parameters, for _weight_grad (not saved tensors: see there)
+    def forward(ctx, x, group, *weights_biases_keys):
+        weights, biases, keys = (
+            weights_biases_keys[0::3],
+            weights_biases_keys[1::3],
+            weights_biases_keys[2::3],
+        )
+        ctx.group, ctx.has_bias, ctx.fused = (
+            group,
+            [b is not None for b in biases],
+            [k is not None for k in keys],
+        )
+        ctx.save_for_backward(x, *weights, *(k for k in keys if k is not None))
         total = gather_along_sequence_dim(x, group)  # [b, s, in]; freed after forward
         return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, *weights = ctx.saved_tensors
+        x, *rest = ctx.saved_tensors
+        weights, saved_keys = rest[: len(grad_outs)], iter(rest[len(grad_outs) :])
+        keys = [next(saved_keys) if fused else None for fused in ctx.fused]
         grads: list[torch.Tensor | None] = []
-        total = gather_along_sequence_dim(x, ctx.group) if any(ctx.needs_input_grad[2::2]) else None
+        total = gather_along_sequence_dim(x, ctx.group) if any(ctx.needs_input_grad[2::3]) else None
         for i, grad_out in enumerate(grad_outs):
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b*s, out/t]
-            need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            grads.append(
-                _weight_grad(ctx.params[i], grad_2d, total.reshape(-1, total.shape[-1])) if need_w else None
-            )
-            grads.append(grad_2d.sum(0) if ctx.has_bias[i] and need_b else None)
+            need_w, need_b = ctx.needs_input_grad[2 + 3 * i], ctx.needs_input_grad[3 + 3 * i]
+            grads.append(_wgrad(keys[i], grad_2d, total.reshape(-1, total.shape[-1])) if need_w else None)
+            grads += [grad_2d.sum(0) if ctx.has_bias[i] and need_b else None, None]
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = sum(g.matmul(w) for g, w in zip(grad_outs, weights))  # [b, s, in], partial
             grad_x = reduce_scatter_along_sequence_dim(grad_x, ctx.group)
         return grad_x, None, *grads
-
-
-_fused_sp_linears = torch.compiler.disable(_LinearWithSequenceParallelInput.apply)  # as _fused_linear
 
 
 def column_parallel_linears(
@@ -260,9 +289,7 @@ def column_parallel_linears(
     (all-gathered once before the matmuls).
     """
     if sequence_parallel:
-        flat = [t for pair in params for t in pair]
-        if fused_wgrad([w for w, _ in params]):
-            return _fused_sp_linears(x, group, *flat)
+        flat = [t for w, b in params for t in (w, b, _wgrad_key(w))]
         return _LinearWithSequenceParallelInput.apply(x, group, *flat)
     x = copy_to_tensor_model_parallel_region(x, group)
     return tuple(linear(x, w, b) for w, b in params)

@@ -38,6 +38,10 @@ Parameters stay plain ``nn.Parameter``s (so torch optimizers, DCP and
 ``wgrad_accumulator`` (callable)
     Set by DDP with ``--gradient-accumulation-fusion`` on the fusable weights: returns the buffer
     (``main_grad``, or ZeRO-2/3's staged slice) the weight-gradient GEMM adds into.
+``wgrad_key`` (0-d int64 CPU tensor)
+    Set with ``wgrad_accumulator``: the weight's number in a registry (:func:`param_of_wgrad_key`),
+    so a compiled backward, whose saved tensors are not the parameter object, finds the weight (a
+    tensor, not an int: dynamo would specialise every layer's graph on an int).
 ``grad_added_to_main_grad`` (bool, Megatron's name)
     Set by that GEMM, cleared by DDP's grad hook: ``.grad`` is a placeholder, the grad is in the buffer.
 
@@ -46,6 +50,8 @@ parameters (a plain ``nn.Linear`` counts as replicated, with no main_grad).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -154,9 +160,21 @@ def is_wgrad_fusable(param: torch.Tensor) -> bool:
     return getattr(param, "wgrad_fusable", False)
 
 
+_WGRAD_PARAMS: list[weakref.ref] = []  # wgrad_key -> the weight (weak: runs come and go in one process)
+
+
 def set_wgrad_accumulator(param: torch.Tensor, accumulator) -> None:
     """``accumulator()`` -> the tensor ``[*param.shape]`` the weight-gradient GEMM adds into."""
     param.wgrad_accumulator = accumulator
+    param.wgrad_key = torch.tensor(len(_WGRAD_PARAMS), dtype=torch.int64)
+    _WGRAD_PARAMS.append(weakref.ref(param))
+
+
+def param_of_wgrad_key(key: torch.Tensor) -> torch.Tensor:
+    """The weight whose ``wgrad_key`` is ``key``."""
+    param = _WGRAD_PARAMS[int(key)]()
+    assert param is not None, "the weight of this wgrad_key was freed"
+    return param
 
 
 def wgrad_accumulator(param: torch.Tensor):
