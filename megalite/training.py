@@ -113,6 +113,8 @@ def initialize_distributed(run: RunConfig) -> Mesh:
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
+        num_distributed_optimizer_instances=run.data_parallel.num_distributed_optimizer_instances,
     )
 
 
@@ -151,8 +153,10 @@ def setup(run: RunConfig, with_data: bool = True) -> TrainState:
     elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
     # Gradients are averaged, and ZeRO shards them, over dp x cp: CP ranks hold the same weights.
-    model = [DistributedDataParallel(c, mesh.dp_with_cp(), run.data_parallel) for c in chunks]
-    optimizer = build_optimizer(model, mesh.dp_with_cp(), run.optimizer)
+    # --num-distributed-optimizer-instances: ZeRO-1 shards within this rank's instance of them.
+    grads = mesh.dp_with_cp().optimizer_instance()
+    model = [DistributedDataParallel(c, grads, run.data_parallel) for c in chunks]
+    optimizer = build_optimizer(model, grads, run.optimizer)
     ddp = run.data_parallel
     if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).

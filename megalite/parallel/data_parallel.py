@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.configs import DataParallelConfig
+from megalite.configs import DataParallelConfig, ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.mesh import Mesh
@@ -109,6 +109,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("DistributedDataParallel needs contiguous parameters (main_grad is a flat view)")
 
         level = strategy_class(config.sharding_strategy)
+        if len(mesh.dp_replica_ranks) > 1 and config.sharding_strategy is not ShardingStrategy.OPTIM:
+            raise ArgumentError(
+                "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                f"(ZeRO-1), not --data-parallel-sharding-strategy {config.sharding_strategy.value}"
+            )
         units = level.units(module)
         order = list(reversed(params))
         groups = split_into_buckets(
@@ -282,8 +287,9 @@ def _expert_ddp(module: nn.Module, params: list[nn.Parameter], mesh: Mesh, confi
     if not params or (mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size):
         return None
     edp = dataclasses.replace(
-        mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks
-    )
+        mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks,
+        dp_replica_group=mesh.edp_replica_group, dp_replica_ranks=mesh.edp_replica_ranks,
+    )  # fmt: skip
     return DistributedDataParallel(
         module, edp, config, params=params, grad_scale=mesh.edp_size / mesh.dp_size
     )
