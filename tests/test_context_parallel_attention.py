@@ -141,9 +141,7 @@ def _ranks_main() -> dict:
     # a2a+p2p at cp 4 = 2 x 2, the groups as megalite's mesh (Megatron's create_hierarchical_groups) cuts them
     from megalite.parallel.mesh import hierarchical_groups
 
-    inner, outer = (
-        [dist.new_group(g) for g in level] for level in hierarchical_groups([0, 1, 2, 3], (2, 2))
-    )
+    inner, outer = ([dist.new_group(g) for g in level] for level in hierarchical_groups([0, 1, 2, 3], (2, 2)))
     hcp = (inner[rank // 2], outer[rank % 2])
     for i, case in enumerate(CASES):
         results[(4, case, HIERARCHICAL)] = _one_case(case, HIERARCHICAL, hcp, 4, rank, seed=i)

@@ -404,7 +404,9 @@ def check_context_parallel(args: argparse.Namespace) -> list[str]:
             if comm == "a2a":
                 check_a2a_heads(heads // tp, groups // tp, cp)
             else:
-                check_a2a_heads(heads // tp, groups // tp, sizes[0], "--hierarchical-context-parallel-sizes' a2a level")
+                check_a2a_heads(
+                    heads // tp, groups // tp, sizes[0], "--hierarchical-context-parallel-sizes' a2a level"
+                )
     return []
 
 

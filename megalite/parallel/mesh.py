@@ -88,7 +88,9 @@ def hierarchical_groups(ranks: list[int], sizes: tuple[int, ...]) -> list[list[l
     Level 0 is the innermost (consecutive ranks); e.g. 16 ranks, sizes (2, 2, 4): [0, 1], [2, 3], ...;
     [0, 2], [1, 3], [4, 6], ...; [0, 4, 8, 12], [1, 5, 9, 13], ..."""
     if math.prod(sizes) != len(ranks):
-        raise ParallelConfigError(f"hierarchical group sizes {list(sizes)} do not multiply to {len(ranks)} ranks")
+        raise ParallelConfigError(
+            f"hierarchical group sizes {list(sizes)} do not multiply to {len(ranks)} ranks"
+        )
     out = []
     for level, s in enumerate(sizes):
         u, rest = math.prod(sizes[:level]), math.prod(sizes[level + 1 :])
@@ -446,7 +448,9 @@ def _build_groups(
     if layout.instance_groups and expert is not None:
         levels["edp_instance"] = _levels(expert.edp_groups, _instance_split(expert.edp, layout))
     for name, (inner, outer) in ((n, g) for n, g in levels.items() if g):  # a level of one rank: None
-        mine[name] = tuple(build(f"{name}{i}", g) if len(g[0]) > 1 else None for i, g in enumerate((inner, outer)))
+        mine[name] = tuple(
+            build(f"{name}{i}", g) if len(g[0]) > 1 else None for i, g in enumerate((inner, outer))
+        )
     return mine
 
 
@@ -571,7 +575,9 @@ def _instance_fields(layout: RankLayout, expert: ExpertLayout, groups: dict, ran
          "edp_instance"),
     ):  # fmt: skip
         intra, inter = (_group_of(level, rank) for level in levels)
-        out[field_name] = OptimizerInstances(_group_of(whole, rank), intra, groups[role][0], inter, groups[role][1])
+        out[field_name] = OptimizerInstances(
+            _group_of(whole, rank), intra, groups[role][0], inter, groups[role][1]
+        )
     return out
 
 
