@@ -153,10 +153,9 @@ def setup(run: RunConfig, with_data: bool = True) -> TrainState:
     elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
     # Gradients are averaged, and ZeRO shards them, over dp x cp: CP ranks hold the same weights.
-    # --num-distributed-optimizer-instances: ZeRO-1 shards within this rank's instance of them.
-    grads = mesh.dp_with_cp().optimizer_instance()
-    model = [DistributedDataParallel(c, grads, run.data_parallel) for c in chunks]
-    optimizer = build_optimizer(model, grads, run.optimizer)
+    # (--num-distributed-optimizer-instances: both narrow it to this rank's instance, Mesh.optimizer_instance)
+    model = [DistributedDataParallel(c, mesh.dp_with_cp(), run.data_parallel) for c in chunks]
+    optimizer = build_optimizer(model, mesh.dp_with_cp(), run.optimizer)
     ddp = run.data_parallel
     if ddp.overlap_param_gather and not ddp.sharding_strategy.shards_params:
         # ZeRO-1/2: the step starts the param all-gathers; the next forward waits (ZeRO-3: prefetch above).

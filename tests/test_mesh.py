@@ -239,4 +239,5 @@ def test_optimizer_instance_narrows_the_gradient_view():
     assert (got.dp_size, got.dp_rank, got.dp_group, got.dp_ranks) == (2, 1, "intra", [2, 3])
     assert (got.dp_replica_group, got.dp_replica_ranks) == ("inter", [1, 3])
     assert (got.edp_size, got.edp_rank, got.edp_group, got.edp_replica_group) == (1, 0, None, "einter")
+    assert got.optimizer_instance() is got  # narrowed once: DDP and the optimizer may both ask
     assert Mesh.single().optimizer_instance() == Mesh.single()

@@ -217,6 +217,7 @@ def build_optimizer(model_chunks, mesh: Mesh, config: OptimizerConfig) -> MixedP
             )
     cpu_offload = config.optimizer_cpu_offload or config.offload.optimizer_device != "none"
     fraction = effective_offload_fraction(cpu_offload, fraction)
+    mesh = mesh.optimizer_instance()  # --num-distributed-optimizer-instances: norms sum over one instance
     params = (ShardedMainParams if sharded else ReplicatedMainParams)(
         chunks, mesh, fraction, config.decoupled_lr is not None
     )

@@ -84,6 +84,8 @@ class DistributedDataParallel(nn.Module):
         if config.bucket_size < 1:
             raise ArgumentError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
         self.module = module
+        # --num-distributed-optimizer-instances: reduced (and ZeRO-1 shards) within this rank's instance
+        mesh = mesh.optimizer_instance()
         self.mesh = mesh
         self.config = config
         self.dp_size, self.dp_rank, self.dp_group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
@@ -133,9 +135,10 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         # The strategy sees only this narrow view of the chunk, never the DDP object itself.
-        self.buffer = GradBuffer(
-            module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync, grad_scale
-        )
+        self.buffer = GradBuffer(  # the mean over the instances too (their shards are all-reduced)
+            module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync,
+            grad_scale / len(mesh.dp_replica_ranks),
+        )  # fmt: skip
         self.strategy = level(self.buffer)
         if config.gradient_accumulation_fusion:  # the TP linears' GEMMs add into the buffer
             for p in filter(is_wgrad_fusable, params):

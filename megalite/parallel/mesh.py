@@ -314,6 +314,7 @@ class Mesh:
             dp_ranks=d.intra_ranks, dp_replica_group=d.inter_group, dp_replica_ranks=d.inter_ranks,
             edp_size=len(e.intra_ranks), edp_rank=e.intra_ranks.index(self.rank), edp_group=e.intra_group,
             edp_ranks=e.intra_ranks, edp_replica_group=e.inter_group, edp_replica_ranks=e.inter_ranks,
+            dp_cp_instances=None, edp_instances=None,  # narrowed: a second call returns it unchanged
         )  # fmt: skip
 
     # Pipeline helpers -------------------------------------------------------
