@@ -34,8 +34,11 @@ CHECKPOINT_CORE = (
 # and ZeRO-3's ShardTier) and optim by 200 (the optimizer's nvme tier, NvmeTier, and its residency).
 # Issue 39 raised parallel by 100 (--cp-comm-type a2a, Ulysses, in context_parallel.py) and model by 100
 # (--qk-layernorm, --rotary-interleaved, --squared-relu, --add-qkv-bias; --moe-layer-recompute, issue 35).
+# Issue 39 raised parallel by 150 more: hierarchical CP (--cp-comm-type a2a+p2p in context_parallel.py)
+# and the partial distributed optimizer (mesh.py's hierarchical_groups, OptimizerInstances and
+# Mesh.optimizer_instance; the inter-instance all-reduce and broadcast in sharding/).
 CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099, 1796, 643
-    "parallel": ("megalite/parallel/**/*.py", 4750),
+    "parallel": ("megalite/parallel/**/*.py", 4900),
     "model": ("megalite/model/**/*.py", 2200),
     "optim": ("megalite/optim/**/*.py", 1750),
     "data": ("megalite/data/**/*.py", 3250),
