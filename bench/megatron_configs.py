@@ -95,7 +95,10 @@ def _placeholder(text: str) -> str:
 
 
 def yaml_argv(model_args: dict) -> list[str]:
-    """A functional test's MODEL_ARGS as a command line."""
+    """A functional test's MODEL_ARGS as a command line, as Megatron's harness
+    (``tests/functional_tests/shell_test_utils/_run_training.sh``) builds it: a string in square
+    brackets loses them and splits into words (``"[2 2]"`` -> ``2 2``); any other string, spaces
+    and all, is one argument (``"2 2"`` stays ``'2 2'``, which an int flag refuses, in Megatron too)."""
     argv: list[str] = []
     for key, value in model_args.items():
         if value is False or value is None:
@@ -104,6 +107,8 @@ def yaml_argv(model_args: dict) -> list[str]:
             argv.append(key)
         elif isinstance(value, list):
             argv += [key, *(_placeholder(str(v)) for v in value)]
+        elif re.fullmatch(r"\[[^]]+\]", str(value).strip()):
+            argv += [key, *(_placeholder(v) for v in str(value).strip()[1:-1].split())]
         else:
             argv += [key, _placeholder(str(value))]
     return argv

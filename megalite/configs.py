@@ -49,7 +49,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank (interleaving)
     context_parallel_size: int = 1  # each sequence cut over cp ranks (load-balanced chunks)
-    cp_comm_type: str = "p2p"  # how attention exchanges K/V over cp: "p2p" ring or "all_gather"
+    cp_comm_type: str = "p2p"  # how attention exchanges K/V over cp: p2p, all_gather, a2a, a2a+p2p
+    # a2a+p2p: the CP group's (a2a, p2p) levels, their product cp (Megatron's flag; None: not given)
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     data_parallel_size: int = 1
     sequence_parallel: bool = False  # only ever True with tp > 1 (the flag is a no-op at tp 1)
     decoder_first_pipeline_num_layers: int | None = None  # uneven stages
@@ -186,6 +188,8 @@ class DataParallelConfig:
     # Megatron's; off here, as Megatron-Core's config, for code that builds DDP directly)
     gradient_accumulation_fusion: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # --offload-param-device (ZeRO-3)
+    # ZeRO-1 sharded over dp x cp / N ranks, replicated over N instances (Megatron's partial DistOpt)
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))

@@ -7,10 +7,10 @@ Every Megatron-LM flag a launch script may pass falls in one of three classes:
 2. **Accepted and ignored** (:data:`IGNORED`): switches with no meaning for megalite's
    kernels or formats (fusions, attention backends, checkpoint formats). They
    parse with Megatron's arity, and start-up prints ONE warning line listing those given.
-3. **Refused** (:data:`REFUSED`): flags whose meaning megalite does not build (MoE, fp8,
-   hierarchical context parallelism, ...). Given, the run stops in one line naming the
+3. **Refused** (:data:`REFUSED`): flags whose meaning megalite does not build (fp8,
+   multi-latent attention, ...). Given, the run stops in one line naming the
    feature: a script never trains a different model silently. Values listed in ``allowed``
-   are the flag's "off" setting (``--num-distributed-optimizer-instances 1``) and are accepted.
+   are the flag's "off" setting (``--outer-dp-sharding-strategy no_shard``) and are accepted.
 
 This module is the one table; ``tools/gen_flags_doc.py`` renders it into docs/flags.md.
 The arity of each flag is Megatron-LM's (``megatron/training/arguments.py``), so the
@@ -275,12 +275,6 @@ REFUSED: tuple[CompatFlag, ...] = (
     _fp8("--fp4-format"),
     _fp8("--fp4-param-gather", 0),
     _fp8("--first-last-layers-bf16", 0),
-    CompatFlag(
-        "--hierarchical-context-parallel-sizes",
-        "+",
-        "hierarchical context parallelism (--cp-comm-type a2a+p2p)",
-    ),
-    CompatFlag("--num-distributed-optimizer-instances", 1, "partial ZeRO-1 sharding", allowed=("1",)),
     CompatFlag(
         "--outer-dp-sharding-strategy",
         1,

@@ -89,6 +89,7 @@ class MemoryLayout:
     dp: int = 1
     cp: int = 1  # context parallelism: each rank holds seq_length / cp tokens of every sequence
     cp_comm_type: str = "p2p"  # how attention's K/V cross the CP group (the buffers it holds)
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None  # a2a+p2p: (a2a, p2p) levels
     vp: int = 1
     micro_batch_size: int = 1
     seq_length: int = 128
@@ -100,6 +101,7 @@ class MemoryLayout:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1  # ZeRO-1 sharded over grad_dp / N ranks, N copies
     shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads), and ZeRO-3
     shard_params: bool = False  # ZeRO-3 (optim_grads_params; needs shard_grads)
     overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
@@ -163,6 +165,7 @@ class MemoryLayout:
             dp=par.data_parallel_size,
             cp=par.context_parallel_size,
             cp_comm_type=par.cp_comm_type,
+            hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
             vp=par.virtual_pipeline_model_parallel_size,
             micro_batch_size=train.micro_batch_size,
             seq_length=train.seq_length,
@@ -174,6 +177,7 @@ class MemoryLayout:
             recompute_method=recompute.method,
             recompute_num_layers=recompute.num_layers,
             use_distributed_optimizer=ddp.sharding_strategy.shards_optimizer,
+            num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
             shard_grads=ddp.sharding_strategy.shards_grads,
             shard_params=ddp.sharding_strategy.shards_params,
             overlap_param_gather=ddp.overlap_param_gather,
@@ -402,6 +406,7 @@ def _unit_buckets(
         layout.ep,
         layout.expert_tp,
         experts,
+        layout.num_distributed_optimizer_instances,
     )
     key += (chunk,)
     if key not in _UNIT_BUCKETS:
@@ -433,6 +438,7 @@ def _build_unit_buckets(
     )
     out = []
     dp = layout.edp if experts else layout.grad_dp  # experts: over edp (Megatron's expert buffers)
+    dp //= layout.num_distributed_optimizer_instances  # partial distributed optimizer: one instance
     for i, group in enumerate(groups):
         bucket = Bucket(i, group, level.padded_numel(sum(p.numel() for p in group), dp), dp)
         level.bind(bucket, torch.empty(level.held_numel(bucket.numel_padded, dp), device="meta"))
@@ -1034,17 +1040,24 @@ def cp_kv_buffer_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
     * ``a2a`` (an estimate, not yet checked against a measured run): the all-to-alls' send and
       receive buffers of q, k and v, 2 (Q + 2 KV) with Q = b (a/t) (s/cp) d B and KV that of K with
       its heads repeated as ``a2a_kv_repeats`` says, and the output's copy back in sequence order, Q.
+    * ``a2a+p2p`` (an estimate too): ``a2a``'s over the a2a level (A ranks: the repeats for A), and
+      the ``p2p`` ring's 7 S over the exchanged shards (S = 2 KV: 1/A of the heads over A times the
+      tokens), with the GQA term 4 Q when the repeated K/V heads are fewer than the query heads.
     """
     if layout.cp == 1:
         return 0
     B, d, t = dtype_bytes(layout.params_dtype), config.head_dim, layout.tp
-    if layout.cp_comm_type == "a2a":
+    comm = layout.cp_comm_type
+    a = {"a2a": layout.cp, "a2a+p2p": (layout.hierarchical_context_parallel_sizes or (1,))[0]}.get(comm, 1)
+    if a > 1:
         heads, groups = config.num_attention_heads // t, config.query_groups // t
         q = layout.tokens * heads * d * B
-        kv = layout.tokens * groups * a2a_kv_repeats(heads, groups, layout.cp) * d * B
-        return 2 * (q + 2 * kv) + q
+        repeated = groups * a2a_kv_repeats(heads, groups, a)
+        kv = layout.tokens * repeated * d * B
+        ring = 14 * kv + (4 * q if repeated != heads else 0) if layout.cp > a else 0  # a2a+p2p's ring
+        return 2 * (q + 2 * kv) + q + ring
     shard = 2 * layout.tokens * (config.query_groups // t) * d * B
-    held = 7 * shard if layout.cp_comm_type == "p2p" else (2 * layout.cp + 2) * shard
+    held = 7 * shard if comm in ("p2p", "a2a+p2p") else (2 * layout.cp + 2) * shard
     if config.num_attention_heads != config.query_groups:
         held += 4 * layout.tokens * (config.num_attention_heads // t) * d * B
     return held
@@ -1221,8 +1234,9 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     """This rank's ``{"kind": "memory", ...}`` record: measured vs predicted bytes."""
     mesh = state.mesh
     layout = MemoryLayout.from_configs(state.configs, mesh.device.type)
-    # ZeRO shards dense params over dp x cp, routed experts over edp
-    predicted = predict_rank(state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
+    # ZeRO shards dense params over dp x cp, routed experts over edp (each within its instance)
+    shards = mesh.dp_with_cp().optimizer_instance()
+    predicted = predict_rank(state.config, layout, mesh.pp_rank, shards.dp_rank, shards.edp_rank)
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     offloaded = measure_offloaded_param_bytes(state.model)

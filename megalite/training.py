@@ -113,6 +113,8 @@ def initialize_distributed(run: RunConfig) -> Mesh:
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
+        num_distributed_optimizer_instances=run.data_parallel.num_distributed_optimizer_instances,
     )
 
 
@@ -152,6 +154,7 @@ def setup(run: RunConfig, with_data: bool = True) -> TrainState:
     elif train.cross_entropy_loss_fusion:
         fuse_cross_entropy(chunks)
     # Gradients are averaged, and ZeRO shards them, over dp x cp: CP ranks hold the same weights.
+    # (--num-distributed-optimizer-instances: both narrow it to this rank's instance, Mesh.optimizer_instance)
     model = [DistributedDataParallel(c, mesh.dp_with_cp(), run.data_parallel) for c in chunks]
     optimizer = build_optimizer(model, mesh.dp_with_cp(), run.optimizer)
     ddp = run.data_parallel

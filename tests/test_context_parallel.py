@@ -1,6 +1,6 @@
 """Context parallelism end to end: pretrain() at cp 2 / cp 4 / tp2 x cp2 x pp2 (SP) / cp2 x dp2
 (ZeRO-3) against one process, for GPT-2 and Llama GQA, with both comm types (and a2a at cp 4 and
-tp2 x cp2 x pp2 SP); resume at the same
+tp2 x cp2 x pp2 SP; a2a+p2p, 2 x 2, at cp 4 (GPT-2) and tp2 x cp4 SP (Llama GQA)); resume at the same
 layout and across cp sizes; the mesh's CP groups; a Megatron-LM script's CP flags.
 
 One spawn per world size (2, 4, 8); the one-process references run in this process. fp32, dropout
@@ -28,6 +28,18 @@ FLAVOURS = {"gpt2": [], "llama": LLAMA}
 COMMS = ("p2p", "all_gather")
 # a2a (Ulysses) at two of the layouts (the test's time): cp 4 alone, and with TP + SP and PP
 A2A_LAYOUTS = ("cp4", "tp2-cp2-pp2-sp")
+# a2a+p2p (hierarchical: a2a over 2 consecutive CP ranks, the ring over the 2 pairs) at cp 4: one run
+# per flavour (the test's time): flavour -> (name, world, layout flags)
+HCP = [
+    "--context-parallel-size",
+    "4",
+    "--cp-comm-type",
+    "a2a+p2p",
+    "--hierarchical-context-parallel-sizes",
+    "2",
+    "2",
+]
+HCP_RUNS = {"gpt2": ("cp4", 4, []), "llama": ("tp2-cp4-sp", 8, layout(2, 1) + ["--sequence-parallel"])}
 
 
 def cp(size: int, comm: str) -> list[str]:
@@ -166,6 +178,8 @@ def runs(tmp_path_factory):
         for name in A2A_LAYOUTS:
             world, lflags = LAYOUTS[name]
             plan[world].append(BASE + fflags + lflags + cp(CP_OF[name], "a2a") + out(f"{flavour}-a2a-{name}"))
+        name, world, lflags = HCP_RUNS[flavour]
+        plan[world].append(BASE + fflags + lflags + HCP + out(f"{flavour}-a2a+p2p-{name}"))
     plan[4].append(BASE + LAYOUTS["cp2-dp2-zero3"][1] + cp(2, "p2p") + resume(out("resume-cp2")))
     plan[4].append(FOUR_LAYERS + COMPOSED + cp(2, "all_gather") + out("composed"))
     plan[2].append(llama3_8b_cp2(d))
@@ -202,6 +216,13 @@ def test_matches_one_process(runs, flavour, comm, name):
 def test_a2a_matches_one_process(runs, flavour, name):
     """--cp-comm-type a2a: the same losses and grad norms as one process (MHA and GQA, TP + SP)."""
     test_matches_one_process(runs, flavour, "a2a", name)
+
+
+@pytest.mark.parametrize("flavour", HCP_RUNS)
+def test_a2a_p2p_matches_one_process(runs, flavour):
+    """--cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes 2 2: the same losses and
+    grad norms as one process (GPT-2 MHA at cp 4; Llama GQA at tp2 x cp4 with SP)."""
+    test_matches_one_process(runs, flavour, "a2a+p2p", HCP_RUNS[flavour][0])
 
 
 def test_composed_layout_matches_one_process(runs):
@@ -278,12 +299,25 @@ def test_flags_and_their_checks():
     # Megatron's per-layer list, one type for every layer: accepted; the default is Megatron's p2p.
     assert _args("--context-parallel-size", "2", "--cp-comm-type", *["p2p"] * 2).cp_comm_type == "p2p"
     assert _args("--context-parallel-size", "2").cp_comm_type == "p2p"
+    args = _args("--context-parallel-size", "4", "--cp-comm-type", *["a2a+p2p"] * 2,
+                 "--hierarchical-context-parallel-sizes", "2", "2")  # fmt: skip
+    par = build_configs(args, vocab_size=args.vocab_size).parallel
+    assert (par.cp_comm_type, par.hierarchical_context_parallel_sizes) == ("a2a+p2p", (2, 2))
     refused = [  # (what the one line names, flags, world size)
         ("--attention-dropout", ["--context-parallel-size", "2", "--attention-dropout", "0.1"], 4),
         ("2 x --context-parallel-size (8)", ["--context-parallel-size", "4", "--seq-length", "20"], 4),
         ("--sequence-parallel", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4",
                                  "--sequence-parallel", "--seq-length", "20"], 8),
-        ("--cp-comm-type a2a+p2p is not built", ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 4),
+        ("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
+         ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 4),
+        ("multiply to 6, not --context-parallel-size (4)", ["--context-parallel-size", "4", "--cp-comm-type",
+                                                            "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "3"], 4),
+        ("two levels", ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2", "2", "1"], 4),
+        # 4 heads over tp 2: 2 per rank, which the a2a level of 4 cannot split (its ring of 1 could)
+        ("heads over --hierarchical-context-parallel-sizes' a2a level 4", ["--context-parallel-size", "4",
+         "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1", "--tensor-model-parallel-size",
+         "2"], 8),
         # 4 heads over tp 2: 2 per rank, which cp 4 cannot split
         ("--cp-comm-type a2a splits the attention heads", ["--context-parallel-size", "4", "--cp-comm-type", "a2a",
                                                            "--tensor-model-parallel-size", "2"], 8),

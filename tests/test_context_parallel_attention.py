@@ -2,7 +2,8 @@
 
 One 4-rank gloo spawn runs every case: cp = 4 over all ranks and cp = 2 over the groups {0, 2} and
 {1, 3} (so the ring's neighbours are not consecutive global ranks), each with ``p2p`` and
-``all_gather`` and ``a2a`` (Ulysses), MHA and GQA, several (b, s, d). Each rank compares its shard of the output and of
+``all_gather`` and ``a2a`` (Ulysses), MHA and GQA, several (b, s, d); and ``a2a+p2p`` at cp = 4 as
+2 x 2 (Megatron's hierarchical groups: a2a over {0, 1} and {2, 3}, the ring over {0, 2} and {1, 3}). Each rank compares its shard of the output and of
 the grads of q, k, v with ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on
 the whole sequence, fp32, rtol 1e-5; and the bytes its collectives send (counted at the calls by
 ``comm_meter``) with ``context_parallel_comm_bytes``.
@@ -34,6 +35,7 @@ CASES = [
     (1, 8, 2, 1, 32, None),  # one token per chunk at cp = 4 (multi-query)
 ]
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+HIERARCHICAL = "a2a+p2p"  # at cp 4 = 2 (a2a) x 2 (p2p) only
 
 
 def _a2a_splits(case, cp: int) -> bool:
@@ -61,6 +63,7 @@ def _one_case(case, comm_type: str, group, cp: int, cp_rank: int, seed: int) -> 
     full = _full_inputs(case, seed)
     expected = [shard_sequence(t, 2, cp, cp_rank) for t in _reference(case, *full)]
     q, k, v, dout = (shard_sequence(t, 2, cp, cp_rank).requires_grad_() for t in full)
+    groups = group if isinstance(group, tuple) else (group,)  # a2a+p2p: (inner, outer)
     if comm_type == "a2a" and not _a2a_splits(case, cp):  # refused in one line, nothing sent
         with pytest.raises(ArgumentError, match="--cp-comm-type a2a splits the attention heads"):
             context_parallel_attention(q, k, v, group=group, comm_type=comm_type, softmax_scale=case[5])
@@ -76,11 +79,14 @@ def _one_case(case, comm_type: str, group, cp: int, cp_rank: int, seed: int) -> 
     b, s, _, hkv, d, _ = case
     formula = context_parallel_comm_bytes(
         comm_type=comm_type, cp_size=cp, micro_batch_size=b, seq_length=s, kv_heads=hkv, head_dim=d,
-        bytes_per_element=4, heads=case[2],
+        bytes_per_element=4, heads=case[2], a2a_size=2,
     )  # fmt: skip
+    counted = {
+        "forward": sum(fwd.bytes_sent(g) for g in groups), "backward": sum(bwd.bytes_sent(g) for g in groups)
+    }  # fmt: skip
     return {
-        "counted": {"forward": fwd.bytes_sent(group), "backward": bwd.bytes_sent(group)},
-        "elsewhere": fwd.bytes_sent() + bwd.bytes_sent() - fwd.bytes_sent(group) - bwd.bytes_sent(group),
+        "counted": counted,
+        "elsewhere": fwd.bytes_sent() + bwd.bytes_sent() - counted["forward"] - counted["backward"],
         "formula": formula,
         "kinds": sorted({c.kind for c in fwd.calls + bwd.calls}),
     }
@@ -132,6 +138,13 @@ def _ranks_main() -> dict:
         for i, case in enumerate(CASES):
             for comm_type in COMM_TYPES:
                 results[(cp, case, comm_type)] = _one_case(case, comm_type, group, cp, cp_rank, seed=i)
+    # a2a+p2p at cp 4 = 2 x 2, the groups as megalite's mesh (Megatron's create_hierarchical_groups) cuts them
+    from megalite.parallel.mesh import hierarchical_groups
+
+    inner, outer = ([dist.new_group(g) for g in level] for level in hierarchical_groups([0, 1, 2, 3], (2, 2)))
+    hcp = (inner[rank // 2], outer[rank % 2])
+    for i, case in enumerate(CASES):
+        results[(4, case, HIERARCHICAL)] = _one_case(case, HIERARCHICAL, hcp, 4, rank, seed=i)
     return {"cases": results, "ring order": _ring_order(dist.group.WORLD)}
 
 
@@ -144,7 +157,8 @@ def test_forward_and_grads_match_one_process(ranks):
     """The parity asserts run inside the ranks; here: every case ran on every rank."""
     for results in ranks:
         assert sorted(results["cases"]) == sorted(
-            (cp, c, t) for cp in (4, 2) for c in CASES for t in COMM_TYPES
+            [(cp, c, t) for cp in (4, 2) for c in CASES for t in COMM_TYPES]
+            + [(4, c, HIERARCHICAL) for c in CASES]
         )
 
 
@@ -169,6 +183,7 @@ def test_bytes_sent_match_the_formula(ranks):
                 "p2p": ["send", "recv"],
                 "all_gather": ["all_gather", "reduce_scatter"],
                 "a2a": ["all_to_all"],
+                HIERARCHICAL: ["all_to_all", "recv", "send"],
             }
             assert r["kinds"] == sorted(want[comm_type])
     # a2a ran at cp 2 and 4 with MHA and GQA (K/V heads 2 < cp 4 repeated), refused where hq % cp
@@ -186,7 +201,7 @@ def test_load_balanced_chunks_cover_the_sequence_once():
     assert shard_sequence(x, 0, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_cp1_is_causal_attention_and_a2a_p2p_is_refused():
+def test_cp1_is_causal_attention_and_an_unknown_type_is_refused():
     case = CASES[1]
     q, k, v, dout = _full_inputs(case, seed=7)
     want = _reference(case, q, k, v, dout)
@@ -196,8 +211,10 @@ def test_cp1_is_causal_attention_and_a2a_p2p_is_refused():
         torch.testing.assert_close(got, exp, **TOL)
     out = context_parallel_attention(q, k, v, group=None, comm_type="a2a")  # cp 1: the same attention
     torch.testing.assert_close(out, want[0], **TOL)
-    with pytest.raises(ArgumentError, match="--cp-comm-type a2a\\+p2p"):
-        context_parallel_attention(q, k, v, group=None, comm_type="a2a+p2p")
+    out = context_parallel_attention(q, k, v, group=(None, None), comm_type="a2a+p2p")  # 1 x 1
+    torch.testing.assert_close(out, want[0], **TOL)
+    with pytest.raises(ArgumentError, match="--cp-comm-type ring: megalite implements p2p"):
+        context_parallel_attention(q, k, v, group=None, comm_type="ring")
 
 
 # ---- every CP rank in one process: the kernels and the block plan, on any device -----------------

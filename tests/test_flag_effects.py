@@ -83,6 +83,31 @@ NEEDS = {
         {"model.attention_dropout"},
     ),
     "--cp-comm-type": (["--cp-comm-type", "all_gather"], {}),
+    # a2a+p2p's two levels (2 ranks: a2a over 2, a ring of 1)
+    "--hierarchical-context-parallel-sizes": (
+        [
+            "--context-parallel-size",
+            "2",
+            "--attention-dropout",
+            "0",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "1",
+        ],
+        {"model.attention_dropout", "parallel.context_parallel_size", "parallel.cp_comm_type"},
+    ),  # fmt: skip
+    # the partial distributed optimizer: ZeRO-1 at dp 2, two instances of one rank
+    "--num-distributed-optimizer-instances": (
+        ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+        {
+            "data_parallel.sharding_strategy",
+            "optimizer.use_distributed_optimizer",
+            "parallel.data_parallel_size",
+            "training.num_microbatches",
+        },
+    ),  # fmt: skip
     # on by default: its non-default value is its --no- form's
     "--gradient-accumulation-fusion": (
         ["--no-gradient-accumulation-fusion"],
@@ -414,7 +439,7 @@ def sweep(wandb: bool = False) -> list[tuple[str, list[str], list[str]]]:
         if _needs_wandb(extra) != wandb:
             continue
         two_ranks = {"--pipeline-model-parallel-size", "--context-parallel-size"} & set(extra)
-        two_ranks |= {"--expert-model-parallel-size"} & set(extra)
+        two_ranks |= {"--expert-model-parallel-size", "--num-distributed-optimizer-instances"} & set(extra)
         moe = flag in MOE_FLAGS
         got = _built(_argv(extra, MOE_BASE if moe else BASE), world=2 if two_ranks else 1)
         base = bases[moe]

@@ -492,8 +492,11 @@ def test_split_tokenizer_names_and_megatron_defaults():
     assert (a.log_interval, a.eval_iters, a.train_iters) == (100, 100, None)
     with pytest.raises(ArgumentError, match="--train-iters or --train-samples is required"):
         validate_args(parse_args(["--mock-data", "--vocab-size", "9"]), 1)
-    with pytest.raises(RefusedFlagError, match="hierarchical context parallelism"):
-        parse_args(["--hierarchical-context-parallel-sizes", "2", "2"])  # (--context-parallel-size is built)
+    # hierarchical CP and the partial distributed optimizer are built (issue 39): parsed, not refused
+    a = parse_args(
+        ["--hierarchical-context-parallel-sizes", "2", "2", "--num-distributed-optimizer-instances", "2"]
+    )
+    assert (a.hierarchical_context_parallel_sizes, a.num_distributed_optimizer_instances) == ([2, 2], 2)
     parse_args(
         ["--context-parallel-size", "1", "--no-position-embedding", "--position-embedding-type", "rope"]
     )

@@ -580,6 +580,23 @@ def test_context_parallel_divides_activations_by_cp():
         < predict_rank(config, gathered, 0).extra["cp_kv_buffers"]
     )
 
+    # a2a+p2p: a level of one rank is the other kind alone; 2 x 2 holds a2a's (over 2) and the ring's
+    # (over 2, on the exchanged shards), more than a2a's over 4
+    def kv(comm, sizes=None, cp=4):
+        layout = dataclasses.replace(
+            base, cp=cp, cp_comm_type=comm, hierarchical_context_parallel_sizes=sizes
+        )
+        return predict_rank(config, layout, 0).extra["cp_kv_buffers"]
+
+    assert kv("a2a+p2p", (4, 1)) == kv("a2a") and kv("a2a+p2p", (1, 4)) == kv("p2p")
+    assert kv("a2a+p2p", (2, 2)) > kv("a2a") > 0
+    # --num-distributed-optimizer-instances N: the optimizer state is ZeRO-1's over dp x cp / N
+    partial = dataclasses.replace(base, cp=2, **zero1, num_distributed_optimizer_instances=2)
+    assert (
+        predict_rank(config, partial, 0).optimizer
+        == predict_rank(config, dataclasses.replace(base, cp=2, use_distributed_optimizer=True), 0).optimizer
+    )
+
 
 def test_fp16_skipped_first_step_reports_optimizer_state_not_allocated_yet(tmp_path):
     """fp16's first step is skipped (the initial loss scale overflows), so AdamW has no moments at the

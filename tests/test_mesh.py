@@ -201,3 +201,43 @@ def test_dp_with_cp_is_the_gradient_view():
     assert (grads.dp_size, grads.dp_rank, grads.dp_ranks, grads.cp_size) == (4, 2, [1, 3, 5, 7], 2)
     assert (m.dp_size, m.dp_rank) == (2, 1)  # the mesh itself keeps the sampling dp
     assert Mesh.single().dp_with_cp() == Mesh.single()
+
+
+def test_hierarchical_groups_are_megatrons():
+    """``hierarchical_groups`` cuts as Megatron's ``create_hierarchical_groups`` (the example of its
+    docstring: 16 ranks, sizes 2, 2, 4); a2a+p2p's CP levels and the distributed-optimizer
+    instances are such cuts of the CP and the dp x cp groups."""
+    from megalite.parallel.mesh import hierarchical_groups
+
+    levels = hierarchical_groups(list(range(16)), (2, 2, 4))
+    assert levels[0] == [[g, g + 1] for g in range(0, 16, 2)]
+    assert levels[1] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert levels[2] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    with pytest.raises(ParallelConfigError, match=r"sizes \[2, 3\] do not multiply to 4"):
+        hierarchical_groups([0, 1, 2, 3], (2, 3))
+    # tp 2 x cp 4 x dp 2 (16 ranks): the CP group of rank 0 is [0, 2, 4, 6]; a2a over [0, 2], ring [0, 4]
+    lay = rank_layout(16, 2, 1, 4, hcp=(2, 2), instances=4)
+    inner, outer = lay.hcp_groups
+    assert [0, 2] in inner and [4, 6] in inner and [0, 4] in outer and [2, 6] in outer and [1, 3] in inner
+    # dp x cp = 8 ranks [0, 2, ..., 14] in 4 instances of 2 consecutive: intra [0, 2], inter [0, 4, 8, 12]
+    intra, inter = lay.instance_groups
+    assert [0, 2] in intra and [12, 14] in intra and [0, 4, 8, 12] in inter and [3, 7, 11, 15] in inter
+    assert rank_layout(16, 2, 1, 4).hcp_groups == rank_layout(16, 2, 1, 4).instance_groups == []
+    with pytest.raises(ParallelConfigError, match=r"--num-distributed-optimizer-instances \(3\)"):
+        rank_layout(16, 2, 1, 4, instances=3)
+
+
+def test_optimizer_instance_narrows_the_gradient_view():
+    """``Mesh.optimizer_instance``: dp (and edp) narrowed to the rank's instance, the other
+    instances' same-place ranks as its replicas; the mesh itself with one instance."""
+    from megalite.parallel.mesh import OptimizerInstances
+
+    d = OptimizerInstances([0, 1, 2, 3], [2, 3], "intra", [1, 3], "inter")
+    e = OptimizerInstances([1, 3], [3], None, [1, 3], "einter")
+    m = Mesh(rank=3, dp_size=4, dp_rank=3, dp_ranks=[0, 1, 2, 3], dp_cp_instances=d, edp_instances=e)
+    got = m.optimizer_instance()
+    assert (got.dp_size, got.dp_rank, got.dp_group, got.dp_ranks) == (2, 1, "intra", [2, 3])
+    assert (got.dp_replica_group, got.dp_replica_ranks) == ("inter", [1, 3])
+    assert (got.edp_size, got.edp_rank, got.edp_group, got.edp_replica_group) == (1, 0, None, "einter")
+    assert got.optimizer_instance() is got  # narrowed once: DDP and the optimizer may both ask
+    assert Mesh.single().optimizer_instance() == Mesh.single()

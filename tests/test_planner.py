@@ -473,6 +473,33 @@ def test_planner_may_pick_a2a_where_the_heads_split():
     assert any(c.cp_comm_type == "a2a" for c in planner.layouts(p))
 
 
+def test_planner_may_pick_a2a_p2p_where_cp_spans_nodes():
+    """--cp-comm-type a2a+p2p is a layout the planner tries where the CP group spans nodes and a
+    level of consecutive CP ranks inside a node splits each TP rank's heads (the largest such):
+    Llama-3 70B at tp 2 (32 heads, 4 groups per rank) and cp 8 on 8-GPU nodes: a2a over 4, the
+    ring over 2. Its bytes are the formula's (the a2a over 4, the ring over 2 on the exchanged
+    shards), the a2a's at the node's bandwidth, all exposed; the launch line names both flags."""
+    config = ModelConfig.llama(**LLAMA3_70B)
+    assert planner.hierarchical_a2a_size(config, 2, 8, 8) == 4
+    assert planner.hierarchical_a2a_size(config, 2, 4, 8) is None  # the CP group fits a node
+    assert planner.hierarchical_a2a_size(config, 8, 16, 8) is None  # tp fills the node: no a2a level
+    p = planner.Problem(config, planner.Cluster(256, 8, planner.GPUS["H100-SXM"]), 32768, 64)
+    c = planner.Candidate(2, 8, 1, 2, 1, True, "none", "optim", 8, "a2a+p2p", 4)
+    B, tokens = planner.dtype_bytes(p.params_dtype), 32768 // 8 * 128 * planner.dtype_bytes(p.params_dtype)
+    q, kv = 32 * tokens, 4 * tokens  # 32 query heads, 4 K/V groups (they divide by 4: no repeats)
+    a2a = (2 * q + 2 * kv) * 3 // 4  # each all-to-all over 4 sends 3/4; forward and backward alike
+    # the ring over 2: one hop of K and V (1 of the 4 groups over twice the tokens), backward also
+    # their fp32 grads
+    assert planner.cp_bytes(p, c) == (a2a + 2 * kv) + (a2a + 2 * kv + 2 * kv * 4 // B)
+    layout = planner.memory_layout(p, c)
+    assert (layout.cp_comm_type, layout.hierarchical_context_parallel_sizes) == ("a2a+p2p", (4, 2))
+    got = planner.with_time(p, planner.with_memory(p, c))
+    flags = planner.launch_flags(got, 80)
+    assert "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 2" in flags
+    assert planner.cp_exposed_s(p, c, 0.5) >= 2 * a2a / 360e9  # the a2a inside the node, none hidden
+    assert any(c.cp_comm_type == "a2a+p2p" and c.cp_a2a == 4 for c in planner.layouts(p))
+
+
 # ---- bounded time: the state floor prunes, the answer says what does not fit (issue #25) ---------
 LLAMA_70B = ModelConfig.llama(
     num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,

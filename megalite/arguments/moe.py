@@ -145,6 +145,12 @@ def check(args: argparse.Namespace) -> list[str]:
         f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide "
         f"tp x cp x dp ({stage}), the ranks of one pipeline stage",
     )
+    edp, n = stage // (etp * ep), args.num_distributed_optimizer_instances
+    need(
+        edp % n == 0,
+        f"--num-distributed-optimizer-instances ({n}) does not divide the expert data-parallel size "
+        f"({edp} = tp x cp x dp / (etp x ep)); pick a divisor of {edp}",
+    )
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     need(
         ffn is None or ffn % etp == 0,

@@ -1,6 +1,7 @@
 """The parallel layout (TP, CP, PP, virtual stages, DP) and what data parallelism shards (ZeRO levels)."""
 
 import argparse
+import math
 import os
 
 from megalite.arguments.spec import POSITIVE, Depends, at_least, choice, exclusive, flag, need, switch, value
@@ -36,9 +37,20 @@ LAYOUT_FLAGS = (
         default=["p2p"],
         metavar="{" + ",".join(CP_COMM_TYPES) + "}",
         help="How attention exchanges K/V over the CP group: p2p (a ring passing K/V chunks, "
-        "overlapped with compute), all_gather (K/V gathered once per layer; cheap with GQA) or a2a "
-        "(Ulysses: all-to-alls trade sequence shards for heads; needs heads / tp divisible by CP). "
-        "Megatron's per-layer list is accepted when every layer names the same type.",
+        "overlapped with compute), all_gather (K/V gathered once per layer; cheap with GQA), a2a "
+        "(Ulysses: all-to-alls trade sequence shards for heads; needs heads / tp divisible by CP) or "
+        "a2a+p2p (hierarchical: a2a inside groups of consecutive CP ranks, the p2p ring across them; "
+        "with --hierarchical-context-parallel-sizes). Megatron's per-layer list is accepted when every "
+        "layer names the same type.",
+    ),
+    value(
+        "--hierarchical-context-parallel-sizes",
+        int,
+        None,
+        "With --cp-comm-type a2a+p2p: the sizes of the CP group's two levels, A P with A x P = "
+        "--context-parallel-size: a2a over A consecutive CP ranks, the p2p ring over the P groups "
+        "(Megatron's create_hierarchical_groups). Needs heads / tp divisible by A.",
+        nargs="+",
     ),
     value(
         "--num-layers-per-virtual-pipeline-stage",
@@ -123,6 +135,14 @@ DATA_PARALLEL_FLAGS = (
         "parameters, each transformer layer all-gathered just in time in forward and backward). Wins "
         "over the short forms when they agree.",
     ),
+    value(
+        "--num-distributed-optimizer-instances",
+        int,
+        1,
+        "With --use-distributed-optimizer: the optimizer state sharded over dp x cp / N ranks (one "
+        "instance of consecutive ranks) and replicated over the N instances; gradients reduce-scattered "
+        "within an instance, then all-reduced across instances (Megatron's partial distributed optimizer).",
+    ),
     switch("--use-torch-fsdp2", _FSDP_HELP),
     switch("--use-megatron-fsdp", _FSDP_HELP),
     value("--ddp-bucket-size", int, 40_000_000, "Elements per gradient all-reduce bucket."),
@@ -181,6 +201,8 @@ RULES = {
     "--decoder-last-pipeline-num-layers": at_least(0, "0: a stage of embedding or head only"),
     "--ddp-bucket-size": POSITIVE,
     "--context-parallel-size": POSITIVE,
+    "--hierarchical-context-parallel-sizes": POSITIVE,
+    "--num-distributed-optimizer-instances": POSITIVE,
     "--fake-world-size": POSITIVE,
     "--fake-rank": at_least(0, "a rank of --fake-world-size"),
 }
@@ -297,6 +319,7 @@ def check_data_parallel(args: argparse.Namespace) -> list[str]:
             "--overlap-param-gather-with-optimizer-step needs interleaved pipelining (as in Megatron-LM): "
             "add --num-layers-per-virtual-pipeline-stage, or drop the flag",
         )
+    check_optimizer_instances(args)
     fsdp = _fsdp_flags(args)
     if not fsdp:
         return []
@@ -307,6 +330,31 @@ def check_data_parallel(args: argparse.Namespace) -> list[str]:
         "keeps the layout-free checkpoints, the memory model's bucket-exact prediction and the ZeRO-1/2 "
         "code path (docs/parallelism.md)"
     ]
+
+
+def check_optimizer_instances(args: argparse.Namespace) -> None:
+    """``--num-distributed-optimizer-instances``: Megatron's partial distributed optimizer (ZeRO-1);
+    its instances cut dp x cp evenly."""
+    n = args.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    strategy = sharding_strategy(args)
+    need(
+        strategy is ShardingStrategy.OPTIM,
+        f"--num-distributed-optimizer-instances {n} needs --use-distributed-optimizer"
+        + (
+            f" (ZeRO-1); with --data-parallel-sharding-strategy {strategy.value} it would be Megatron-FSDP's "
+            "hybrid sharding, which megalite does not build"
+            if strategy.shards_optimizer
+            else " (Megatron: partial DistOpt cannot be used without DistOpt); add it"
+        ),
+    )
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    need(
+        dp_cp % n == 0,
+        f"--num-distributed-optimizer-instances ({n}) does not divide data-parallel x context-parallel "
+        f"({dp_cp}) ranks; pick a divisor of {dp_cp}",
+    )
 
 
 def cp_comm_type(args: argparse.Namespace) -> str:
@@ -348,12 +396,43 @@ def check_context_parallel(args: argparse.Namespace) -> list[str]:
         f"--attention-dropout {args.attention_dropout} with --context-parallel-size {cp}: the CP attention "
         "kernel has no dropout; add --attention-dropout 0.0",
     )
-    if cp_comm_type(args) == "a2a":  # the heads of each TP rank are split over CP
+    comm, sizes = cp_comm_type(args), hierarchical_sizes(args)
+    if comm in ("a2a", "a2a+p2p"):  # the heads of each TP rank are split over CP (a2a+p2p: its inner level)
         heads = args.num_attention_heads
         groups = args.num_query_groups if args.group_query_attention and args.num_query_groups else heads
         if heads % tp == 0 and groups % tp == 0:  # else the model's own check names TP
-            check_a2a_heads(heads // tp, groups // tp, cp)
+            if comm == "a2a":
+                check_a2a_heads(heads // tp, groups // tp, cp)
+            else:
+                check_a2a_heads(
+                    heads // tp, groups // tp, sizes[0], "--hierarchical-context-parallel-sizes' a2a level"
+                )
     return []
+
+
+def hierarchical_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--hierarchical-context-parallel-sizes``, checked as Megatron checks it (the product is cp;
+    a2a+p2p needs it), and two levels for a2a+p2p (Transformer Engine's); None when not given."""
+    sizes, cp = args.hierarchical_context_parallel_sizes, args.context_parallel_size
+    hierarchical = cp > 1 and cp_comm_type(args) == "a2a+p2p"
+    need(
+        sizes is not None or not hierarchical,
+        "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (a2a over A consecutive "
+        "CP ranks, the p2p ring over P; A x P = --context-parallel-size); add it",
+    )
+    if sizes is None:
+        return None
+    need(
+        math.prod(sizes) == cp,
+        f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} multiply to {math.prod(sizes)}, "
+        f"not --context-parallel-size ({cp}); give sizes whose product is {cp}",
+    )
+    need(
+        len(sizes) == 2 or not hierarchical,
+        f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: --cp-comm-type a2a+p2p has two "
+        "levels (a2a, then p2p); give two sizes",
+    )
+    return tuple(sizes)
 
 
 def derived(args: argparse.Namespace) -> dict:
@@ -368,6 +447,7 @@ def derived(args: argparse.Namespace) -> dict:
     return {
         "virtual_pipeline_model_parallel_size": virtual_pipeline_size(args),
         "cp_comm_type": comm,
+        "hierarchical_context_parallel_sizes": hierarchical_sizes(args),
         "data_parallel_sharding_strategy": strategy.value,
         "use_distributed_optimizer": strategy.shards_optimizer,
     }

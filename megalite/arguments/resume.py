@@ -58,6 +58,7 @@ POLICY = _classes(
     "offload_param_device offload_nvme_path offload_buffer_count offload_buffer_size offload_sub_group_size "
     "overlap_cpu_optimizer_d2h_h2d data_cache_path eod_mask_loss num_workers merge_file tokenizer_model "
     "vocab_file check_for_nan_in_loss_and_grad attention_backend context_parallel_size cp_comm_type "
+    "hierarchical_context_parallel_sizes num_distributed_optimizer_instances "
     "gradient_accumulation_fusion deterministic_mode moe_aux_loss_coeff moe_z_loss_coeff moe_router_bias_update_rate "
     "moe_input_jitter_eps moe_grouped_gemm moe_token_dispatcher_type moe_router_load_balancing_type "
     "expert_model_parallel_size expert_tensor_parallel_size moe_layer_recompute",

@@ -220,6 +220,7 @@ def build_optimizer(model_chunks, mesh: Mesh, config: OptimizerConfig) -> MixedP
     cpu_offload = config.optimizer_cpu_offload or config.offload.optimizer_device != "none"
     fraction = effective_offload_fraction(cpu_offload, fraction)
     tier = "nvme" if config.offload.optimizer_device == "nvme" else "cpu"
+    mesh = mesh.optimizer_instance()  # --num-distributed-optimizer-instances: norms sum over one instance
     params = (ShardedMainParams if sharded else ReplicatedMainParams)(
         chunks, mesh, fraction, config.decoupled_lr is not None, tier
     )

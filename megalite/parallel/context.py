@@ -41,8 +41,11 @@ class ParallelContext:
 
     @property
     def cp_group(self):
-        """The context-parallel group attention exchanges K/V over; None without context parallelism."""
-        return self.mesh.cp_group if self.mesh.cp_size > 1 else None
+        """The context-parallel group attention exchanges K/V over; None without context parallelism;
+        under ``--cp-comm-type a2a+p2p`` the pair of its levels (inner a2a, outer p2p)."""
+        if self.mesh.cp_size == 1:
+            return None
+        return self.mesh.hcp_groups if self.parallel.cp_comm_type == "a2a+p2p" else self.mesh.cp_group
 
     @property
     def param_device(self) -> torch.device:

@@ -35,6 +35,12 @@ How the K/V shards reach every rank (``comm_type``, Megatron's ``--cp-comm-type`
   a second all-to-all returns the output to the sequence shards. Backward: the adjoint all-to-alls.
   The query heads and the K/V heads must divide by cp; GQA K/V heads fewer than cp are repeated
   just enough first (each copy keeps its query heads).
+- ``a2a+p2p`` (Megatron's / Transformer Engine's hierarchical CP, ``--hierarchical-context-parallel-sizes
+  A P``, A x P = cp): ``group`` is the pair (inner, outer) of Megatron's ``create_hierarchical_groups``:
+  the inner groups are A consecutive CP ranks, the outer ones every A-th. ``a2a`` over the inner
+  group first: CP rank ``p A + i`` then holds 1/A of the heads over chunks ``p A .. p A + A - 1`` and
+  their mirror, i.e. exactly the load-balanced shard of a ring of P ranks with A-times longer chunks;
+  the ``p2p`` ring runs over the outer group on that, and the inverse all-to-all brings the output back.
 
 K/V gradients are summed in fp32, as dq is (over blocks, and over ranks: they travel in fp32).
 Both send the same bytes per rank (:func:`context_parallel_comm_bytes`). The kernels are
@@ -56,7 +62,7 @@ from megalite.errors import ArgumentError
 from megalite.parallel.expert_parallel import all_to_all
 from megalite.parallel.mappings import all_gather_flat, reduce_scatter_flat
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 # ---------------------------------------------------------------------------- sharding the sequence
@@ -344,9 +350,7 @@ class _AllGather:
 
 def _exchange(group, comm_type: str):
     if comm_type not in COMM_TYPES:
-        raise ArgumentError(
-            f"--cp-comm-type {comm_type}: megalite implements {', '.join(COMM_TYPES)} (a2a+p2p is not built)"
-        )
+        raise ArgumentError(f"--cp-comm-type {comm_type}: megalite implements {', '.join(COMM_TYPES)}")
     if group is None or dist.get_world_size(group) == 1:
         return _Local()
     return _Ring(group) if comm_type == "p2p" else _AllGather(group)
@@ -439,28 +443,34 @@ def a2a_kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
     return next(m for m in range(1, per_group + 1) if per_group % m == 0 and (kv_heads * m) % cp == 0)
 
 
-def check_a2a_heads(heads: int, kv_heads: int, cp: int) -> None:
-    """One line when ``a2a`` cannot split this rank's heads over the CP group."""
+def check_a2a_heads(heads: int, kv_heads: int, cp: int, over: str = "--context-parallel-size") -> None:
+    """One line when ``a2a`` cannot split this rank's heads over the CP group (``over``: what names
+    its size; a2a+p2p's inner level)."""
     ok = heads % cp == 0 and any(
         (heads // kv_heads) % m == 0 and (kv_heads * m) % cp == 0 for m in range(1, heads // kv_heads + 1)
     )
     if not ok:
         raise ArgumentError(
-            f"--cp-comm-type a2a splits the attention heads over --context-parallel-size {cp}: this rank's "
+            f"--cp-comm-type a2a splits the attention heads over {over} {cp}: this rank's "
             f"{heads} query heads ({kv_heads} K/V heads) per --tensor-model-parallel-size rank do not divide "
             "by it; use p2p or all_gather, or heads (and --num-query-groups) divisible by tp x cp"
         )
 
 
-def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
+def _ulysses(q, k, v, group, scale: float, ring=None) -> torch.Tensor:
+    """``a2a`` over ``group``; then plain causal attention, or (``a2a+p2p``) the ring over ``ring``."""
     cp = dist.get_world_size(group)
     check_a2a_heads(q.size(1), k.size(1), cp)
     m = a2a_kv_repeats(q.size(1), k.size(1), cp)
     if m > 1:
         k, v = k.repeat_interleave(m, dim=1), v.repeat_interleave(m, dim=1)
     qf, kf, vf = (_sequence_to_heads(t, group) for t in (q, k, v))
-    out = _ContextParallelAttention.apply(qf, kf, vf, None, "a2a", scale)  # local: plain causal
+    out = _ContextParallelAttention.apply(qf, kf, vf, ring, "p2p", scale)  # ring None: plain causal
     return _heads_to_sequence(out, group)
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def context_parallel_attention(
@@ -470,9 +480,10 @@ def context_parallel_attention(
 
     q: [b, hq, s/cp, d]; k, v: [b, hkv, s/cp, d] with hq % hkv == 0 (GQA: query heads of group g
     adjacent, as SDPA's enable_gqa pairs them); rows in :func:`shard_sequence` order. Returns
-    [b, hq, s/cp, d]. ``comm_type``: ``p2p``, ``all_gather`` or ``a2a`` (module docstring); ``group``: the CP
-    process group (None or a group of one: plain causal attention). Softmax scale: 1/sqrt(d) unless
-    given. Exact backward for both; no dropout."""
+    [b, hq, s/cp, d]. ``comm_type``: ``p2p``, ``all_gather``, ``a2a`` or ``a2a+p2p`` (module docstring);
+    ``group``: the CP process group (None or a group of one: plain causal attention), for ``a2a+p2p``
+    the pair (inner a2a group, outer p2p group), either None for a level of one rank. Softmax scale:
+    1/sqrt(d) unless given. Exact backward; no dropout."""
     b, hq, s, d = q.shape
     if k.shape != v.shape or (k.size(0), k.size(2), k.size(3)) != (b, s, d) or hq % k.size(1) or s % 2:
         raise ValueError(
@@ -480,7 +491,12 @@ def context_parallel_attention(
             "q [b, hq, s/cp, d], k and v [b, hkv, s/cp, d], hq a multiple of hkv, s/cp even"
         )
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    if comm_type == "a2a" and group is not None and dist.get_world_size(group) > 1:
+    if comm_type == "a2a+p2p":
+        inner, outer = group
+        if _size(inner) == 1:  # a level of one rank: Transformer Engine runs the other alone too
+            return _ContextParallelAttention.apply(q, k, v, outer, "p2p", scale)
+        return _ulysses(q, k, v, inner, scale, ring=outer if _size(outer) > 1 else None)
+    if comm_type == "a2a" and _size(group) > 1:
         return _ulysses(q, k, v, group, scale)
     return _ContextParallelAttention.apply(q, k, v, group, comm_type, scale)
 
@@ -517,6 +533,7 @@ def context_parallel_comm_bytes(
     head_dim: int,
     bytes_per_element: int,
     heads: int | None = None,
+    a2a_size: int | None = None,
 ) -> dict[str, int]:
     """Bytes one CP rank sends for ONE attention layer and ONE microbatch, as
     ``megalite.planning.comm_meter`` counts them (ring volumes): ``{"forward", "backward"}``.
@@ -537,15 +554,25 @@ def context_parallel_comm_bytes(
         forward = backward = (2Q + 2KV) (cp-1)/cp    q, k, v out and the output back; backward:
                                                      the output's grad out, dq, dk, dv back
 
+    ``a2a+p2p`` (``a2a_size``: A, the inner group's size; P = cp / A): the all-to-alls of ``a2a`` over
+    A ranks, then the ring over P ranks on the exchanged shards (1/A of the repeated K/V heads over
+    A times the tokens: KV's elements), both passes::
+
+        forward  = (2Q + 2KV) (A-1)/A + 2 KV (P-1)
+        backward = (2Q + 2KV) (A-1)/A + (2 KV + 2 KV 4/B) (P-1)
+
     A layer whose attention is recomputed (selective or full recompute) sends its forward bytes twice."""
     if comm_type not in COMM_TYPES:
         _exchange(None, comm_type)  # the one-line error
     tokens = micro_batch_size * (seq_length // cp_size) * head_dim * bytes_per_element
-    if comm_type == "a2a":
+    if comm_type in ("a2a", "a2a+p2p"):
         heads = kv_heads if heads is None else heads
-        kv = kv_heads * a2a_kv_repeats(heads, kv_heads, cp_size) if cp_size > 1 else kv_heads
-        each = (2 * heads + 2 * kv) * tokens * (cp_size - 1) // cp_size
-        return {"forward": each, "backward": each}
+        a = cp_size if comm_type == "a2a" else a2a_size
+        kv = kv_heads * a2a_kv_repeats(heads, kv_heads, a) if a > 1 else kv_heads
+        each = (2 * heads + 2 * kv) * tokens * (a - 1) // a
+        ring = cp_size // a - 1  # the outer ring's hops (0 for a2a)
+        kv_bytes, kv_grad = kv * tokens, kv * tokens * 4 // bytes_per_element
+        return {"forward": each + 2 * kv_bytes * ring, "backward": each + (2 * kv_bytes + 2 * kv_grad) * ring}
     elements = micro_batch_size * kv_heads * (seq_length // cp_size) * head_dim
     n, g = elements * bytes_per_element, elements * 4
     return {"forward": 2 * n * (cp_size - 1), "backward": (2 * n + 2 * g) * (cp_size - 1)}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.configs import DataParallelConfig
+from megalite.configs import DataParallelConfig, ShardingStrategy
 from megalite.errors import ArgumentError
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.mesh import Mesh
@@ -84,6 +84,8 @@ class DistributedDataParallel(nn.Module):
         if config.bucket_size < 1:
             raise ArgumentError(f"--ddp-bucket-size must be >= 1 element, got {config.bucket_size}")
         self.module = module
+        # --num-distributed-optimizer-instances: reduced (and ZeRO-1 shards) within this rank's instance
+        mesh = mesh.optimizer_instance()
         self.mesh = mesh
         self.config = config
         self.dp_size, self.dp_rank, self.dp_group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
@@ -109,6 +111,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("DistributedDataParallel needs contiguous parameters (main_grad is a flat view)")
 
         level = strategy_class(config.sharding_strategy)
+        if len(mesh.dp_replica_ranks) > 1 and config.sharding_strategy is not ShardingStrategy.OPTIM:
+            raise ArgumentError(
+                "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                f"(ZeRO-1), not --data-parallel-sharding-strategy {config.sharding_strategy.value}"
+            )
         units = level.units(module)
         order = list(reversed(params))
         groups = split_into_buckets(
@@ -128,9 +135,10 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0  # buckets launch strictly in order: same collectives on every rank
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         # The strategy sees only this narrow view of the chunk, never the DDP object itself.
-        self.buffer = GradBuffer(
-            module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync, grad_scale
-        )
+        self.buffer = GradBuffer(  # the mean over the instances too (their shards are all-reduced)
+            module, self.buckets, self.grad_buffer, mesh, config, self.finish_grad_sync,
+            grad_scale / len(mesh.dp_replica_ranks),
+        )  # fmt: skip
         self.strategy = level(self.buffer)
         if config.gradient_accumulation_fusion:  # the TP linears' GEMMs add into the buffer
             for p in filter(is_wgrad_fusable, params):
@@ -282,8 +290,9 @@ def _expert_ddp(module: nn.Module, params: list[nn.Parameter], mesh: Mesh, confi
     if not params or (mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size):
         return None
     edp = dataclasses.replace(
-        mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks
-    )
+        mesh, dp_size=mesh.edp_size, dp_rank=mesh.edp_rank, dp_group=mesh.edp_group, dp_ranks=mesh.edp_ranks,
+        dp_replica_group=mesh.edp_replica_group, dp_replica_ranks=mesh.edp_replica_ranks,
+    )  # fmt: skip
     return DistributedDataParallel(
         module, edp, config, params=params, grad_scale=mesh.edp_size / mesh.dp_size
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,10 @@ class RankLayout:
     cp_groups: list[list[int]] = field(default_factory=list)
     dp_cp_groups: list[list[int]] = field(default_factory=list)  # gradients: dp x cp, cp fastest
     tp_cp_groups: list[list[int]] = field(default_factory=list)  # tp x cp, tp fastest
+    # --hierarchical-context-parallel-sizes A P: every CP group's (inner, outer) levels
+    hcp_groups: list[list[list[int]]] = field(default_factory=list)
+    # --num-distributed-optimizer-instances N: every dp x cp group's (intra, inter) levels
+    instance_groups: list[list[list[int]]] = field(default_factory=list)
 
 
 def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
@@ -77,8 +82,40 @@ def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     return world_size // (tp * cp * pp)
 
 
-def rank_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> RankLayout:
-    """All process groups of the mesh, in the order every rank must create them."""
+def hierarchical_groups(ranks: list[int], sizes: tuple[int, ...]) -> list[list[list[int]]]:
+    """Megatron's ``create_hierarchical_groups`` (parallel_state.py), pure: ``ranks`` cut into levels,
+    level l holding groups of ``sizes[l]`` ranks ``prod(sizes[:l])`` apart (einops' ``(l s u) -> (l u) s``).
+    Level 0 is the innermost (consecutive ranks); e.g. 16 ranks, sizes (2, 2, 4): [0, 1], [2, 3], ...;
+    [0, 2], [1, 3], [4, 6], ...; [0, 4, 8, 12], [1, 5, 9, 13], ..."""
+    if math.prod(sizes) != len(ranks):
+        raise ParallelConfigError(
+            f"hierarchical group sizes {list(sizes)} do not multiply to {len(ranks)} ranks"
+        )
+    out = []
+    for level, s in enumerate(sizes):
+        u, rest = math.prod(sizes[:level]), math.prod(sizes[level + 1 :])
+        out.append([[ranks[(i * s + j) * u + k] for j in range(s)] for i in range(rest) for k in range(u)])
+    return out
+
+
+def _levels(groups: list[list[int]], sizes: tuple[int, ...] | None) -> list[list[list[int]]]:
+    """Every group of ``groups`` cut by :func:`hierarchical_groups`, level by level ([] without sizes)."""
+    if not sizes:
+        return []
+    cut = [hierarchical_groups(g, sizes) for g in groups]
+    return [[g for one in cut for g in one[level]] for level in range(len(sizes))]
+
+
+def rank_layout(
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    hcp: tuple[int, ...] | None = None,
+    instances: int = 1,
+) -> RankLayout:
+    """All process groups of the mesh, in the order every rank must create them. ``hcp``: the
+    hierarchical CP sizes (inner first); ``instances``: distributed-optimizer instances over dp x cp."""
     dp = check_parallel_sizes(world_size, tp, pp, cp)
 
     def rank(p: int, d: int, c: int, t: int) -> int:
@@ -93,9 +130,15 @@ def rank_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> RankLayout:
     dp_cp_groups = [sorted(rank(p, d, c, t) for d in D for c in C) for p in P for t in T]
     tp_cp_groups = [sorted(rank(p, d, c, t) for c in C for t in T) for p in P for d in D]
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
+    if (dp * cp) % instances:
+        raise ParallelConfigError(
+            f"--num-distributed-optimizer-instances ({instances}) does not divide data-parallel x "
+            f"context-parallel ({dp * cp}) ranks; pick a divisor of {dp * cp}"
+        )
+    split = (dp * cp // instances, instances) if instances > 1 else None
     return RankLayout(
         world_size, tp, pp, dp, tp_groups, dp_groups, pp_groups, mp_groups, embedding_groups,
-        cp, cp_groups, dp_cp_groups, tp_cp_groups,
+        cp, cp_groups, dp_cp_groups, tp_cp_groups, _levels(cp_groups, hcp), _levels(dp_cp_groups, split),
     )  # fmt: skip
 
 
@@ -148,6 +191,19 @@ def expert_rank_layout(world_size: int, tp: int, pp: int, cp: int = 1, ep: int =
         edp_groups=[[rank(p, d, e, t) for d in D] for p in P for e in E for t in T],
         etp_ep_groups=[[rank(p, d, e, t) for e in E for t in T] for p in P for d in D],
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OptimizerInstances:
+    """One rank's data-parallel group (``ranks``) cut into distributed-optimizer instances: the
+    consecutive ranks of its own instance (``intra``) and the ranks at its place in every instance
+    (``inter``), as Megatron's ``create_hierarchical_groups(ranks, [size / N, N])`` cuts them."""
+
+    ranks: list[int]
+    intra_ranks: list[int]
+    intra_group: object
+    inter_ranks: list[int]
+    inter_group: object
 
 
 def _group_of(groups: list[list[int]], rank: int) -> list[int]:
@@ -208,6 +264,19 @@ class Mesh:
     edp_ranks: list[int] = field(default_factory=lambda: [0])
     etp_ep_group: object = None  # etp x ep, etp fastest: the allgather dispatcher's group
     etp_ep_ranks: list[int] = field(default_factory=lambda: [0])
+    # Hierarchical CP (--cp-comm-type a2a+p2p): this rank's (inner, outer) levels of its CP group
+    # (hierarchical_groups), each a group or None where the level has one rank; () without.
+    hcp_groups: tuple = ()
+    # --num-distributed-optimizer-instances N: this rank's dp x cp group and edp group cut into N
+    # instances (OptimizerInstances); None when N is 1. optimizer_instance() narrows to them.
+    dp_cp_instances: OptimizerInstances | None = None
+    edp_instances: OptimizerInstances | None = None
+    # On optimizer_instance()'s mesh: the ranks holding this rank's shard in the other instances
+    # (the grads' shard is all-reduced over them after its reduce-scatter); None: one instance.
+    dp_replica_group: object = None
+    dp_replica_ranks: list[int] = field(default_factory=lambda: [0])
+    edp_replica_group: object = None
+    edp_replica_ranks: list[int] = field(default_factory=lambda: [0])
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Mesh:
@@ -229,6 +298,24 @@ class Mesh:
             dp_group=self.dp_cp_group,
             dp_ranks=self.dp_cp_ranks,
         )
+
+    def optimizer_instance(self) -> Mesh:
+        """On :meth:`dp_with_cp`'s mesh: the data-parallel dimensions (dp x cp, and edp) narrowed to
+        this rank's distributed-optimizer instance (``--num-distributed-optimizer-instances``,
+        Megatron's intra-instance group), which the distributed optimizer and ZeRO-1's reduce-scatter
+        shard over; ``dp_replica_*`` / ``edp_replica_*`` are the other instances' ranks holding the
+        same shard (Megatron's inter-instance group). The mesh itself with one instance."""
+        d, e = self.dp_cp_instances, self.edp_instances
+        if d is None:
+            return self
+        assert self.dp_ranks == d.ranks, "optimizer_instance() narrows dp_with_cp()'s mesh"
+        return dataclasses.replace(
+            self, dp_size=len(d.intra_ranks), dp_rank=d.intra_ranks.index(self.rank), dp_group=d.intra_group,
+            dp_ranks=d.intra_ranks, dp_replica_group=d.inter_group, dp_replica_ranks=d.inter_ranks,
+            edp_size=len(e.intra_ranks), edp_rank=e.intra_ranks.index(self.rank), edp_group=e.intra_group,
+            edp_ranks=e.intra_ranks, edp_replica_group=e.inter_group, edp_replica_ranks=e.inter_ranks,
+            dp_cp_instances=None, edp_instances=None,  # narrowed: a second call returns it unchanged
+        )  # fmt: skip
 
     # Pipeline helpers -------------------------------------------------------
     @property
@@ -358,7 +445,25 @@ def _build_groups(
     mine = {role: build(role, groups) for role, groups in roles.items()}
     if expert is not None:
         mine.update(_expert_groups(expert, roles, mine, build))
+    levels = {"hcp": layout.hcp_groups, "dp_cp_instance": layout.instance_groups}
+    if layout.instance_groups and expert is not None:
+        levels["edp_instance"] = _levels(expert.edp_groups, _instance_split(expert.edp, layout))
+    for name, (inner, outer) in ((n, g) for n, g in levels.items() if g):  # a level of one rank: None
+        mine[name] = tuple(
+            build(f"{name}{i}", g) if len(g[0]) > 1 else None for i, g in enumerate((inner, outer))
+        )
     return mine
+
+
+def _instance_split(edp: int, layout: RankLayout) -> tuple[int, int]:
+    """(edp / N, N): the expert-data-parallel group cut into the N distributed-optimizer instances."""
+    n = len(layout.instance_groups[1][0])
+    if edp % n:
+        raise ParallelConfigError(
+            f"--num-distributed-optimizer-instances ({n}) does not divide the expert data-parallel size "
+            f"({edp}: tp x cp x dp / (etp x ep)); pick a divisor of {edp}"
+        )
+    return edp // n, n
 
 
 def _expert_groups(expert: ExpertLayout, roles: dict, mine: dict, build) -> dict:
@@ -390,6 +495,8 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None,
+    num_distributed_optimizer_instances: int = 1,
 ) -> Mesh:
     """Build this rank's :class:`Mesh` from the initialised default process group.
 
@@ -401,6 +508,10 @@ def initialize_model_parallel(
     the world group's timeout. (``new_group`` without one would get torch's
     30-minute default, not the world group's: a frozen rank would hang the
     others that long.)
+
+    ``hierarchical_context_parallel_sizes`` (inner, outer): the CP group's two levels for
+    ``--cp-comm-type a2a+p2p``; ``num_distributed_optimizer_instances``: the dp x cp (and edp)
+    groups cut into that many instances (:meth:`Mesh.optimizer_instance`).
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -410,7 +521,8 @@ def initialize_model_parallel(
         return Mesh.single(device or "cpu")
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world, tp, pp, cp)
+    hcp, instances = hierarchical_context_parallel_sizes, num_distributed_optimizer_instances
+    layout = rank_layout(world, tp, pp, cp, tuple(hcp) if hcp else None, instances)
     expert = expert_rank_layout(world, tp, pp, cp, ep, etp)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -447,8 +559,27 @@ def initialize_model_parallel(
         cp_ranks=cp_ranks,
         dp_cp_group=groups.get("dp_cp"),
         dp_cp_ranks=_group_of(layout.dp_cp_groups, rank),
+        hcp_groups=groups.get("hcp", ()),
         **_expert_fields(expert, groups, rank),
+        **_instance_fields(layout, expert, groups, rank),
     )
+
+
+def _instance_fields(layout: RankLayout, expert: ExpertLayout, groups: dict, rank: int) -> dict:
+    """The :class:`Mesh` fields of the distributed-optimizer instances (none with one instance)."""
+    if not layout.instance_groups:
+        return {}
+    out = {}
+    for field_name, whole, levels, role in (
+        ("dp_cp_instances", layout.dp_cp_groups, layout.instance_groups, "dp_cp_instance"),
+        ("edp_instances", expert.edp_groups, _levels(expert.edp_groups, _instance_split(expert.edp, layout)),
+         "edp_instance"),
+    ):  # fmt: skip
+        intra, inter = (_group_of(level, rank) for level in levels)
+        out[field_name] = OptimizerInstances(
+            _group_of(whole, rank), intra, groups[role][0], inter, groups[role][1]
+        )
+    return out
 
 
 def _expert_fields(expert: ExpertLayout, groups: dict, rank: int) -> dict:

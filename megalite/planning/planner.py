@@ -61,7 +61,7 @@ from megalite.memory import (
 )
 from megalite.metrics import model_flops_per_token
 from megalite.model.config import ModelConfig
-from megalite.parallel.context_parallel import check_a2a_heads, context_parallel_comm_bytes
+from megalite.parallel.context_parallel import a2a_kv_repeats, check_a2a_heads, context_parallel_comm_bytes
 from megalite.parallel.schedules import schedule_plan
 from megalite.planning import calibration as cm
 
@@ -136,7 +136,8 @@ class Candidate:
     recompute: str
     sharding: str
     cp: int = 1  # context parallelism; dp counts the other replicas
-    cp_comm_type: str = "p2p"  # the ring's K/V exchange, or a2a (Ulysses: heads for sequence)
+    cp_comm_type: str = "p2p"  # the ring's K/V exchange, a2a (Ulysses: heads for sequence) or a2a+p2p
+    cp_a2a: int = 1  # a2a+p2p: the a2a level's size, inside a node (the p2p ring's: cp / cp_a2a)
     ep: int = 1  # MoE: --expert-model-parallel-size (each stage's tp x cp x dp re-cut as etp x ep x edp)
     etp: int | None = None  # MoE: --expert-tensor-parallel-size (None: tp)
     memory_per_rank_gb: float = 0.0
@@ -180,6 +181,9 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
         dp=c.dp,
         cp=c.cp,
         cp_comm_type=c.cp_comm_type,
+        hierarchical_context_parallel_sizes=(c.cp_a2a, c.cp // c.cp_a2a)
+        if c.cp_comm_type == "a2a+p2p"
+        else None,
         vp=c.vp,
         micro_batch_size=c.micro_batch_size,
         seq_length=p.seq_length,
@@ -539,11 +543,16 @@ def calibrated_dp_s(p: Problem, c: Candidate, m: int) -> float:
 def cp_bytes(p: Problem, c: Candidate) -> int:
     """Bytes one rank sends over the CP group per layer and microbatch (the ring's K/V, forward and
     backward; a recompute reruns the forward's)."""
+    return _cp_sent(p, c, c.cp_comm_type, c.cp, p.config.query_groups // c.tp)
+
+
+def _cp_sent(p: Problem, c: Candidate, comm: str, cp: int, kv_heads: int) -> int:
+    """:func:`cp_bytes` of ``comm`` over ``cp`` ranks holding ``kv_heads`` K/V heads."""
     cfg = p.config
     sent = context_parallel_comm_bytes(
-        comm_type=c.cp_comm_type, cp_size=c.cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
-        kv_heads=cfg.query_groups // c.tp, head_dim=cfg.head_dim, bytes_per_element=dtype_bytes(p.params_dtype),
-        heads=cfg.num_attention_heads // c.tp,
+        comm_type=comm, cp_size=cp, micro_batch_size=c.micro_batch_size, seq_length=p.seq_length,
+        kv_heads=kv_heads, head_dim=cfg.head_dim, bytes_per_element=dtype_bytes(p.params_dtype),
+        heads=cfg.num_attention_heads // c.tp, a2a_size=c.cp_a2a,
     )  # fmt: skip
     return sent["forward"] * (2 if c.recompute != "none" else 1) + sent["backward"]
 
@@ -558,6 +567,12 @@ def cp_exposed_s(p: Problem, c: Candidate, eff: float) -> float:
     bw = cl.gpu.intra_node_gbps if c.tp * c.cp <= cl.gpus_per_node else cl.gpu.inter_node_gbps
     hq = cfg.num_attention_heads * cfg.head_dim // c.tp
     attention = 3 * 4 * s * hq * (c.micro_batch_size * s // c.cp) / 2 / (cl.gpu.peak_tflops * 1e12 * eff)
+    if c.cp_comm_type == "a2a+p2p":  # the a2a inside a node (none hidden), the ring over cp / a ranks
+        heads, groups, a = cfg.num_attention_heads // c.tp, cfg.query_groups // c.tp, c.cp_a2a
+        ring = _cp_sent(p, c, "p2p", c.cp // a, groups * a2a_kv_repeats(heads, groups, a) // a)
+        near = cl.gpu.intra_node_gbps if c.tp * a <= cl.gpus_per_node else cl.gpu.inter_node_gbps
+        hidden = attention * (c.cp // a - 1) / (c.cp // a)
+        return (cp_bytes(p, c) - ring) / (near * 1e9) + max(0.0, ring / (bw * 1e9) - hidden)
     hidden = 0.0 if c.cp_comm_type == "a2a" else attention * (c.cp - 1) / c.cp  # a2a: nothing overlaps
     return max(0.0, cp_bytes(p, c) / (bw * 1e9) - hidden)
 
@@ -712,6 +727,8 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
             if cfg.num_layers % pp:
                 continue
             dp = n // (tp * cp * pp)
+            comms = [(t, 1) for t in cp_comm_types(cfg, tp, cp)]
+            comms += [("a2a+p2p", a) for a in [hierarchical_a2a_size(cfg, tp, cp, gpn)] if a]
             for mbs in MICRO_BATCH_SIZES:
                 if gbs % (mbs * dp):
                     continue
@@ -730,10 +747,22 @@ def layouts(p: Problem, num_gpus: int | None = None, cross_node_tp: bool = False
                             for sharding in p.sharding_choices:
                                 if sharding != "no_shard" and dp * cp == 1:
                                     continue
-                                for comm in cp_comm_types(cfg, tp, cp):
+                                for comm, a2a in comms:
                                     for ep, etp in expert_choices(p, tp, cp, dp, sp):
                                         yield Candidate(
-                                            tp, pp, vp, dp, mbs, sp, rc, sharding, cp, comm, ep=ep, etp=etp
+                                            tp,
+                                            pp,
+                                            vp,
+                                            dp,
+                                            mbs,
+                                            sp,
+                                            rc,
+                                            sharding,
+                                            cp,
+                                            comm,
+                                            a2a,
+                                            ep=ep,
+                                            etp=etp,
                                         )
 
 
@@ -746,6 +775,22 @@ def cp_comm_types(cfg: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
     except ArgumentError:
         return ("p2p",)
     return ("p2p", "a2a")
+
+
+def hierarchical_a2a_size(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> int | None:
+    """``--cp-comm-type a2a+p2p``'s a2a level for a layout, where it is one: the CP group spans
+    nodes (tp x cp > a node) and a level of a > 1 consecutive CP ranks inside one node (tp x a)
+    splits each TP rank's heads; the largest such a < cp (the ring then runs across the nodes).
+    None where none is."""
+    if tp * cp <= gpus_per_node:
+        return None
+    for a in sorted((a for a in divisors(cp) if 1 < a < cp and tp * a <= gpus_per_node), reverse=True):
+        try:
+            check_a2a_heads(cfg.num_attention_heads // tp, cfg.query_groups // tp, a)
+        except ArgumentError:
+            continue
+        return a
+    return None
 
 
 def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
@@ -920,6 +965,7 @@ def from_configs(
         sharding,
         par.context_parallel_size,
         par.cp_comm_type,
+        (par.hierarchical_context_parallel_sizes or (1,))[0] if par.cp_comm_type == "a2a+p2p" else 1,
         ep=par.expert_model_parallel_size,
         etp=par.expert_tensor_parallel_size,
     )
@@ -962,6 +1008,8 @@ def launch_flags(c: Candidate, num_layers: int) -> str:
     f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
     if c.cp > 1:
         f.append(f"--context-parallel-size {c.cp} --cp-comm-type {c.cp_comm_type}")
+        if c.cp_comm_type == "a2a+p2p":
+            f.append(f"--hierarchical-context-parallel-sizes {c.cp_a2a} {c.cp // c.cp_a2a}")
     f.append(f"--micro-batch-size {c.micro_batch_size}")
     if c.vp > 1:
         f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
@@ -994,7 +1042,7 @@ EXPERT_COLUMNS = ("ep", "etp")  # shown for a mixture-of-experts model only
 
 def _row(c: Candidate) -> list[str]:
     return [
-        str(c.tp), str(c.cp) + (" a2a" if c.cp_comm_type == "a2a" else ""), str(c.pp), str(c.vp), str(c.dp),
+        str(c.tp), str(c.cp) + ("" if c.cp_comm_type == "p2p" else f" {c.cp_comm_type}"), str(c.pp), str(c.vp), str(c.dp),
         str(c.ep), str(c.etp or c.tp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
         c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",

@@ -33,6 +33,8 @@ class NoShard:
     def __init__(self, buffer: GradBuffer):
         self.buffer = buffer
         self.dp_size, self.dp_rank, self.dp_group = buffer.dp_size, buffer.dp_rank, buffer.dp_group
+        # --num-distributed-optimizer-instances: the same shard's ranks in the other instances (ZeRO-1)
+        self.replica_group = buffer.mesh.dp_replica_group if len(buffer.mesh.dp_replica_ranks) > 1 else None
         self.overlap = buffer.config.overlap_grad_reduce  # launch buckets while backward runs
 
     @classmethod
@@ -85,7 +87,7 @@ class NoShard:
         """Start ``bucket``'s collective (DDP calls it strictly in bucket order)."""
         if self.buffer.grad_scale != 1.0:
             bucket.grad_data.mul_(self.buffer.grad_scale)
-        if self.dp_size > 1:
+        if self.dp_size > 1 or self.replica_group is not None:  # (grad_scale has 1 / replicas)
             bucket.grad_data.mul_(1.0 / self.dp_size)  # average = scale, then SUM
             bucket.handle = self.reduce(bucket)
 
@@ -110,11 +112,14 @@ class NoShard:
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to the other DP ranks (replicas must start identical)."""
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.replica_group is None:
             return
         for bucket in self.buffer.buckets:
             for p in bucket.params:
-                dist.broadcast(p.data, src=self.buffer.mesh.dp_ranks[0], group=self.dp_group)
+                if self.dp_size > 1:
+                    dist.broadcast(p.data, src=self.buffer.mesh.dp_ranks[0], group=self.dp_group)
+                if self.replica_group is not None:  # then across the distributed-optimizer instances
+                    dist.broadcast(p.data, src=self.buffer.mesh.dp_replica_ranks[0], group=self.replica_group)
 
     def whole_params(self) -> contextlib.AbstractContextManager:
         """Inside, every param of the chunk holds its whole value (ZeRO-3: collective over DP)."""
