@@ -166,6 +166,11 @@ def flag_table() -> tuple[tuple[str, tuple[argparse.Action, ...]], ...]:
 
 
 @functools.cache
+def _only(dests: tuple[str, ...]) -> tuple:
+    return tuple((d, actions) for d, actions in flag_table() if d in dests)
+
+
+@functools.cache
 def field_of(dest: str) -> str | None:
     """Where a flag without an ``INVERSE`` entry is read: ``"parallel.tensor_model_parallel_size"``,
     ``"data.tokenizer[vocab_file]"``; None when no config has a field of its name."""
@@ -231,9 +236,28 @@ def _default(action: argparse.Action):
     return d[0] if isinstance(d, list) and len(d) == 1 and action.nargs == "+" else d
 
 
-def to_flags(run, base=None) -> list[str]:
+_base_refs: dict = {}
+
+
+def _refs(base, table) -> list:
+    """What each flag of ``table`` is when not written: its default, or its value in ``base`` (kept
+    per base: the planner writes thousands of deltas on one)."""
+    if base is None:
+        return [_default(actions[0]) for _, actions in table]
+    key = (id(base), id(table))
+    hit = _base_refs.get(key)
+    if hit is None or hit[0] is not base:
+        if len(_base_refs) > 64:
+            _base_refs.clear()
+        hit = _base_refs[key] = (base, [_plain(read(base, dest)) for dest, _ in table])
+    return hit[1]
+
+
+def to_flags(run, base=None, always: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> list[str]:
     """``pretrain_gpt.py``'s flags that resolve to ``run``: each flag whose value differs from the
-    parser's default (or, with ``base``, from ``base``'s), in the parser's order.
+    parser's default (or, with ``base``, from ``base``'s), in the parser's order; the flags of
+    ``always`` (dests) are written whatever their value. ``only`` (dests): the flags that may differ
+    from ``base`` (the others are not read: a delta's own flags, the planner's speed).
 
     Raises a one-line ArgumentError for what has no flag spelling: a ``--step-batch-size-schedule``
     run (its schedule keeps thresholds, not the text), or a flag ``base`` sets that ``run`` unsets.
@@ -244,12 +268,13 @@ def to_flags(run, base=None) -> list[str]:
             "the flag writer cannot spell a --step-batch-size-schedule run; pass its flags as typed"
         )
     argv: list[str] = []
-    for dest, actions in flag_table():
+    table = flag_table() if only is None else _only(tuple(only))
+    refs = _refs(base, table)
+    for (dest, actions), ref in zip(table, refs):
         v = _plain(read(run, dest))
-        ref = _plain(read(base, dest)) if base is not None else _default(actions[0])
         if v is UNSET or ref is UNSET:
             v, ref = (_default(actions[0]) if x is UNSET else x for x in (v, ref))
-        if v == ref or (ref is None and v in (False, [])):  # an empty list: the unset flag
+        if dest not in always and (v == ref or (ref is None and v in (False, []))):  # []: the unset flag
             continue
         argv += _tokens(actions, v)
     return argv
