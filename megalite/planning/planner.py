@@ -306,7 +306,7 @@ def _proposal(p: Problem, c: Candidate) -> tuple[RunConfig, MemoryLayout]:
 # tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept; so is
 # ZeRO-3's gathered-unit peak (the same buckets), and each schedule's in-flight pattern.
 _STATE_FIELDS = (
-    "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
+    "tp", "pp", "dp", "cp", "vp", "params_dtype", "sharding_strategy",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
     "offload_optimizer_device", "offload_param_device", "ep", "etp",
 )  # fmt: skip
@@ -381,7 +381,8 @@ def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> Rank
     layout.validate()
     config.validate(layout.tp)
     # extra_bytes without ZeRO-3's gathered units (the slow term, cached)
-    extra = extra_bytes(config, dataclasses.replace(layout, shard_params=False), pp_rank)
+    below = ShardingStrategy.OPTIM_GRADS if layout.shard_params else layout.sharding_strategy
+    extra = extra_bytes(config, dataclasses.replace(layout, sharding_strategy=below), pp_rank)
     extra["params_gathered"] = _gathered_bytes(config, layout, pp_rank)
     return RankMemory(
         *_rank_state(config, layout, pp_rank), _activation_bytes(config, layout, pp_rank), extra
