@@ -126,7 +126,7 @@ LAYOUT_DESTS = {
 def base_argv(argv: list[str] | None) -> list[str]:
     """pretrain_gpt.py's flags of the problem, the run every candidate is a delta on: the flags given
     here less the planner's own and the layout's, the planner's dtype, one micro-batch, and what a run
-    needs where they give none (mock data and the NullTokenizer, one iteration, an LR)."""
+    needs where they give none (mock data and the NullTokenizer, one iteration)."""
     parser = build_parser()
     drop = {
         a.option_strings[0]: a.nargs
@@ -153,8 +153,6 @@ def base_argv(argv: list[str] | None) -> list[str]:
         out += ["--vocab-size", str(DEFAULT_VOCAB)]
     if args.train_iters is None and args.train_samples is None:
         out += ["--train-iters", "1"]
-    if "--lr" not in out:
-        out += ["--lr", "1e-4"]
     return out
 
 
