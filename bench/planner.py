@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -94,7 +95,7 @@ def published() -> list[dict]:
             c = planner.with_time(p, planner.with_memory(p, c))
             return {
                 "tp": c.tp, "pp": c.pp, "vp": c.vp, "dp": c.dp, "mbs": c.micro_batch_size,
-                "sp": c.sequence_parallel, "recompute": c.recompute, "sharding": c.sharding,
+                "sp": c.sequence_parallel, "recompute": c.recompute, "sharding": c.sharding.value,
                 "memory_gb": round(c.memory_per_rank_gb + c.overhead_gb, 1), "fits": planner.fits(p, c),
                 "step_s": round(c.step_time_s, 2), "tflops_per_gpu": round(c.tflops_per_gpu, 1),
                 "parts": {k: round(v / c.step_time_s, 3) for k, v in c.parts},
@@ -194,21 +195,27 @@ def measure(cal: dict, iters: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for world, layouts in LAYOUTS.items():
             runs, preds = [], []
+            base = MODEL + [
+                "--global-batch-size",
+                str(GBS),
+                "--train-iters",
+                str(iters),
+                "--log-interval",
+                "1",
+            ]
+            args = parse_args(base)
+            p = planner.Problem(
+                config=model_config(args, vocab_size=args.vocab_size),
+                cluster=planner.Cluster(world, world, planner.GPUS["H100-SXM"]),
+                seq_length=args.seq_length,
+                global_batch_size=GBS,
+                params_dtype=torch.float32,
+                device_type="cpu",
+                calibration=cal,
+            )
             for i, t in enumerate(layouts):
                 c = planner.Candidate(*t)
-                flags = planner.launch_flags(c, 4).split()
-                argv = MODEL + flags + ["--global-batch-size", str(GBS), "--train-iters", str(iters)]
-                argv += ["--log-interval", "1"]
-                args = parse_args(argv)
-                p = planner.Problem(
-                    config=model_config(args, vocab_size=args.vocab_size),
-                    cluster=planner.Cluster(world, world, planner.GPUS["H100-SXM"]),
-                    seq_length=args.seq_length,
-                    global_batch_size=GBS,
-                    params_dtype=torch.float32,
-                    device_type="cpu",
-                    calibration=cal,
-                )
+                argv = base + shlex.split(planner.launch_flags(p, c))  # the flag writer's, as tools/plan.py
                 preds.append(planner.with_time(p, c))
                 runs.append((argv, str(Path(tmp) / f"w{world}-{i}.jsonl")))
             run_distributed(_runs, world, runs, timeout=600)
@@ -220,7 +227,7 @@ def measure(cal: dict, iters: int) -> dict:
                 measured.append(meas)
                 rows.append({
                     "world": world, "tp": c.tp, "pp": c.pp, "vp": c.vp, "dp": c.dp, "mbs": c.micro_batch_size,
-                    "sp": c.sequence_parallel, "recompute": c.recompute, "sharding": c.sharding,
+                    "sp": c.sequence_parallel, "recompute": c.recompute, "sharding": c.sharding.value,
                     "predicted_s": round(c.step_time_s, 4), "measured_s": round(meas, 4),
                     "error": round(c.step_time_s / meas - 1, 3),
                     "parts_s": {k: round(v, 4) for k, v in c.parts},

@@ -99,6 +99,17 @@ class BatchSizeSchedule:
                 )
             self.constant_from = step_schedule[-1][0]
 
+    def _key(self) -> tuple:
+        rampup = None if self.rampup is None else tuple(self.rampup)
+        steps = None if self.step_schedule is None else tuple(map(tuple, self.step_schedule))
+        return self.global_batch_size, rampup, steps
+
+    def __eq__(self, other) -> bool:  # by value: two resolutions of the same flags are equal runs
+        return isinstance(other, BatchSizeSchedule) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     def global_batch_size_at(self, consumed_samples: int) -> int:
         if self.rampup is not None and self.samples_per_increment is not None:
             start, increment, samples = self.rampup

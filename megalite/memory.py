@@ -100,10 +100,10 @@ class MemoryLayout:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    use_distributed_optimizer: bool = False
+    # The ZeRO level, the config's own enum (--data-parallel-sharding-strategy): ZeRO-1 shards the
+    # optimizer, ZeRO-2 the grads too, ZeRO-3 the params too.
+    sharding_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
     num_distributed_optimizer_instances: int = 1  # ZeRO-1 sharded over grad_dp / N ranks, N copies
-    shard_grads: bool = False  # ZeRO-2 (--data-parallel-sharding-strategy optim_grads), and ZeRO-3
-    shard_params: bool = False  # ZeRO-3 (optim_grads_params; needs shard_grads)
     overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
     optimizer_cpu_offload: bool = False  # optimizer state in host memory, not on the device
     optimizer_offload_fraction: float = 1.0  # the share offloaded (with optimizer_cpu_offload)
@@ -121,9 +121,20 @@ class MemoryLayout:
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: the attention's tp)
 
+    def __post_init__(self):
+        object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
+
     @property
-    def sharding_strategy(self) -> ShardingStrategy:  # each switch needs the one before
-        return list(ShardingStrategy)[self.use_distributed_optimizer + self.shard_grads + self.shard_params]
+    def use_distributed_optimizer(self) -> bool:
+        return self.sharding_strategy.shards_optimizer
+
+    @property
+    def shard_grads(self) -> bool:  # ZeRO-2 and ZeRO-3
+        return self.sharding_strategy.shards_grads
+
+    @property
+    def shard_params(self) -> bool:  # ZeRO-3
+        return self.sharding_strategy.shards_params
 
     @property
     def grad_dp(self) -> int:
@@ -176,10 +187,8 @@ class MemoryLayout:
             recompute_granularity=recompute.granularity,
             recompute_method=recompute.method,
             recompute_num_layers=recompute.num_layers,
-            use_distributed_optimizer=ddp.sharding_strategy.shards_optimizer,
+            sharding_strategy=ddp.sharding_strategy,
             num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
-            shard_grads=ddp.sharding_strategy.shards_grads,
-            shard_params=ddp.sharding_strategy.shards_params,
             overlap_param_gather=ddp.overlap_param_gather,
             optimizer_cpu_offload=run.optimizer.optimizer_cpu_offload,
             optimizer_offload_fraction=run.optimizer.optimizer_offload_fraction,
@@ -1203,7 +1212,10 @@ class MemoryProbe:
             yield
             return
         params = [p for c in self.state.model for p in c.parameters()]
-        self.meter = SavedTensorMeter(params)
+        # and each fused weight's wgrad_key, the 8-byte host tensor its linear saves to find the
+        # weight in backward (layers.py): bookkeeping, not an activation (on a GPU not device memory)
+        keys = [k for p in params if (k := getattr(p, "wgrad_key", None)) is not None]
+        self.meter = SavedTensorMeter(params + keys)
         for sharding in _param_shardings(self.state.model):
             sharding.reset_peak()
         if self.state.mesh.device.type == "cuda":

@@ -17,7 +17,7 @@ import torch
 from conftest import pretrain_runs
 
 from megalite.arguments import ArgumentError
-from megalite.configs import ParallelConfig
+from megalite.configs import ParallelConfig, ShardingStrategy
 from megalite.memory import (
     CATEGORIES,
     ChunkSpec,
@@ -99,7 +99,7 @@ def test_grad_buffer_pads_buckets_to_lcm_dp_128_and_optimizer_shards_sum_to_the_
     config = CONFIGS["gpt2"]
     base = dict(tp=1, pp=2, params_dtype=torch.bfloat16, ddp_bucket_size=5000)
     plain = MemoryLayout(dp=3, **base)
-    zero = MemoryLayout(dp=3, use_distributed_optimizer=True, **base)
+    zero = MemoryLayout(dp=3, sharding_strategy=ShardingStrategy.OPTIM, **base)
     for r in range(2):
         numel = sum(s.numel for c in stage_chunks(config, plain)[r] for s in chunk_param_shapes(config, 1, c))
         assert grad_buffer_bytes(config, plain, r) == 4 * numel
@@ -542,7 +542,7 @@ def test_sequence_parallel_lowers_measured_layer_bytes_by_the_papers_factor(spaw
 
 def test_predict_rank_reports_every_category():
     config = CONFIGS["gpt2"]
-    layout = MemoryLayout(tp=2, pp=2, dp=2, num_microbatches=4, use_distributed_optimizer=True)
+    layout = MemoryLayout(tp=2, pp=2, dp=2, num_microbatches=4, sharding_strategy=ShardingStrategy.OPTIM)
     first, last = predict_rank(config, layout, 0), predict_rank(config, layout, 1)
     assert first.extra["p2p_buffers"] == 2 * 4 * 1 * 128 * 32
     assert first.activations > last.activations  # 1F1B: stage 0 holds 2 microbatches, stage 1 one
@@ -566,7 +566,7 @@ def test_context_parallel_divides_activations_by_cp():
             / predict_rank(config, dataclasses.replace(base, cp=cp), 0).activations
         )
         assert ratio == pytest.approx(cp, rel=1e-3)
-    zero1 = dict(use_distributed_optimizer=True, dp=2)
+    zero1 = dict(sharding_strategy=ShardingStrategy.OPTIM, dp=2)
     assert (
         predict_rank(config, dataclasses.replace(base, cp=2, **zero1), 0).optimizer
         == predict_rank(config, dataclasses.replace(base, **{**zero1, "dp": 4}), 0).optimizer
@@ -594,7 +594,9 @@ def test_context_parallel_divides_activations_by_cp():
     partial = dataclasses.replace(base, cp=2, **zero1, num_distributed_optimizer_instances=2)
     assert (
         predict_rank(config, partial, 0).optimizer
-        == predict_rank(config, dataclasses.replace(base, cp=2, use_distributed_optimizer=True), 0).optimizer
+        == predict_rank(
+            config, dataclasses.replace(base, cp=2, sharding_strategy=ShardingStrategy.OPTIM), 0
+        ).optimizer
     )
 
 
@@ -690,7 +692,9 @@ def test_moe_expert_state_shards_over_ep_etp_and_edp():
     assert {s.shape for s in experts} == {(2, 32, 64), (2, 64, 32)}
     base = dict(tp=2, dp=4, params_dtype=torch.bfloat16, sequence_parallel=True, ddp_bucket_size=10**9)
     for zero in (False, True):
-        lay = MemoryLayout(ep=4, etp=1, use_distributed_optimizer=zero, **base)
+        lay = MemoryLayout(
+            ep=4, etp=1, sharding_strategy=ShardingStrategy("optim" if zero else "no_shard"), **base
+        )
         assert lay.edp == 2 and lay.experts_apart
         n_exp = sum(s.numel for s in experts)
         n_dense = sum(s.numel for s in chunk_param_shapes(config, 2, chunk, 4, 1) if not s.expert)

@@ -187,7 +187,7 @@ def test_offload_fraction_split_follows_the_fraction():
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
     for dp, zero in ((1, False), (2, True), (4, True)):
         for f in (0.0, 0.25, 0.5, 0.9, 1.0):
-            lay = MemoryLayout(dp=dp, use_distributed_optimizer=zero, optimizer_cpu_offload=True,
+            lay = MemoryLayout(dp=dp, sharding_strategy="optim" if zero else "no_shard", optimizer_cpu_offload=True,
                                optimizer_offload_fraction=f)  # fmt: skip
             for dp_rank in range(dp):
                 mains = _main_params(config, lay, 0, dp_rank)
@@ -195,7 +195,9 @@ def test_offload_fraction_split_follows_the_fraction():
                 host = sum(n for n, h in mains if h)
                 assert f * total <= host < f * total + max(n for n, _ in mains), (f, dp_rank, host, total)
                 assert (host == 0) == (f == 0.0) and (host == total or f < 1.0)
-            off = MemoryLayout(dp=dp, use_distributed_optimizer=zero, optimizer_offload_fraction=f)
+            off = MemoryLayout(
+                dp=dp, sharding_strategy="optim" if zero else "no_shard", optimizer_offload_fraction=f
+            )
             assert not any(h for n, h in _main_params(config, off, 0, 0))  # no --optimizer-cpu-offload
 
 

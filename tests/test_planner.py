@@ -415,11 +415,11 @@ def test_startup_warns_with_a_fitting_layout_and_is_silent_when_it_fits(monkeypa
     assert "--tensor-model-parallel-size" in flags and "--micro-batch-size" in flags
     # a different layout, and one the planner says fits at this memory
     named = flags.split(": ", 1)[1]
-    assert named != planner.launch_flags(c, 8)
+    assert named != planner.launch_flags(p, c)
     q = dataclasses.replace(
         p, cluster=dataclasses.replace(p.cluster, gpu=planner.GPUSpec("x", 1, need - 1.0, 1, 1))
     )
-    assert named in {planner.launch_flags(x, 8) for x in planner._fitting(q, None, False)}
+    assert named in {planner.launch_flags(q, x) for x in planner._fitting(q, None, False)}
     assert "no layout" in memory_fit_warning(state, memory_gb=0.5)  # below CUDA context: none fits
 
 
@@ -444,7 +444,7 @@ def test_planner_proposes_context_parallelism_for_long_sequences():
     assert mem[1].activations / mem[8].activations == pytest.approx(8, rel=1e-3)
     assert mem[1].optimizer == mem[8].optimizer
     best = planner.with_time(p, cands[8])
-    assert "--context-parallel-size 8 --cp-comm-type p2p" in planner.launch_flags(best, 80)
+    assert "--context-parallel-size 8 --cp-comm-type p2p" in planner.launch_flags(p, best)
     assert best.cp == 8 and "cp" in dict(best.parts)
     # the model FLOPs (MFU's numerator) count attention once: the same for every cp
     no_cp = planner.with_time(p, cands[1])
@@ -466,7 +466,7 @@ def test_planner_may_pick_a2a_where_the_heads_split():
     B = planner.dtype_bytes(p.params_dtype)
     assert planner.cp_bytes(p, a2a) == 2 * (2 * 8 + 2 * 8) * (32768 // 8) * 128 * B * 7 // 8
     got = planner.with_time(p, planner.with_memory(p, a2a))
-    assert "--context-parallel-size 8 --cp-comm-type a2a" in planner.launch_flags(got, 80)
+    assert "--context-parallel-size 8 --cp-comm-type a2a" in planner.launch_flags(p, got)
     # tp x cp = 64 GPUs span nodes (45 GB/s): every a2a byte is exposed, the ring hides some
     assert planner.cp_exposed_s(p, a2a, 0.5) == pytest.approx(planner.cp_bytes(p, a2a) / 45e9)
     assert planner.cp_exposed_s(p, ring, 0.5) < planner.cp_bytes(p, ring) / 45e9
@@ -494,8 +494,9 @@ def test_planner_may_pick_a2a_p2p_where_cp_spans_nodes():
     layout = planner.memory_layout(p, c)
     assert (layout.cp_comm_type, layout.hierarchical_context_parallel_sizes) == ("a2a+p2p", (4, 2))
     got = planner.with_time(p, planner.with_memory(p, c))
-    flags = planner.launch_flags(got, 80)
-    assert "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 2" in flags
+    flags = planner.launch_flags(p, got)
+    assert "--cp-comm-type a2a+p2p" in flags and "--hierarchical-context-parallel-sizes 4 2" in flags
+    assert planner.Candidate.of(planner.proposed_run(p, got)).delta == got.delta  # the run reads back
     assert planner.cp_exposed_s(p, c, 0.5) >= 2 * a2a / 360e9  # the a2a inside the node, none hidden
     assert any(c.cp_comm_type == "a2a+p2p" and c.cp_a2a == 4 for c in planner.layouts(p))
 
@@ -615,8 +616,8 @@ def test_candidates_are_exactly_the_launches_validation_accepts(model, gpus, gbs
     p = planner.Problem(cfg, planner.Cluster(gpus, gpus, planner.GPUS["H100-SXM"]), seq, gbs)
     proposed, parser = {}, build_parser()  # parse_args' parser (one: building it is the slow part)
     for c in planner.layouts(p):  # each launch line, through the parser: accepted, and meaning c
-        launch = parser.parse_args(base + planner.launch_flags(c, cfg.num_layers).split())
-        assert _accepted(launch, gpus), planner.launch_flags(c, cfg.num_layers)
+        launch = parser.parse_args(base + planner.launch_flags(p, c).split())
+        assert _accepted(launch, gpus), planner.launch_flags(p, c)
         got = validate_args(launch, gpus)
         meant = (got.tensor_model_parallel_size, got.pipeline_model_parallel_size, got.virtual_pipeline_model_parallel_size,
                  got.data_parallel_size, got.micro_batch_size, got.sequence_parallel and got.tensor_model_parallel_size > 1,
@@ -666,7 +667,7 @@ def test_moe_candidates_are_launches_validation_accepts_with_their_expert_layout
     p = planner.Problem(cfg, planner.Cluster(4, 4, planner.GPUS["H100-SXM"]), 32, 8)
     parser, seen = build_parser(), set()
     for c in planner.layouts(p):
-        flags = planner.launch_flags(c, cfg.num_layers)
+        flags = planner.launch_flags(p, c)
         got = validate_args(parser.parse_args(base + flags.split()), 4)
         assert (
             got.expert_model_parallel_size,
@@ -721,3 +722,71 @@ def test_cp_ring_bytes_resend_the_forward_under_every_recompute():
         assert planner.cp_bytes(p, c) == forward + backward + resent, c
         seen += 1
     assert seen > 0
+
+
+# ---- one spelling (issue 34): a candidate is a delta on a RunConfig, written by the flag writer -----
+def test_top_candidates_are_the_ones_before_the_refactor():
+    """bench/planner.py's CPU model on 4 GPUs and its "Llama-2 70B on 64 H100": the top 10, layout
+    and every predicted figure, equal (bit for bit) to tests/data/planner_baseline.json, recorded
+    before the candidates became deltas on a RunConfig (tests/data/make_planner_baseline.py)."""
+    sys.path.insert(0, str(REPO / "tests" / "data"))
+    import make_planner_baseline
+
+    recorded = json.loads((REPO / "tests" / "data" / "planner_baseline.json").read_text())
+    assert make_planner_baseline.top_candidates() == recorded
+
+
+def _delta(c: planner.Candidate) -> tuple:
+    """The fields a candidate replaces in its base run (not its predictions)."""
+    return dataclasses.astuple(c)[:12]
+
+
+def test_launch_lines_are_the_proposed_runs():
+    """Each candidate's launch line is the flag writer's: ``pretrain_gpt.py`` then flags that
+    ``RunConfig.from_flags`` resolves to the run the candidate proposes (its delta on the problem's
+    base run), and the short form (``flags``) added to the base's own flags means the same."""
+    from megalite import RunConfig
+    from megalite.arguments import to_flags
+
+    p = _small(gpus=8, gbs=32)
+    cands = planner.plan(p)
+    base = to_flags(p.base_run)
+    for c in cands[:: max(1, len(cands) // 25)]:
+        line = planner.launch_line(p, c)
+        assert line[0] == "pretrain_gpt.py"
+        run = RunConfig.from_flags(line[1:], world_size=c.world_size, vocab_size=SMALL.vocab_size)
+        want = planner.proposed_run(p, c)
+        assert (run.parallel, run.recompute, run.data_parallel, run.training) == (
+            want.parallel, want.recompute, want.data_parallel, want.training,
+        ), line  # fmt: skip
+        assert run.model == want.model and _delta(planner.Candidate.of(run)) == _delta(c)
+        short = RunConfig.from_flags(base + c.flags.split(), world_size=c.world_size, vocab_size=1000)
+        assert _delta(planner.Candidate.of(short)) == _delta(c)
+        assert MemoryLayout.from_configs(run) == planner.memory_layout(
+            dataclasses.replace(p, device_type="cpu"), c
+        )
+
+
+def test_tool_prints_a_launch_line_from_flags_resolves(capsys):
+    """tools/plan.py's "whole run" line starts ``pretrain_gpt.py`` and resolves (RunConfig.from_flags)
+    to the best layout on the model the flags describe; a layout flag given to the tool is replaced."""
+    import importlib.util
+    import shlex
+
+    from megalite import RunConfig
+
+    spec = importlib.util.spec_from_file_location("plan_tool", REPO / "tools" / "plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = [*SMALL_FLAGS, "--global-batch-size", "64", "--top", "1", "--tensor-model-parallel-size", "8"]
+    assert tool.plan(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = shlex.split(out[out.index(next(x for x in out if x.startswith("the whole run"))) + 1])
+    assert line[0] == "pretrain_gpt.py"
+    run = RunConfig.from_flags(line[1:], world_size=16)
+    best = re.search(r"best: tp=(\d+) cp=(\d+) pp=(\d+) vp=(\d+) dp=(\d+) mbs=(\d+)", "\n".join(out))
+    par = run.parallel
+    got = (par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size)
+    got += (par.virtual_pipeline_model_parallel_size, par.data_parallel_size, run.training.micro_batch_size)
+    assert got == tuple(map(int, best.groups()))
+    assert (run.model.num_layers, run.model.hidden_size, run.training.global_batch_size) == (8, 256, 64)

@@ -456,7 +456,7 @@ def test_zero3_prefetch_one_process(recompute):
         ddp(input_ids=tokens, labels=tokens).mean().backward()
         ddp.finish_grad_sync()
         assert sharding.live == 0 and all(not u.gathered for u in sharding.units.values())
-        layout = MemoryLayout(use_distributed_optimizer=True, shard_grads=True, shard_params=True, **kwargs)
+        layout = MemoryLayout(sharding_strategy="optim_grads_params", **kwargs)
         layout = dataclasses.replace(layout, overlap_param_gather=prefetch)
         assert sharding.peak == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
         grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}

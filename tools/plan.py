@@ -12,8 +12,10 @@ constants are in megalite/planning/planner.py; docs/parallelism.md "Picking size
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -21,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.arguments import RunConfig, model_config  # noqa: E402
 from megalite.arguments import build_parser as pretrain_parser  # noqa: E402
-from megalite.arguments import model_config  # noqa: E402
 from megalite.checkpoint.files import write_file_atomic  # noqa: E402
 from megalite.cli import run_main  # noqa: E402
 from megalite.planning import calibration, fake_rank, planner  # noqa: E402
@@ -65,7 +67,7 @@ def build_parser():
     return p
 
 
-def problem(args) -> planner.Problem:
+def problem(args, argv: list[str] | None = None) -> planner.Problem:
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise planner.PlanError(msg)
@@ -99,6 +101,7 @@ def problem(args) -> planner.Problem:
         config.validate(1)
     except ValueError as e:
         raise planner.PlanError(str(e)) from None
+    base = RunConfig.from_flags(base_argv(argv), world_size=1, vocab_size=config.vocab_size)
     return planner.Problem(
         config=config,
         cluster=planner.Cluster(args.num_gpus, args.gpus_per_node, gpu),
@@ -106,7 +109,58 @@ def problem(args) -> planner.Problem:
         global_batch_size=args.global_batch_size,
         params_dtype=torch.float16 if args.fp16 else torch.bfloat16,
         calibration=calibration.load(args.calibration) if args.calibration else None,
+        base=dataclasses.replace(base, model=config),
     )
+
+
+# pretrain_gpt.py's layout flags: the planner chooses them (each candidate's run replaces them).
+LAYOUT_DESTS = {
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
+    "num_layers_per_virtual_pipeline_stage", "micro_batch_size", "sequence_parallel", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "recompute_activations", "data_parallel_sharding_strategy",
+    "use_distributed_optimizer", "use_torch_fsdp2", "use_megatron_fsdp", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "pipeline_schedule", "fp16", "bf16",
+}  # fmt: skip
+
+
+def base_argv(argv: list[str] | None) -> list[str]:
+    """pretrain_gpt.py's flags of the problem, the run every candidate is a delta on: the flags given
+    here less the planner's own and the layout's, the planner's dtype, one micro-batch, and what a run
+    needs where they give none (mock data and the NullTokenizer, one iteration)."""
+    parser = build_parser()
+    drop = {
+        a.option_strings[0]: a.nargs
+        for a in parser._actions
+        if a.option_strings and (a.dest in LAYOUT_DESTS or a in _planner_actions(parser))
+    }
+    given, out = list(sys.argv[1:] if argv is None else argv), []
+    while given:
+        flag = given.pop(0)
+        if flag not in drop:
+            out.append(flag)
+            continue
+        n = {None: 1, "?": 1, "+": None, "*": None}.get(drop[flag], drop[flag])  # values it takes
+        while given and (n is None or n > 0) and not given[0].startswith("--"):
+            given.pop(0)
+            n = None if n is None else n - 1
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    out += ["--fp16" if args.fp16 else "--bf16", "--micro-batch-size", "1"]
+    if not args.data_path and not args.mock_data:
+        out.append("--mock-data")
+    if "--tokenizer-type" not in out:
+        out += ["--tokenizer-type", "NullTokenizer"]
+    if args.vocab_size is None:
+        out += ["--vocab-size", str(DEFAULT_VOCAB)]
+    if args.train_iters is None and args.train_samples is None:
+        out += ["--train-iters", "1"]
+    return out
+
+
+def _planner_actions(parser) -> list:
+    return [
+        a for g in parser._action_groups if (g.title or "").startswith("planner") for a in g._group_actions
+    ]
 
 
 def plan(argv=None) -> int:
@@ -135,12 +189,12 @@ def plan(argv=None) -> int:
         if args.num_gpus is None:
             return 0
         args.calibration = str(path)
-    p = problem(args)
+    p = problem(args, argv)
     cands = planner.plan(p)
     if args.json:  # --verify's records in the JSON too: a flag never dropped without a word
         out = {"candidates": [c.as_json() for c in cands]}
         if args.verify:
-            out["verify"] = fake_rank.verify_records(verify_argv(argv, p, cands[0]), p.cluster.num_gpus)
+            out["verify"] = fake_rank.verify_records(planner.launch_line(p, cands[0])[1:], p.cluster.num_gpus)
         print(json.dumps(out, indent=1))
         return 0
     cl = p.cluster
@@ -155,34 +209,15 @@ def plan(argv=None) -> int:
     print()
     print("launch with:")
     print(f"  pretrain_gpt.py ... --global-batch-size {p.global_batch_size} --bf16 {cands[0].flags}")
+    print(
+        "the whole run, as RunConfig.from_flags resolves it (mock data and 1 iteration where none were given):"
+    )
+    print(f"  {shlex.join(planner.launch_line(p, cands[0]))}")
     if args.verify:
         print(f"\nverify (fake ranks of {cl.num_gpus}, one step each):")
-        for line in fake_rank.verify_layout(verify_argv(argv, p, cands[0]), cl.num_gpus):
+        for line in fake_rank.verify_layout(planner.launch_line(p, cands[0])[1:], cl.num_gpus):
             print(line)
     return 0
-
-
-def verify_argv(argv: list[str] | None, p: planner.Problem, pick) -> list[str]:
-    """pretrain_gpt.py's flags for the pick: the model flags given here, less the planner's own, plus
-    the pick's layout and what one mock step needs."""
-    own = {
-        a.option_strings[0]: a.nargs != 0
-        for g in build_parser()._action_groups
-        if (g.title or "").startswith("planner")
-        for a in g._group_actions
-    }
-    given, out = list(sys.argv[1:] if argv is None else argv), []
-    while given:
-        flag = given.pop(0)
-        if flag in own:
-            del given[: own[flag]]
-        else:
-            out.append(flag)
-    out += ["--global-batch-size", str(p.global_batch_size), "--bf16", *pick.flags.split()]
-    out += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "1", "--lr", "1e-4"]
-    if "--vocab-size" not in out:
-        out += ["--vocab-size", str(DEFAULT_VOCAB)]
-    return out
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,8 @@ One module per concern, each with its flags (as data) and its checks next to the
 one-line ArgumentError naming the flag, or notes that start-up prints: ``start_up_lines``) and the
 derivations (dp size, microbatches, the LR schedule in samples, ...), each a pure ``derived()``, the
 vocabulary is resolved (the tokenizer's), and ``build_configs`` makes the typed configs, the
-``ModelConfig`` among them. ``RunConfig.from_flags(argv)`` is parse + resolve. docs/flags.md is
+``ModelConfig`` among them. ``RunConfig.from_flags(argv)`` is parse + resolve; its inverse,
+``to_flags(run)`` (``writer``), writes the flags back from the same flag table. docs/flags.md is
 generated from ``build_parser()``.
 """
 
@@ -34,6 +35,7 @@ from megalite.arguments.parser import (
     start_up_lines,
     validate_args,
 )
+from megalite.arguments.writer import to_flags
 from megalite.errors import ArgumentError
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "parse_args",
     "resolve",
     "start_up_lines",
+    "to_flags",
     "tokenizer_kwargs",
     "validate_args",
 ]

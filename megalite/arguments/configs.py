@@ -23,6 +23,7 @@ from megalite.arguments.offload import offload_config
 from megalite.arguments.optimizer import params_dtype
 from megalite.arguments.parser import parse_args, start_up_lines, validate_args
 from megalite.arguments.spec import from_flags
+from megalite.arguments.writer import to_flags
 from megalite.configs import (
     DataConfig,
     DataParallelConfig,
@@ -48,6 +49,11 @@ class RunConfig(configs.RunConfig):
         """The run ``pretrain_gpt.py ARGV`` trains: parse, then :func:`resolve` (``world_size``
         default: :func:`default_world_size`; ``vocab_size`` default: the tokenizer's)."""
         return resolve(parse_args(list(argv)), world_size, vocab_size)
+
+    def to_flags(self, base: configs.RunConfig | None = None) -> list[str]:
+        """The flags :meth:`from_flags` resolves back to this run (those differing from the
+        defaults, or from ``base``): :func:`megalite.arguments.writer.to_flags`."""
+        return to_flags(self, base)
 
 
 def default_world_size() -> int:

@@ -35,14 +35,18 @@ With a calibration (``tools/plan.py --calibrate``: this machine's ranks sharing 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from megalite.configs import RunConfig
+from megalite.arguments import RunConfig as FlagsRunConfig
+from megalite.arguments import to_flags
+from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy
 from megalite.errors import ArgumentError, MegaliteError
 from megalite.memory import (
     MemoryLayout,
@@ -110,14 +114,9 @@ EFF_MAX = 0.65  # best end-to-end GEMM + kernel efficiency (fraction of peak) at
 EFF_HALF = 256  # GEMM dimension at which efficiency is half of EFF_MAX
 TP_EXPOSED = 0.7  # fraction of TP communication on the critical path
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-# ZeRO strategies the planner enumerates: name -> MemoryLayout fields (their DP communication is in
-# `with_time` and `with_calibrated_time`).
-SHARDING = {
-    "no_shard": {"use_distributed_optimizer": False},
-    "optim": {"use_distributed_optimizer": True},
-    "optim_grads": {"use_distributed_optimizer": True, "shard_grads": True},
-    "optim_grads_params": {"use_distributed_optimizer": True, "shard_grads": True, "shard_params": True},
-}
+# ZeRO strategies the planner enumerates, by the config's own names (``--data-parallel-sharding-strategy``;
+# their DP communication is in `with_time` and `with_calibrated_time`).
+SHARDING = {s.value: s for s in ShardingStrategy}
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Context parallelism is tried only while each CP rank keeps at least this many tokens of every
 # sequence: below it, attention's K/V traffic buys little activation memory (Megatron's long-context
@@ -147,13 +146,90 @@ class Candidate:
     tokens_per_sec: float = 0.0
     tflops_per_gpu: float = 0.0  # hardware FLOPs (recompute counted), as Narayanan et al. report
     parts: tuple = ()  # (name, seconds) of the step time
-    flags: str = ""
+    flags: str = ""  # its launch flags: the writer's, against the problem's base run (launch_flags)
+
+    def __post_init__(self):
+        if type(self.sharding) is not ShardingStrategy:  # by its name ("optim"): the strategy
+            object.__setattr__(self, "sharding", ShardingStrategy(self.sharding))
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("parts")
+        d["sharding"] = self.sharding.value
         d["step_time_parts"] = dict(self.parts)
         return d
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def delta(self) -> tuple:
+        """The fields :meth:`run` replaces in its base run (not the predictions)."""
+        return (self.tp, self.pp, self.vp, self.dp, self.micro_batch_size, self.sequence_parallel, self.recompute,
+                self.sharding, self.cp, self.cp_comm_type, self.cp_a2a, self.ep, self.etp)  # fmt: skip
+
+    def run(self, base: RunConfig) -> RunConfig:
+        """The run this candidate proposes: ``base`` with the candidate's fields replaced (a
+        replace-delta; full recompute is the planner's uniform 1 layer; an expert-parallel MoE uses
+        the alltoall dispatcher). The memory model and the launch line both read this run."""
+        par, dp, train = base.parallel, base.data_parallel, base.training
+        full = self.recompute == "full"
+        model = base.model
+        if self.ep > 1 and model.moe is not None:
+            model = dataclasses.replace(
+                model, moe=dataclasses.replace(model.moe, moe_token_dispatcher_type="alltoall")
+            )
+        return dataclasses.replace(
+            base,
+            model=model,
+            parallel=dataclasses.replace(
+                par,
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                virtual_pipeline_model_parallel_size=self.vp,
+                context_parallel_size=self.cp,
+                cp_comm_type=self.cp_comm_type,
+                hierarchical_context_parallel_sizes=(self.cp_a2a, self.cp // self.cp_a2a)
+                if self.cp_comm_type == "a2a+p2p"
+                else None,
+                data_parallel_size=self.dp,
+                sequence_parallel=self.sequence_parallel,
+                expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.etp,
+            ),  # fmt: skip
+            recompute=RecomputeConfig(
+                None if self.recompute == "none" else self.recompute,
+                "uniform" if full else None,
+                1 if full else None,
+            ),
+            data_parallel=dataclasses.replace(
+                dp,
+                sharding_strategy=self.sharding,
+                overlap_grad_reduce=dp.overlap_grad_reduce or self.dp * self.cp > 1,
+            ),
+            optimizer=dataclasses.replace(
+                base.optimizer, use_distributed_optimizer=self.sharding.shards_optimizer
+            ),
+            training=dataclasses.replace(
+                train,
+                micro_batch_size=self.micro_batch_size,
+                num_microbatches=train.global_batch_size // (self.micro_batch_size * self.dp),
+            ),
+        )
+
+    @classmethod
+    def of(cls, run: RunConfig) -> Candidate:
+        """The candidate a run's layout is (the fields :meth:`run` replaces)."""
+        par = run.parallel
+        tp = par.tensor_model_parallel_size
+        return cls(
+            tp, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, par.data_parallel_size,
+            run.training.micro_batch_size, par.sequence_parallel and tp > 1, run.recompute.granularity or "none",
+            run.data_parallel.sharding_strategy, par.context_parallel_size, par.cp_comm_type,
+            (par.hierarchical_context_parallel_sizes or (1,))[0] if par.cp_comm_type == "a2a+p2p" else 1,
+            ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -171,34 +247,63 @@ class Problem:
     recompute_choices: tuple = RECOMPUTE_CHOICES
     sharding_choices: tuple = tuple(SHARDING)
     context_parallel_choices: tuple | None = None  # None: powers of 2 keeping CP_MIN_TOKENS per rank
+    # The run every candidate is a replace-delta on (its model, batch, dtype and every other flag);
+    # None: the flags' defaults with the fields above (``base_run``).
+    base: RunConfig | None = None
+
+    @functools.cached_property
+    def base_run(self) -> RunConfig:
+        """``base``, or the run of the flags' defaults with this problem's model, sequence, batch and
+        dtype: what a launch line adds the candidate's flags to."""
+        if self.base is not None:
+            return self.base
+        run = _default_run(self.seq_length, self.global_batch_size, self.params_dtype, self.config.vocab_size)
+        return dataclasses.replace(run, model=self.config)
+
+
+@functools.cache
+def _default_run(seq_length: int, global_batch_size: int, params_dtype: torch.dtype, vocab: int) -> RunConfig:
+    """The flags' defaults on mock data (one process), with the batch, sequence, dtype and vocabulary."""
+    dtype = {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"]}.get(params_dtype, [])
+    argv = [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(vocab),
+        "--train-iters",
+        "1",
+    ]
+    argv += ["--seq-length", str(seq_length), "--global-batch-size", str(global_batch_size)]
+    return FlagsRunConfig.from_flags(
+        argv + ["--micro-batch-size", "1", *dtype], world_size=1, vocab_size=vocab
+    )
+
+
+def proposed_run(p: Problem, c: Candidate) -> RunConfig:
+    """The run ``c`` proposes for ``p``: its delta on ``p``'s base run."""
+    return _proposal(p, c)[0]
 
 
 def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
-    full = c.recompute == "full"
-    return MemoryLayout(
-        tp=c.tp,
-        pp=c.pp,
-        dp=c.dp,
-        cp=c.cp,
-        cp_comm_type=c.cp_comm_type,
-        hierarchical_context_parallel_sizes=(c.cp_a2a, c.cp // c.cp_a2a)
-        if c.cp_comm_type == "a2a+p2p"
-        else None,
-        vp=c.vp,
-        micro_batch_size=c.micro_batch_size,
-        seq_length=p.seq_length,
-        num_microbatches=p.global_batch_size // (c.micro_batch_size * c.dp),
-        params_dtype=p.params_dtype,
-        schedule="interleaved" if c.vp > 1 else "1f1b",
-        sequence_parallel=c.sequence_parallel,
-        recompute_granularity=None if c.recompute == "none" else c.recompute,
-        recompute_method="uniform" if full else None,
-        recompute_num_layers=1 if full else None,
-        device_type=p.device_type,
-        ep=c.ep,
-        etp=c.etp,
-        **SHARDING[c.sharding],
-    )
+    """The memory model's view of the run ``c`` proposes (the one path: candidate -> RunConfig -> layout)."""
+    return _proposal(p, c)[1]
+
+
+_proposals: dict = {}
+
+
+def _proposal(p: Problem, c: Candidate) -> tuple[RunConfig, MemoryLayout]:
+    """(the run, its memory layout), kept per base run and delta: a search asks for each a few times."""
+    base = p.base_run
+    key = (id(base), c.delta, p.device_type)
+    hit = _proposals.get(key)
+    if hit is None or hit[0] is not base:
+        if len(_proposals) > 100_000:
+            _proposals.clear()
+        run = c.run(base)
+        hit = _proposals[key] = (base, run, MemoryLayout.from_configs(run, p.device_type))
+    return hit[1], hit[2]
 
 
 # The bytes of params, grads and optimizer depend on the model split only, not on the micro-batch,
@@ -206,7 +311,7 @@ def memory_layout(p: Problem, c: Candidate) -> MemoryLayout:
 # tensors is the slow part of predict_rank (minutes for GPT-3 on 1536 GPUs), so it is kept; so is
 # ZeRO-3's gathered-unit peak (the same buckets), and each schedule's in-flight pattern.
 _STATE_FIELDS = (
-    "tp", "pp", "dp", "cp", "vp", "params_dtype", "use_distributed_optimizer", "shard_grads", "shard_params",
+    "tp", "pp", "dp", "cp", "vp", "params_dtype", "sharding_strategy",
     "optimizer_cpu_offload", "optimizer_offload_fraction", "decoupled_lr", "first_stage_layers", "last_stage_layers", "ddp_bucket_size",
     "offload_optimizer_device", "offload_param_device", "ep", "etp",
 )  # fmt: skip
@@ -281,7 +386,8 @@ def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> Rank
     layout.validate()
     config.validate(layout.tp)
     # extra_bytes without ZeRO-3's gathered units (the slow term, cached)
-    extra = extra_bytes(config, dataclasses.replace(layout, shard_params=False), pp_rank)
+    below = ShardingStrategy.OPTIM_GRADS if layout.shard_params else layout.sharding_strategy
+    extra = extra_bytes(config, dataclasses.replace(layout, sharding_strategy=below), pp_rank)
     extra["params_gathered"] = _gathered_bytes(config, layout, pp_rank)
     return RankMemory(
         *_rank_state(config, layout, pp_rank), _activation_bytes(config, layout, pp_rank), extra
@@ -322,15 +428,15 @@ def state_floor(p: Problem, tp: int, pp: int, dp: int, sharding: str) -> StateFl
     (at least: TP shards add up to the tensor, replicated ones count twice), the first and the
     last stage at least the average; each ZeRO level divides its category by ``dp`` (pass dp x cp:
     ZeRO shards over both)."""
-    sh = SHARDING[sharding]
+    sh = ShardingStrategy(sharding)
     per_rank = model_numel(p.config, False) / (tp * pp)
     # routed experts: over etp x ep <= tp x dp x cp ranks of a stage, whatever ep and ZeRO
     experts = model_numel(p.config, True) / (tp * dp * pp)
     main_copy = 0 if p.params_dtype == torch.float32 else 4  # memory.optimizer_device_bytes
     return StateFloor(
-        params=dtype_bytes(p.params_dtype) * (per_rank / (dp if sh.get("shard_params") else 1) + experts),
-        grads=4 * (per_rank / (dp if sh.get("shard_grads") else 1) + experts),
-        optimizer=(8 + main_copy) * (per_rank / (dp if sh.get("use_distributed_optimizer") else 1) + experts),
+        params=dtype_bytes(p.params_dtype) * (per_rank / (dp if sh.shards_params else 1) + experts),
+        grads=4 * (per_rank / (dp if sh.shards_grads else 1) + experts),
+        optimizer=(8 + main_copy) * (per_rank / (dp if sh.shards_optimizer else 1) + experts),
     )
 
 
@@ -817,7 +923,7 @@ def plan(p: Problem) -> list[Candidate]:
     if not found:
         raise PlanError(no_fit_message(p))
     ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
-    return [dataclasses.replace(c, flags=launch_flags(c, p.config.num_layers)) for c in ranked]
+    return [dataclasses.replace(c, flags=launch_flags(p, c)) for c in ranked]
 
 
 GPU_COUNT_LIMIT = 1 << 16  # the largest job smallest_gpu_count considers
@@ -887,7 +993,7 @@ def what_does_not_fit(p: Problem) -> str:
     cands = list(layouts(p, None, True))
     lean = min(cands, key=lambda c: state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding).total)
     f = state_floor(p, lean.tp, lean.pp, lean.dp * lean.cp, lean.sharding)
-    where = f"the leanest layout (tp={lean.tp} pp={lean.pp} dp={lean.dp}, {lean.sharding})"
+    where = f"the leanest layout (tp={lean.tp} pp={lean.pp} dp={lean.dp}, {lean.sharding.value})"
     state = (
         f"parameters {f.params / GIB:.1f} GB + gradients {f.grads / GIB:.1f} GB + optimizer state "
         f"{f.optimizer / GIB:.1f} GB"
@@ -939,11 +1045,9 @@ def from_configs(
 ) -> tuple[Problem, Candidate] | None:
     """The Problem / Candidate of a run's typed configs; None for a layout the planner does not
     model (a ZeRO strategy outside ``SHARDING``)."""  # fmt: skip
-    sharding = run.data_parallel.sharding_strategy.value
-    if sharding not in SHARDING:
+    if run.data_parallel.sharding_strategy.value not in SHARDING:
         return None
-    par, train = run.parallel, run.training
-    tp = par.tensor_model_parallel_size
+    train = run.training
     # the device's memory; H100's speeds only rank the alternatives (memory decides what fits)
     gpu = dataclasses.replace(GPUS["H100-SXM"], name="this device", memory_gb=memory_gb)
     problem = Problem(
@@ -954,22 +1058,7 @@ def from_configs(
         params_dtype=train.params_dtype,
         device_type=device_type,
     )
-    cand = Candidate(
-        tp,
-        par.pipeline_model_parallel_size,
-        par.virtual_pipeline_model_parallel_size,
-        par.data_parallel_size,
-        train.micro_batch_size,
-        par.sequence_parallel and tp > 1,
-        run.recompute.granularity or "none",
-        sharding,
-        par.context_parallel_size,
-        par.cp_comm_type,
-        (par.hierarchical_context_parallel_sizes or (1,))[0] if par.cp_comm_type == "a2a+p2p" else 1,
-        ep=par.expert_model_parallel_size,
-        etp=par.expert_tensor_parallel_size,
-    )
-    return problem, cand
+    return problem, Candidate.of(run)
 
 
 STARTUP_SEARCH_LIMIT = 2000  # layouts the start-up check evaluates at most for an alternative
@@ -1000,36 +1089,34 @@ def fit_warning(p: Problem, c: Candidate, limit: int = STARTUP_SEARCH_LIMIT) -> 
         return f"{head}; no layout of {p.cluster.num_gpus} GPUs fits (tools/plan.py --num-gpus ... says how many do)"
     best = min((with_time(p, a) for a in found), key=lambda a: (a.step_time_s, a.memory_per_rank_gb))
     need = best.memory_per_rank_gb + best.overhead_gb
-    return f"{head}; this one is predicted to fit ({need:.1f} GB): {launch_flags(best, p.config.num_layers)}"
+    return f"{head}; this one is predicted to fit ({need:.1f} GB): {launch_flags(p, best)}"
 
 
 # ---- output -----------------------------------------------------------------------------------
-def launch_flags(c: Candidate, num_layers: int) -> str:
-    f = [f"--tensor-model-parallel-size {c.tp}", f"--pipeline-model-parallel-size {c.pp}"]
-    if c.cp > 1:
-        f.append(f"--context-parallel-size {c.cp} --cp-comm-type {c.cp_comm_type}")
-        if c.cp_comm_type == "a2a+p2p":
-            f.append(f"--hierarchical-context-parallel-sizes {c.cp_a2a} {c.cp // c.cp_a2a}")
-    f.append(f"--micro-batch-size {c.micro_batch_size}")
-    if c.vp > 1:
-        f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (c.pp * c.vp)}")
-    if c.sequence_parallel:
-        f.append("--sequence-parallel")
-    if c.recompute == "selective":
-        f.append("--recompute-activations")
-    elif c.recompute == "full":
-        f.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    if c.sharding == "optim":
-        f.append("--use-distributed-optimizer")
-    elif c.sharding != "no_shard":
-        f.append(f"--data-parallel-sharding-strategy {c.sharding}")
-    if c.dp * c.cp > 1:
-        f.append("--overlap-grad-reduce")
-    if c.ep > 1:
-        f.append(f"--expert-model-parallel-size {c.ep} --moe-token-dispatcher-type alltoall")
-    if c.etp is not None and c.etp != c.tp:
-        f.append(f"--expert-tensor-parallel-size {c.etp}")
-    return " ".join(f)
+# The layout flags a launch line always carries (a pasted launch script may set them otherwise), and
+# with cp > 1 the CP size and its exchange (the p2p / a2a choice is the planner's).
+LAUNCH_ALWAYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size")
+LAUNCH_ALWAYS_CP = ("context_parallel_size", "cp_comm_type")  # (and a2a+p2p's sizes: not the default)
+# The flags of the fields Candidate.run replaces: the only ones a candidate's run and its base differ in.
+DELTA_FLAGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
+    "hierarchical_context_parallel_sizes", "num_layers_per_virtual_pipeline_stage", "micro_batch_size", "sequence_parallel", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "data_parallel_sharding_strategy", "overlap_grad_reduce",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+)  # fmt: skip
+
+
+def launch_flags(p: Problem, c: Candidate) -> str:
+    """The flags to add to the problem's own for ``c``: the flag writer on the run ``c`` proposes,
+    against ``p``'s base run (:func:`megalite.arguments.to_flags`)."""
+    always = LAUNCH_ALWAYS + (LAUNCH_ALWAYS_CP if c.cp > 1 else ())
+    return shlex.join(to_flags(proposed_run(p, c), base=p.base_run, always=always, only=DELTA_FLAGS))
+
+
+def launch_line(p: Problem, c: Candidate) -> list[str]:
+    """``pretrain_gpt.py`` and every flag of the run ``c`` proposes: ``RunConfig.from_flags`` of the
+    flags is that run."""
+    return ["pretrain_gpt.py", *to_flags(proposed_run(p, c))]
 
 
 COLUMNS = (
@@ -1044,7 +1131,7 @@ def _row(c: Candidate) -> list[str]:
     return [
         str(c.tp), str(c.cp) + ("" if c.cp_comm_type == "p2p" else f" {c.cp_comm_type}"), str(c.pp), str(c.vp), str(c.dp),
         str(c.ep), str(c.etp or c.tp), str(c.micro_batch_size), "on" if c.sequence_parallel else "-",
-        c.recompute, c.sharding, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
+        c.recompute, c.sharding.value, f"{c.memory_per_rank_gb:.1f}", f"{c.overhead_gb:.1f}",
         f"{c.step_time_s:.3f}", f"{100 * c.mfu:.1f}%", f"{c.tokens_per_sec:,.0f}",
     ]  # fmt: skip
 
