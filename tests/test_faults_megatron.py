@@ -380,3 +380,26 @@ def test_export_faults_leave_nothing_behind(fx):
     with mock.patch("importlib.import_module", side_effect=no_safetensors):
         r = convert("--input", src, "--output", out, "--output-format", "hf")
     assert r.rc == 2 and len(r.error_lines) == 1 and "megalite[hf]" in r.err and not out.exists()
+
+
+def test_a_tied_head_that_differs_from_the_embedding_stops_naming_both():
+    """Issue 39's fidelity of what is read: args that say tied, with a last-stage output layer that is
+    not the embedding, stop in one line naming both tensors (it used to be dropped silently); equal
+    copies, and the moments of an optimizer, pass."""
+    from megalite.checkpoint.megatron_export import megatron_state
+
+    ckpt = mg.read_megatron(DATA / "gpt2" / "torch")
+    config = ckpt.config
+    assert not config.untie_embeddings_and_output_weights
+    state = dict(megatron_state(ckpt.state, config, 1))  # Megatron-Core names, whole tensors
+    emb_key = "embedding.word_embeddings.weight"
+    assert emb_key in state
+    state["output_layer.weight"] = state[emb_key].clone()
+    assert "output_layer.weight" not in mg.finish_state(dict(state), config, "ckpt")  # equal: the copy goes
+    state["output_layer.weight"][3, 5] += 1.0
+    with pytest.raises(mg.MegatronCheckpointError) as e:
+        mg.finish_state(dict(state), config, "ckpt")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("ckpt: ") and "output_layer.weight" in msg
+    assert "embedding.word_embeddings.weight" in msg and "differs" in msg
+    mg.finish_state(dict(state), config, "ckpt", weights=False)  # moments of a tied pair: not checked

@@ -439,17 +439,27 @@ def split_swiglu(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return out
 
 
-def finish_state(state: dict[str, torch.Tensor], config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """Megatron-Core names + whole tensors -> megalite's logical state dict, checked against the config."""
+def finish_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, where: str, weights: bool = True
+) -> dict[str, torch.Tensor]:
+    """Megatron-Core names + whole tensors -> megalite's logical state dict, checked against the config
+    (``weights``: the model's weights, whose tied head must be the embedding; not optimizer state)."""
     from megalite.checkpoint.logical import check_logical_state_dict
-
-    out = megatron_moe.megalite_moe_names({megalite_name(k): v for k, v in state.items()}, config.swiglu)
-    if not config.untie_embeddings_and_output_weights:
-        out.pop(OUTPUT, None)  # tied: the last stage's copy of the embedding
-    out = split_swiglu(out, config)
 
     def error(msg: str) -> MegatronCheckpointError:
         return MegatronCheckpointError(f"{where}: {msg}")
+
+    out = megatron_moe.megalite_moe_names({megalite_name(k): v for k, v in state.items()}, config.swiglu)
+    if not config.untie_embeddings_and_output_weights:  # tied: the last stage's copy of the embedding
+        head = out.pop(OUTPUT, None)
+        if weights and head is not None and EMBEDDING in out and not torch.equal(head, out[EMBEDDING]):
+            raise error(
+                f"the stored args say the output layer is tied to the embedding (no "
+                f"untie_embeddings_and_output_weights) but {OUTPUT} differs from {EMBEDDING} (largest "
+                f"difference {(head.float() - out[EMBEDDING].float()).abs().max().item():.3g}): a damaged or "
+                "mislabelled checkpoint; nothing is dropped silently"
+            )
+    out = split_swiglu(out, config)
 
     for name in (EMBEDDING, OUTPUT):  # megalite's export pads the true vocabulary with zero rows
         if name in out and out[name].shape[0] > config.vocab_size:

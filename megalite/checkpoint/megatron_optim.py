@@ -72,7 +72,9 @@ def read_megatron_optimizer(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerSta
     read = _read_legacy if ckpt.fmt == "torch" else _read_dist
     moments, step, scheduler = read(ckpt)
     where = str(ckpt.folder)
-    logical = {kind: mg.finish_state(state, ckpt.config, where) for kind, state in moments.items()}
+    logical = {
+        kind: mg.finish_state(state, ckpt.config, where, weights=False) for kind, state in moments.items()
+    }
     samples = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
     return MegatronOptimizerState(logical, step, scheduler, samples)
 
@@ -243,7 +245,9 @@ def _read_distributed(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
             )  # fmt: skip
     step, scaler = _progress(optimizers, ckpt.fmt)
     where = str(ckpt.folder)
-    logical = {kind: mg.finish_state(state, ckpt.config, where) for kind, state in merged.items()}
+    logical = {
+        kind: mg.finish_state(state, ckpt.config, where, weights=False) for kind, state in merged.items()
+    }
     main = logical.pop("param")
     for name, weight in ckpt.state.items():
         if weight.dtype != torch.float32 and not torch.equal(main[name].to(weight.dtype), weight):
