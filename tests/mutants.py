@@ -109,8 +109,8 @@ MUTANTS = [
     Mutant(
         "clip-scales-up-small-grads",
         "megalite/optim/clip_grads.py",
-        "if clip_coeff < 1.0 and grads:",
-        "if grads:",
+        "if clip_coeff < 1.0:",
+        "if True:",
         (OPT + "::test_grad_norm_counts_every_logical_element_once",),
         "clipping must only shrink; scaling every grad to max_norm changes the update",
     ),
@@ -223,8 +223,8 @@ MUTANTS = [
     Mutant(
         "bf16-main-params-not-fp32",
         "megalite/optim/base.py",
-        "is_copy = offload or model.dtype != torch.float32",
-        "is_copy = offload",
+        "is_copy = bool(offload) or model.dtype != torch.float32 or shard_offloaded",
+        "is_copy = bool(offload) or shard_offloaded",
         (OPT + "::test_bf16_params_with_fp32_main_params_train",),
         "AdamW on bf16 params directly: small updates round away",
     ),
@@ -646,8 +646,8 @@ MUTANTS = [
     Mutant(
         "ckpt-adam-step-restarts",
         "megalite/checkpoint/optimizer_state.py",
-        'entry = {"step": torch.tensor(float(step), dtype=torch.float32)}',
-        'entry = {"step": torch.tensor(0.0, dtype=torch.float32)}',
+        "return torch.tensor(float(step), dtype=torch.float32)",
+        "return torch.tensor(0.0, dtype=torch.float32)",
         (CKR + "::test_exact_resume_and_reshard",),
         "Adam's bias correction restarts after resume",
     ),

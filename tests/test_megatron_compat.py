@@ -551,7 +551,11 @@ def test_megatron_fsdp_script(tmp_path):
     memory = [r for r in rows if r["kind"] == "memory"]
     assert {r["dp_rank"] for r in memory} == {0, 1}
     for r in memory:  # ZeRO-3 with the prefetch, at dp 2: the gathered bytes as the model predicts
-        assert r["layout"]["shard_params"] and r["layout"]["overlap_param_gather"] and r["layout"]["dp"] == 2
+        assert (
+            r["layout"]["sharding_strategy"] == "optim_grads_params"
+            and r["layout"]["overlap_param_gather"]
+            and r["layout"]["dp"] == 2
+        )
         assert r["measured_extra"]["params_gathered"] == r["predicted_extra"]["params_gathered"] > 0
     assert (tmp_path / "llama3-fsdp" / "latest_checkpointed_iteration.txt").exists()
 
