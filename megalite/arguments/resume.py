@@ -96,8 +96,8 @@ def _meaning(dest: str, v):
             prefixes, weights = parse_data_path(v)
             shares = None if weights is None else [round(w, 12) for w in normalize_weights(weights)]
             return [os.path.realpath(p) for p in prefixes], shares
-    except DatasetError:
-        pass
+    except DatasetError:  # unparsable: compared as typed (flag resolution has refused it already)
+        return _norm(v)
     return _norm(v)
 
 

@@ -284,11 +284,9 @@ def _enum_member(cls, name: str):
     """``builtins.getattr`` as some Python releases pickle an enum member (3.11.2 writes
     ``getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")``; 3.11.7 ``cls(value)``): only a
     member of an allowed enum class, nothing else."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_GLOBALS.values():
-        try:
-            return cls[name]
-        except KeyError:
-            pass
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_GLOBALS.values()
+    if allowed and name in cls.__members__:
+        return cls[name]
     raise CheckpointFormatError(
         f"refusing to unpickle getattr({getattr(cls, '__name__', cls)!s}, {name!r}) from a checkpoint's "
         ".metadata: only members of DCP's own enums are allowed (the file is corrupt or not a DCP file)"
