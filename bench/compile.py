@@ -209,7 +209,7 @@ def tp2pp2_rank(iters: int, tmp: str, dtype: str) -> dict:
             path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
             steps: list[float] = []
             breaks = breaks_at_collectives() if name == "breaks" else contextlib.nullcontext()
-            with breaks, cpu_time_per_step(steps):
+            with breaks, cpu_time_per_step(steps), contextlib.redirect_stdout(sys.stderr):
                 pretrain(tp2pp2_argv(iters, path, dtype) + extra)
             dist.barrier()
             cpu[name] += steps[1:]
@@ -260,8 +260,8 @@ def fusion_rank(iters: int, tmp: str, dtype: str, rounds: int, vocab: int) -> di
     for rnd in range(rounds):
         for name, extra in FUSION_VARIANTS.items():
             steps: list[float] = []
-            with cpu_time_per_step(steps):
-                path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
+            path = os.path.join(tmp, f"{name}-{rnd}.jsonl")
+            with cpu_time_per_step(steps), contextlib.redirect_stdout(sys.stderr):  # stdout: the JSON
                 pretrain(tp2pp2_argv(iters, path, dtype, 1, 1, vocab) + extra)
             cpu[name] += steps[2:]  # the first two: compile and warm-up
     return cpu
