@@ -38,7 +38,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,12 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryLayout:
-    """A parallel layout and the run settings that change memory (Megatron's flag meanings).
+    """The memory model's view of one run: its :class:`~megalite.configs.RunConfig` (the layout's one
+    spelling) and the device type, and the quantities the memory functions read, derived from the run
+    in one place (:meth:`__post_init__`; build it with ``MemoryLayout.from_configs(run, device_type)``).
+    A different layout is a different run (``RunConfig.from_flags`` or ``dataclasses.replace`` on one);
+    no field is set by hand. Two layouts are equal when every derived quantity is (``run`` is not
+    compared: runs that differ only in what no memory term reads have the same layout).
 
     ``recompute_granularity``: None, "full" (whole layers, ``recompute_method`` "uniform":
     groups of ``recompute_num_layers`` layers keep only the group's input; "block": the first
@@ -84,45 +89,110 @@ class MemoryLayout:
     things on CPU and CUDA (dropout masks, LayerNorm statistics, the attention kernel).
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1  # context parallelism: each rank holds seq_length / cp tokens of every sequence
-    cp_comm_type: str = "p2p"  # how attention's K/V cross the CP group (the buffers it holds)
-    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None  # a2a+p2p: (a2a, p2p) levels
-    vp: int = 1
-    micro_batch_size: int = 1
-    seq_length: int = 128
-    num_microbatches: int = 1
-    params_dtype: torch.dtype = torch.float32
-    schedule: str = "1f1b"
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
+    run: RunConfig = field(repr=False, compare=False)
+    device_type: str = "cpu"
+    # Derived from ``run`` (Megatron's flag meanings), in __post_init__ only.
+    tp: int = field(init=False)
+    pp: int = field(init=False)
+    dp: int = field(init=False)
+    cp: int = field(
+        init=False
+    )  # context parallelism: each rank holds seq_length / cp tokens of every sequence
+    cp_comm_type: str = field(init=False)  # how attention's K/V cross the CP group (the buffers it holds)
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = field(init=False)  # a2a+p2p: (a2a, p2p)
+    vp: int = field(init=False)
+    micro_batch_size: int = field(init=False)
+    seq_length: int = field(init=False)
+    num_microbatches: int = field(init=False)
+    params_dtype: torch.dtype = field(init=False)
+    schedule: str = field(init=False)  # the schedule that runs (ParallelConfig.schedule)
+    sequence_parallel: bool = field(init=False)
+    recompute_granularity: str | None = field(init=False)
+    recompute_method: str | None = field(init=False)
+    recompute_num_layers: int | None = field(init=False)
     # The ZeRO level, the config's own enum (--data-parallel-sharding-strategy): ZeRO-1 shards the
     # optimizer, ZeRO-2 the grads too, ZeRO-3 the params too.
-    sharding_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
-    num_distributed_optimizer_instances: int = 1  # ZeRO-1 sharded over grad_dp / N ranks, N copies
-    overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
-    optimizer_cpu_offload: bool = False  # optimizer state in host memory, not on the device
-    optimizer_offload_fraction: float = 1.0  # the share offloaded (with optimizer_cpu_offload)
-    decoupled_lr: bool = False  # --decoupled-lr: a third AdamW param group (the offload split's order)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    ddp_bucket_size: int = 40_000_000
-    device_type: str = "cpu"
-    offload_optimizer_device: str = "none"  # --offload-optimizer-device: nvme keeps the state in swap files
-    offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
-    offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
-    offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
-    grad_reduce_dtype: torch.dtype = torch.float32  # the DDP grad buffer's (--grad-reduce-in-bf16: bf16)
+    sharding_strategy: ShardingStrategy = field(init=False)
+    num_distributed_optimizer_instances: int = field(init=False)  # ZeRO-1 over grad_dp / N ranks, N copies
+    overlap_param_gather: bool = field(init=False)  # ZeRO-3: one unit prefetched ahead (params_gathered)
+    optimizer_cpu_offload: bool = field(init=False)  # optimizer state in host memory, not on the device
+    optimizer_offload_fraction: float = field(init=False)  # the share offloaded (with optimizer_cpu_offload)
+    decoupled_lr: bool = field(
+        init=False
+    )  # --decoupled-lr given: a third AdamW param group (the split's order)
+    first_stage_layers: int | None = field(init=False)
+    last_stage_layers: int | None = field(init=False)
+    ddp_bucket_size: int = field(init=False)
+    offload_optimizer_device: str = field(init=False)  # --offload-optimizer-device: nvme swap files
+    offload_param_device: str = field(init=False)  # --offload-param-device: ZeRO-3's shards in host / nvme
+    offload_sub_group_size: int = field(init=False)  # --offload-sub-group-size (the nvme step's sub-groups)
+    offload_buffer_count: int = field(
+        init=False
+    )  # --offload-buffer-count (sub-groups read ahead: this minus one)
+    grad_reduce_dtype: torch.dtype = field(init=False)  # the DDP grad buffer's (--grad-reduce-in-bf16: bf16)
     # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
-    ep: int = 1  # --expert-model-parallel-size
-    etp: int | None = None  # --expert-tensor-parallel-size (None: the attention's tp)
+    ep: int = field(init=False)  # --expert-model-parallel-size
+    etp: int | None = field(init=False)  # --expert-tensor-parallel-size (None: the attention's tp)
 
     def __post_init__(self):
-        object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
+        """The one place a run becomes the memory model's quantities."""
+        run = self.run
+        par, recompute, ddp, train, opt = (
+            run.parallel,
+            run.recompute,
+            run.data_parallel,
+            run.training,
+            run.optimizer,
+        )
+        derived = dict(
+            tp=par.tensor_model_parallel_size,
+            pp=par.pipeline_model_parallel_size,
+            dp=par.data_parallel_size,
+            cp=par.context_parallel_size,
+            cp_comm_type=par.cp_comm_type,
+            hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
+            vp=par.virtual_pipeline_model_parallel_size,
+            micro_batch_size=train.micro_batch_size,
+            seq_length=train.seq_length,
+            num_microbatches=train.num_microbatches,
+            params_dtype=train.params_dtype,
+            schedule=par.schedule,
+            sequence_parallel=par.sequence_parallel,
+            recompute_granularity=recompute.granularity,
+            recompute_method=recompute.method,
+            recompute_num_layers=recompute.num_layers,
+            sharding_strategy=ddp.sharding_strategy,
+            num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
+            overlap_param_gather=ddp.overlap_param_gather,
+            optimizer_cpu_offload=opt.optimizer_cpu_offload,
+            optimizer_offload_fraction=opt.optimizer_offload_fraction,
+            decoupled_lr=opt.decoupled_lr is not None,
+            first_stage_layers=par.decoder_first_pipeline_num_layers,
+            last_stage_layers=par.decoder_last_pipeline_num_layers,
+            ddp_bucket_size=ddp.bucket_size,
+            offload_optimizer_device=opt.offload.optimizer_device,
+            offload_param_device=ddp.offload.param_device,
+            offload_sub_group_size=opt.offload.sub_group_size,
+            offload_buffer_count=opt.offload.buffer_count,
+            grad_reduce_dtype=ddp.grad_reduce_dtype,
+            ep=par.expert_model_parallel_size,
+            etp=par.expert_tensor_parallel_size,
+        )
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
+        """The memory model's view of ``run`` (``RunConfig.from_flags``, or a ``replace`` on one)."""
+        return cls(run, device_type)
+
+    def as_record(self) -> dict:
+        """The derived quantities by name (the memory record's ``"layout"``; dtypes as their names)."""
+        return {
+            f.name: str(v) if isinstance(v := getattr(self, f.name), torch.dtype) else v
+            for f in fields(self)
+            if f.name != "run"
+        }
 
     @property
     def use_distributed_optimizer(self) -> bool:
@@ -166,49 +236,9 @@ class MemoryLayout:
         """Sequence parallelism in effect (the flag is a no-op at tp=1, as in Megatron)."""
         return self.sequence_parallel and self.tp > 1
 
-    @classmethod
-    def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
-        """The layout of a run's typed configs (``megalite.arguments.build_configs``)."""
-        par, recompute, ddp, train = run.parallel, run.recompute, run.data_parallel, run.training
-        return cls(
-            tp=par.tensor_model_parallel_size,
-            pp=par.pipeline_model_parallel_size,
-            dp=par.data_parallel_size,
-            cp=par.context_parallel_size,
-            cp_comm_type=par.cp_comm_type,
-            hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
-            vp=par.virtual_pipeline_model_parallel_size,
-            micro_batch_size=train.micro_batch_size,
-            seq_length=train.seq_length,
-            num_microbatches=train.num_microbatches,
-            params_dtype=train.params_dtype,
-            schedule=par.schedule,
-            sequence_parallel=par.sequence_parallel,
-            recompute_granularity=recompute.granularity,
-            recompute_method=recompute.method,
-            recompute_num_layers=recompute.num_layers,
-            sharding_strategy=ddp.sharding_strategy,
-            num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
-            overlap_param_gather=ddp.overlap_param_gather,
-            optimizer_cpu_offload=run.optimizer.optimizer_cpu_offload,
-            optimizer_offload_fraction=run.optimizer.optimizer_offload_fraction,
-            decoupled_lr=run.optimizer.decoupled_lr is not None,
-            first_stage_layers=par.decoder_first_pipeline_num_layers,
-            last_stage_layers=par.decoder_last_pipeline_num_layers,
-            ddp_bucket_size=ddp.bucket_size,
-            device_type=device_type,
-            offload_optimizer_device=run.optimizer.offload.optimizer_device,
-            offload_param_device=ddp.offload.param_device,
-            offload_sub_group_size=run.optimizer.offload.sub_group_size,
-            offload_buffer_count=run.optimizer.offload.buffer_count,
-            grad_reduce_dtype=ddp.grad_reduce_dtype,
-            ep=par.expert_model_parallel_size,
-            etp=par.expert_tensor_parallel_size,
-        )
-
     def validate(self) -> MemoryLayout:
-        """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
-        built by hand rather than from validated flags; the same errors."""
+        """The flags' own rules (``configs.check_activation_memory``, the one copy), for runs built
+        directly or by ``replace`` (the planner's candidates) rather than from validated flags; the same errors."""
         check_activation_memory(self.recompute, self.sp, self.seq_length, self.tp)
         need(
             (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep) == 0,
@@ -1017,8 +1047,13 @@ def predict_rank(
     )
 
 
-def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> dict[str, int]:
-    """What a rank holds beyond the four measured categories (predict_rank's ``extra``)."""
+def extra_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0, params_gathered: int | None = None
+) -> dict[str, int]:
+    """What a rank holds beyond the four measured categories (predict_rank's ``extra``);
+    ``params_gathered``: :func:`gathered_param_bytes` when the caller has it (the planner's cache)."""
+    if params_gathered is None:
+        params_gathered = gathered_param_bytes(config, layout, pp_rank)
     B = dtype_bytes(layout.params_dtype)
     rows = layout.tokens // layout.tp if layout.sp else layout.tokens
     p2p = B * rows * config.hidden_size if layout.pp > 1 else 0
@@ -1027,7 +1062,7 @@ def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> 
         # counted in `activations` once its forward saves it.
         "p2p_buffers": 2 * p2p,
         "recompute_transient": recompute_transient_bytes(config, layout),
-        "params_gathered": gathered_param_bytes(config, layout, pp_rank),
+        "params_gathered": params_gathered,
         "cp_kv_buffers": cp_kv_buffer_bytes(config, layout),
     }
 
@@ -1274,7 +1309,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
         **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
-        "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
+        "layout": layout.as_record(),
     }
 
 
@@ -1407,15 +1442,22 @@ def _host_fixes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> list
     elements, when that is below ``--offload-sub-group-size``), then bf16 grads too."""
     largest = max((n for n, _ in _main_params(config, layout, pp_rank, 0)), default=1)
     sub = min(layout.offload_sub_group_size, -(-largest // 10**6) * 10**6)
+    run = layout.run
+    offload = replace(
+        run.optimizer.offload, optimizer_device="nvme", sub_group_size=sub
+    )  # one object, as resolved
     nvme = replace(
-        layout, optimizer_cpu_offload=True, offload_optimizer_device="nvme", offload_sub_group_size=sub
+        run,
+        optimizer=replace(run.optimizer, optimizer_cpu_offload=True, offload=offload),
+        data_parallel=replace(run.data_parallel, offload=offload),
     )
     flags = "--offload-optimizer-device nvme --offload-nvme-path DIR"
     flags += f" --offload-sub-group-size {sub}" if sub != layout.offload_sub_group_size else ""
     fixes = [(flags, nvme)]
     if layout.params_dtype == torch.bfloat16 and layout.grad_reduce_dtype == torch.float32:
-        fixes.append((flags + " --grad-reduce-in-bf16", replace(nvme, grad_reduce_dtype=torch.bfloat16)))
-    return fixes
+        bf16 = replace(nvme, data_parallel=replace(nvme.data_parallel, grad_reduce_dtype=torch.bfloat16))
+        fixes.append((flags + " --grad-reduce-in-bf16", bf16))
+    return [(f, MemoryLayout.from_configs(r, layout.device_type)) for f, r in fixes]
 
 
 def check_host_fits(run: RunConfig, mesh: Mesh) -> None:
