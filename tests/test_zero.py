@@ -441,7 +441,8 @@ def test_zero3_prefetch_one_process(recompute):
     seen = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        layout = layout_of(flags + (" --overlap-grad-reduce --overlap-param-gather" if prefetch else ""), config)
+        ahead = " --overlap-grad-reduce --overlap-param-gather" if prefetch else ""
+        layout = layout_of(flags + ahead, config)
         ddp = one_process_zero3(config, prefetch, recompute=layout.recompute)
         sharding = ddp.param_sharding
         events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
