@@ -38,13 +38,13 @@ import math
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
+from megalite.configs import RecomputeConfig, RunConfig, check_activation_memory
 from megalite.errors import MegaliteError, need
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
@@ -70,17 +70,34 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+class _Derived:
+    """One quantity of :class:`MemoryLayout`, read from its run on first use and then kept (in the
+    instance's ``__dict__``, as ``functools.cached_property``): the layout's one line per quantity."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout, owner=None):
+        if layout is None:
+            return self
+        value = layout.__dict__[self.name] = self.read(layout.run)
+        return value
+
+
 # ---------------------------------------------------------------------------------------------
 # The layout: everything besides the model shape that decides the bytes
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class MemoryLayout:
     """The memory model's view of one run: its :class:`~megalite.configs.RunConfig` (the layout's one
-    spelling) and the device type, and the quantities the memory functions read, derived from the run
-    in one place (:meth:`__post_init__`; build it with ``MemoryLayout.from_configs(run, device_type)``).
-    A different layout is a different run (``RunConfig.from_flags`` or ``dataclasses.replace`` on one);
-    no field is set by hand. Two layouts are equal when every derived quantity is (``run`` is not
-    compared: runs that differ only in what no memory term reads have the same layout).
+    spelling) and the device type; every quantity the memory functions read is derived from the run,
+    each on one line below (``name = _Derived(lambda run: ...)``), and nowhere else. Build it with
+    ``MemoryLayout.from_configs(run, device_type)``; another layout is another run
+    (``RunConfig.from_flags``, or ``dataclasses.replace`` on one). Two layouts are equal when the device
+    and every derived quantity are (runs that differ only in what no memory term reads have one layout).
 
     ``recompute_granularity``: None, "full" (whole layers, ``recompute_method`` "uniform":
     groups of ``recompute_num_layers`` layers keep only the group's input; "block": the first
@@ -89,97 +106,64 @@ class MemoryLayout:
     things on CPU and CUDA (dropout masks, LayerNorm statistics, the attention kernel).
     """
 
-    run: RunConfig = field(repr=False, compare=False)
+    run: RunConfig
     device_type: str = "cpu"
-    # Derived from ``run`` (Megatron's flag meanings), in __post_init__ only.
-    tp: int = field(init=False)
-    pp: int = field(init=False)
-    dp: int = field(init=False)
-    cp: int = field(
-        init=False
-    )  # context parallelism: each rank holds seq_length / cp tokens of every sequence
-    cp_comm_type: str = field(init=False)  # how attention's K/V cross the CP group (the buffers it holds)
-    hierarchical_context_parallel_sizes: tuple[int, ...] | None = field(init=False)  # a2a+p2p: (a2a, p2p)
-    vp: int = field(init=False)
-    micro_batch_size: int = field(init=False)
-    seq_length: int = field(init=False)
-    num_microbatches: int = field(init=False)
-    params_dtype: torch.dtype = field(init=False)
-    schedule: str = field(init=False)  # the schedule that runs (ParallelConfig.schedule)
-    sequence_parallel: bool = field(init=False)
-    recompute_granularity: str | None = field(init=False)
-    recompute_method: str | None = field(init=False)
-    recompute_num_layers: int | None = field(init=False)
+
+    # Derived from ``run`` (Megatron's flag meanings).
+    tp = _Derived(lambda run: run.parallel.tensor_model_parallel_size)
+    pp = _Derived(lambda run: run.parallel.pipeline_model_parallel_size)
+    dp = _Derived(lambda run: run.parallel.data_parallel_size)
+    cp = _Derived(lambda run: run.parallel.context_parallel_size)  # each rank holds seq_length / cp tokens
+    cp_comm_type = _Derived(lambda run: run.parallel.cp_comm_type)  # how K/V cross the CP group (its buffers)
+    # a2a+p2p: the (a2a, p2p) levels
+    hierarchical_context_parallel_sizes = _Derived(
+        lambda run: run.parallel.hierarchical_context_parallel_sizes
+    )
+    vp = _Derived(lambda run: run.parallel.virtual_pipeline_model_parallel_size)
+    micro_batch_size = _Derived(lambda run: run.training.micro_batch_size)
+    seq_length = _Derived(lambda run: run.training.seq_length)
+    num_microbatches = _Derived(lambda run: run.training.num_microbatches)
+    params_dtype = _Derived(lambda run: run.training.params_dtype)
+    schedule = _Derived(lambda run: run.parallel.schedule)  # the schedule that runs
+    sequence_parallel = _Derived(lambda run: run.parallel.sequence_parallel)
+    recompute_granularity = _Derived(lambda run: run.recompute.granularity)
+    recompute_method = _Derived(lambda run: run.recompute.method)
+    recompute_num_layers = _Derived(lambda run: run.recompute.num_layers)
     # The ZeRO level, the config's own enum (--data-parallel-sharding-strategy): ZeRO-1 shards the
     # optimizer, ZeRO-2 the grads too, ZeRO-3 the params too.
-    sharding_strategy: ShardingStrategy = field(init=False)
-    num_distributed_optimizer_instances: int = field(init=False)  # ZeRO-1 over grad_dp / N ranks, N copies
-    overlap_param_gather: bool = field(init=False)  # ZeRO-3: one unit prefetched ahead (params_gathered)
-    optimizer_cpu_offload: bool = field(init=False)  # optimizer state in host memory, not on the device
-    optimizer_offload_fraction: float = field(init=False)  # the share offloaded (with optimizer_cpu_offload)
-    decoupled_lr: bool = field(
-        init=False
-    )  # --decoupled-lr given: a third AdamW param group (the split's order)
-    first_stage_layers: int | None = field(init=False)
-    last_stage_layers: int | None = field(init=False)
-    ddp_bucket_size: int = field(init=False)
-    offload_optimizer_device: str = field(init=False)  # --offload-optimizer-device: nvme swap files
-    offload_param_device: str = field(init=False)  # --offload-param-device: ZeRO-3's shards in host / nvme
-    offload_sub_group_size: int = field(init=False)  # --offload-sub-group-size (the nvme step's sub-groups)
-    offload_buffer_count: int = field(
-        init=False
-    )  # --offload-buffer-count (sub-groups read ahead: this minus one)
-    grad_reduce_dtype: torch.dtype = field(init=False)  # the DDP grad buffer's (--grad-reduce-in-bf16: bf16)
+    sharding_strategy = _Derived(lambda run: run.data_parallel.sharding_strategy)
+    # ZeRO-1 sharded over grad_dp / N ranks, N copies
+    num_distributed_optimizer_instances = _Derived(
+        lambda run: run.data_parallel.num_distributed_optimizer_instances
+    )
+    overlap_param_gather = _Derived(
+        lambda run: run.data_parallel.overlap_param_gather
+    )  # ZeRO-3: one unit ahead
+    optimizer_cpu_offload = _Derived(
+        lambda run: run.optimizer.optimizer_cpu_offload
+    )  # the state in host memory
+    optimizer_offload_fraction = _Derived(
+        lambda run: run.optimizer.optimizer_offload_fraction
+    )  # the share offloaded
+    # --decoupled-lr given: a third AdamW param group (the offload split's order)
+    decoupled_lr = _Derived(lambda run: run.optimizer.decoupled_lr is not None)
+    first_stage_layers = _Derived(lambda run: run.parallel.decoder_first_pipeline_num_layers)
+    last_stage_layers = _Derived(lambda run: run.parallel.decoder_last_pipeline_num_layers)
+    ddp_bucket_size = _Derived(lambda run: run.data_parallel.bucket_size)
+    offload_optimizer_device = _Derived(
+        lambda run: run.optimizer.offload.optimizer_device
+    )  # nvme: swap files
+    offload_param_device = _Derived(lambda run: run.data_parallel.offload.param_device)  # ZeRO-3's shards
+    offload_sub_group_size = _Derived(lambda run: run.optimizer.offload.sub_group_size)  # the nvme step's
+    offload_buffer_count = _Derived(
+        lambda run: run.optimizer.offload.buffer_count
+    )  # read ahead: this minus one
+    grad_reduce_dtype = _Derived(
+        lambda run: run.data_parallel.grad_reduce_dtype
+    )  # --grad-reduce-in-bf16: bf16
     # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
-    ep: int = field(init=False)  # --expert-model-parallel-size
-    etp: int | None = field(init=False)  # --expert-tensor-parallel-size (None: the attention's tp)
-
-    def __post_init__(self):
-        """The one place a run becomes the memory model's quantities."""
-        run = self.run
-        par, recompute, ddp, train, opt = (
-            run.parallel,
-            run.recompute,
-            run.data_parallel,
-            run.training,
-            run.optimizer,
-        )
-        derived = dict(
-            tp=par.tensor_model_parallel_size,
-            pp=par.pipeline_model_parallel_size,
-            dp=par.data_parallel_size,
-            cp=par.context_parallel_size,
-            cp_comm_type=par.cp_comm_type,
-            hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
-            vp=par.virtual_pipeline_model_parallel_size,
-            micro_batch_size=train.micro_batch_size,
-            seq_length=train.seq_length,
-            num_microbatches=train.num_microbatches,
-            params_dtype=train.params_dtype,
-            schedule=par.schedule,
-            sequence_parallel=par.sequence_parallel,
-            recompute_granularity=recompute.granularity,
-            recompute_method=recompute.method,
-            recompute_num_layers=recompute.num_layers,
-            sharding_strategy=ddp.sharding_strategy,
-            num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
-            overlap_param_gather=ddp.overlap_param_gather,
-            optimizer_cpu_offload=opt.optimizer_cpu_offload,
-            optimizer_offload_fraction=opt.optimizer_offload_fraction,
-            decoupled_lr=opt.decoupled_lr is not None,
-            first_stage_layers=par.decoder_first_pipeline_num_layers,
-            last_stage_layers=par.decoder_last_pipeline_num_layers,
-            ddp_bucket_size=ddp.bucket_size,
-            offload_optimizer_device=opt.offload.optimizer_device,
-            offload_param_device=ddp.offload.param_device,
-            offload_sub_group_size=opt.offload.sub_group_size,
-            offload_buffer_count=opt.offload.buffer_count,
-            grad_reduce_dtype=ddp.grad_reduce_dtype,
-            ep=par.expert_model_parallel_size,
-            etp=par.expert_tensor_parallel_size,
-        )
-        for name, value in derived.items():
-            object.__setattr__(self, name, value)
+    ep = _Derived(lambda run: run.parallel.expert_model_parallel_size)
+    etp = _Derived(lambda run: run.parallel.expert_tensor_parallel_size)  # None: the attention's tp
 
     @classmethod
     def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
@@ -187,12 +171,25 @@ class MemoryLayout:
         return cls(run, device_type)
 
     def as_record(self) -> dict:
-        """The derived quantities by name (the memory record's ``"layout"``; dtypes as their names)."""
-        return {
-            f.name: str(v) if isinstance(v := getattr(self, f.name), torch.dtype) else v
-            for f in fields(self)
-            if f.name != "run"
-        }
+        """The device and the derived quantities by name (the memory record's ``"layout"``; dtypes as
+        their names)."""
+        out = {"device_type": self.device_type}
+        for name in DERIVED:
+            value = getattr(self, name)
+            out[name] = str(value) if isinstance(value, torch.dtype) else value
+        return out
+
+    def _key(self) -> tuple:
+        return (self.device_type, *(getattr(self, name) for name in DERIVED))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MemoryLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "MemoryLayout(" + ", ".join(f"{k}={v!r}" for k, v in self.as_record().items()) + ")"
 
     @property
     def use_distributed_optimizer(self) -> bool:
@@ -232,6 +229,10 @@ class MemoryLayout:
         return self.micro_batch_size * self.seq_length // self.cp
 
     @property
+    def recompute(self) -> RecomputeConfig:
+        return self.run.recompute
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism in effect (the flag is a no-op at tp=1, as in Megatron)."""
         return self.sequence_parallel and self.tp > 1
@@ -247,9 +248,9 @@ class MemoryLayout:
         )
         return self
 
-    @property
-    def recompute(self) -> RecomputeConfig:
-        return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+
+# The quantities a layout derives from its run, in declaration order (its record, its equality).
+DERIVED = tuple(name for name, v in vars(MemoryLayout).items() if isinstance(v, _Derived))
 
 
 # ---------------------------------------------------------------------------------------------
