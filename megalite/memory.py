@@ -136,31 +136,23 @@ class MemoryLayout:
     num_distributed_optimizer_instances = _Derived(
         lambda run: run.data_parallel.num_distributed_optimizer_instances
     )
-    overlap_param_gather = _Derived(
-        lambda run: run.data_parallel.overlap_param_gather
-    )  # ZeRO-3: one unit ahead
-    optimizer_cpu_offload = _Derived(
-        lambda run: run.optimizer.optimizer_cpu_offload
-    )  # the state in host memory
-    optimizer_offload_fraction = _Derived(
-        lambda run: run.optimizer.optimizer_offload_fraction
-    )  # the share offloaded
+    # ZeRO-3: one unit prefetched ahead (params_gathered)
+    overlap_param_gather = _Derived(lambda run: run.data_parallel.overlap_param_gather)
+    # the optimizer state in host memory, and the share offloaded
+    optimizer_cpu_offload = _Derived(lambda run: run.optimizer.optimizer_cpu_offload)
+    optimizer_offload_fraction = _Derived(lambda run: run.optimizer.optimizer_offload_fraction)
     # --decoupled-lr given: a third AdamW param group (the offload split's order)
     decoupled_lr = _Derived(lambda run: run.optimizer.decoupled_lr is not None)
     first_stage_layers = _Derived(lambda run: run.parallel.decoder_first_pipeline_num_layers)
     last_stage_layers = _Derived(lambda run: run.parallel.decoder_last_pipeline_num_layers)
     ddp_bucket_size = _Derived(lambda run: run.data_parallel.bucket_size)
-    offload_optimizer_device = _Derived(
-        lambda run: run.optimizer.offload.optimizer_device
-    )  # nvme: swap files
-    offload_param_device = _Derived(lambda run: run.data_parallel.offload.param_device)  # ZeRO-3's shards
-    offload_sub_group_size = _Derived(lambda run: run.optimizer.offload.sub_group_size)  # the nvme step's
-    offload_buffer_count = _Derived(
-        lambda run: run.optimizer.offload.buffer_count
-    )  # read ahead: this minus one
-    grad_reduce_dtype = _Derived(
-        lambda run: run.data_parallel.grad_reduce_dtype
-    )  # --grad-reduce-in-bf16: bf16
+    # The offload tiers: the optimizer state's and ZeRO-3's shards' devices (nvme: swap files), the nvme
+    # step's sub-groups and the sub-groups read ahead (the buffer count minus one)
+    offload_optimizer_device = _Derived(lambda run: run.optimizer.offload.optimizer_device)
+    offload_param_device = _Derived(lambda run: run.data_parallel.offload.param_device)
+    offload_sub_group_size = _Derived(lambda run: run.optimizer.offload.sub_group_size)
+    offload_buffer_count = _Derived(lambda run: run.optimizer.offload.buffer_count)
+    grad_reduce_dtype = _Derived(lambda run: run.data_parallel.grad_reduce_dtype)  # --grad-reduce-in-bf16
     # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
     ep = _Derived(lambda run: run.parallel.expert_model_parallel_size)
     etp = _Derived(lambda run: run.parallel.expert_tensor_parallel_size)  # None: the attention's tp
