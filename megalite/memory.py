@@ -38,13 +38,13 @@ import math
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from megalite.configs import RecomputeConfig, RunConfig, ShardingStrategy, check_activation_memory
+from megalite.configs import RecomputeConfig, RunConfig, check_activation_memory
 from megalite.errors import MegaliteError, need
 from megalite.model import gpt as _gpt
 from megalite.model.config import ModelConfig
@@ -70,12 +70,34 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+class _Derived:
+    """One quantity of :class:`MemoryLayout`, read from its run on first use and then kept (in the
+    instance's ``__dict__``, as ``functools.cached_property``): the layout's one line per quantity."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout, owner=None):
+        if layout is None:
+            return self
+        value = layout.__dict__[self.name] = self.read(layout.run)
+        return value
+
+
 # ---------------------------------------------------------------------------------------------
 # The layout: everything besides the model shape that decides the bytes
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class MemoryLayout:
-    """A parallel layout and the run settings that change memory (Megatron's flag meanings).
+    """The memory model's view of one run: its :class:`~megalite.configs.RunConfig` (the layout's one
+    spelling) and the device type; every quantity the memory functions read is derived from the run,
+    each on one line below (``name = _Derived(lambda run: ...)``), and nowhere else. Build it with
+    ``MemoryLayout.from_configs(run, device_type)``; another layout is another run
+    (``RunConfig.from_flags``, or ``dataclasses.replace`` on one). Two layouts are equal when the device
+    and every derived quantity are (runs that differ only in what no memory term reads have one layout).
 
     ``recompute_granularity``: None, "full" (whole layers, ``recompute_method`` "uniform":
     groups of ``recompute_num_layers`` layers keep only the group's input; "block": the first
@@ -84,45 +106,82 @@ class MemoryLayout:
     things on CPU and CUDA (dropout masks, LayerNorm statistics, the attention kernel).
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1  # context parallelism: each rank holds seq_length / cp tokens of every sequence
-    cp_comm_type: str = "p2p"  # how attention's K/V cross the CP group (the buffers it holds)
-    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None  # a2a+p2p: (a2a, p2p) levels
-    vp: int = 1
-    micro_batch_size: int = 1
-    seq_length: int = 128
-    num_microbatches: int = 1
-    params_dtype: torch.dtype = torch.float32
-    schedule: str = "1f1b"
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
+    run: RunConfig
+    device_type: str = "cpu"
+
+    # Derived from ``run`` (Megatron's flag meanings).
+    tp = _Derived(lambda run: run.parallel.tensor_model_parallel_size)
+    pp = _Derived(lambda run: run.parallel.pipeline_model_parallel_size)
+    dp = _Derived(lambda run: run.parallel.data_parallel_size)
+    cp = _Derived(lambda run: run.parallel.context_parallel_size)  # each rank holds seq_length / cp tokens
+    cp_comm_type = _Derived(lambda run: run.parallel.cp_comm_type)  # how K/V cross the CP group (its buffers)
+    # a2a+p2p: the (a2a, p2p) levels
+    hierarchical_context_parallel_sizes = _Derived(
+        lambda run: run.parallel.hierarchical_context_parallel_sizes
+    )
+    vp = _Derived(lambda run: run.parallel.virtual_pipeline_model_parallel_size)
+    micro_batch_size = _Derived(lambda run: run.training.micro_batch_size)
+    seq_length = _Derived(lambda run: run.training.seq_length)
+    num_microbatches = _Derived(lambda run: run.training.num_microbatches)
+    params_dtype = _Derived(lambda run: run.training.params_dtype)
+    schedule = _Derived(lambda run: run.parallel.schedule)  # the schedule that runs
+    sequence_parallel = _Derived(lambda run: run.parallel.sequence_parallel)
+    recompute_granularity = _Derived(lambda run: run.recompute.granularity)
+    recompute_method = _Derived(lambda run: run.recompute.method)
+    recompute_num_layers = _Derived(lambda run: run.recompute.num_layers)
     # The ZeRO level, the config's own enum (--data-parallel-sharding-strategy): ZeRO-1 shards the
     # optimizer, ZeRO-2 the grads too, ZeRO-3 the params too.
-    sharding_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
-    num_distributed_optimizer_instances: int = 1  # ZeRO-1 sharded over grad_dp / N ranks, N copies
-    overlap_param_gather: bool = False  # ZeRO-3: one unit prefetched ahead (params_gathered)
-    optimizer_cpu_offload: bool = False  # optimizer state in host memory, not on the device
-    optimizer_offload_fraction: float = 1.0  # the share offloaded (with optimizer_cpu_offload)
-    decoupled_lr: bool = False  # --decoupled-lr: a third AdamW param group (the offload split's order)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    ddp_bucket_size: int = 40_000_000
-    device_type: str = "cpu"
-    offload_optimizer_device: str = "none"  # --offload-optimizer-device: nvme keeps the state in swap files
-    offload_param_device: str = "none"  # --offload-param-device: ZeRO-3's shards in host memory / swap files
-    offload_sub_group_size: int = 1_000_000_000  # --offload-sub-group-size (the nvme step's sub-groups)
-    offload_buffer_count: int = 4  # --offload-buffer-count (sub-groups read ahead: this minus one)
-    grad_reduce_dtype: torch.dtype = torch.float32  # the DDP grad buffer's (--grad-reduce-in-bf16: bf16)
+    sharding_strategy = _Derived(lambda run: run.data_parallel.sharding_strategy)
+    # ZeRO-1 sharded over grad_dp / N ranks, N copies
+    num_distributed_optimizer_instances = _Derived(
+        lambda run: run.data_parallel.num_distributed_optimizer_instances
+    )
+    # ZeRO-3: one unit prefetched ahead (params_gathered)
+    overlap_param_gather = _Derived(lambda run: run.data_parallel.overlap_param_gather)
+    # the optimizer state in host memory, and the share offloaded
+    optimizer_cpu_offload = _Derived(lambda run: run.optimizer.optimizer_cpu_offload)
+    optimizer_offload_fraction = _Derived(lambda run: run.optimizer.optimizer_offload_fraction)
+    # --decoupled-lr given: a third AdamW param group (the offload split's order)
+    decoupled_lr = _Derived(lambda run: run.optimizer.decoupled_lr is not None)
+    first_stage_layers = _Derived(lambda run: run.parallel.decoder_first_pipeline_num_layers)
+    last_stage_layers = _Derived(lambda run: run.parallel.decoder_last_pipeline_num_layers)
+    ddp_bucket_size = _Derived(lambda run: run.data_parallel.bucket_size)
+    # The offload tiers: the optimizer state's and ZeRO-3's shards' devices (nvme: swap files), the nvme
+    # step's sub-groups and the sub-groups read ahead (the buffer count minus one)
+    offload_optimizer_device = _Derived(lambda run: run.optimizer.offload.optimizer_device)
+    offload_param_device = _Derived(lambda run: run.data_parallel.offload.param_device)
+    offload_sub_group_size = _Derived(lambda run: run.optimizer.offload.sub_group_size)
+    offload_buffer_count = _Derived(lambda run: run.optimizer.offload.buffer_count)
+    grad_reduce_dtype = _Derived(lambda run: run.data_parallel.grad_reduce_dtype)  # --grad-reduce-in-bf16
     # Mixture of experts (docs/moe.md): each stage's tp x cp x dp ranks re-cut as etp x ep x edp.
-    ep: int = 1  # --expert-model-parallel-size
-    etp: int | None = None  # --expert-tensor-parallel-size (None: the attention's tp)
+    ep = _Derived(lambda run: run.parallel.expert_model_parallel_size)
+    etp = _Derived(lambda run: run.parallel.expert_tensor_parallel_size)  # None: the attention's tp
 
-    def __post_init__(self):
-        object.__setattr__(self, "sharding_strategy", ShardingStrategy(self.sharding_strategy))
+    @classmethod
+    def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
+        """The memory model's view of ``run`` (``RunConfig.from_flags``, or a ``replace`` on one)."""
+        return cls(run, device_type)
+
+    def as_record(self) -> dict:
+        """The device and the derived quantities by name (the memory record's ``"layout"``; dtypes as
+        their names)."""
+        out = {"device_type": self.device_type}
+        for name in DERIVED:
+            value = getattr(self, name)
+            out[name] = str(value) if isinstance(value, torch.dtype) else value
+        return out
+
+    def _key(self) -> tuple:
+        return (self.device_type, *(getattr(self, name) for name in DERIVED))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MemoryLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "MemoryLayout(" + ", ".join(f"{k}={v!r}" for k, v in self.as_record().items()) + ")"
 
     @property
     def use_distributed_optimizer(self) -> bool:
@@ -162,53 +221,17 @@ class MemoryLayout:
         return self.micro_batch_size * self.seq_length // self.cp
 
     @property
+    def recompute(self) -> RecomputeConfig:
+        return self.run.recompute
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism in effect (the flag is a no-op at tp=1, as in Megatron)."""
         return self.sequence_parallel and self.tp > 1
 
-    @classmethod
-    def from_configs(cls, run: RunConfig, device_type: str = "cpu") -> MemoryLayout:
-        """The layout of a run's typed configs (``megalite.arguments.build_configs``)."""
-        par, recompute, ddp, train = run.parallel, run.recompute, run.data_parallel, run.training
-        return cls(
-            tp=par.tensor_model_parallel_size,
-            pp=par.pipeline_model_parallel_size,
-            dp=par.data_parallel_size,
-            cp=par.context_parallel_size,
-            cp_comm_type=par.cp_comm_type,
-            hierarchical_context_parallel_sizes=par.hierarchical_context_parallel_sizes,
-            vp=par.virtual_pipeline_model_parallel_size,
-            micro_batch_size=train.micro_batch_size,
-            seq_length=train.seq_length,
-            num_microbatches=train.num_microbatches,
-            params_dtype=train.params_dtype,
-            schedule=par.schedule,
-            sequence_parallel=par.sequence_parallel,
-            recompute_granularity=recompute.granularity,
-            recompute_method=recompute.method,
-            recompute_num_layers=recompute.num_layers,
-            sharding_strategy=ddp.sharding_strategy,
-            num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
-            overlap_param_gather=ddp.overlap_param_gather,
-            optimizer_cpu_offload=run.optimizer.optimizer_cpu_offload,
-            optimizer_offload_fraction=run.optimizer.optimizer_offload_fraction,
-            decoupled_lr=run.optimizer.decoupled_lr is not None,
-            first_stage_layers=par.decoder_first_pipeline_num_layers,
-            last_stage_layers=par.decoder_last_pipeline_num_layers,
-            ddp_bucket_size=ddp.bucket_size,
-            device_type=device_type,
-            offload_optimizer_device=run.optimizer.offload.optimizer_device,
-            offload_param_device=ddp.offload.param_device,
-            offload_sub_group_size=run.optimizer.offload.sub_group_size,
-            offload_buffer_count=run.optimizer.offload.buffer_count,
-            grad_reduce_dtype=ddp.grad_reduce_dtype,
-            ep=par.expert_model_parallel_size,
-            etp=par.expert_tensor_parallel_size,
-        )
-
     def validate(self) -> MemoryLayout:
-        """The flags' own rules (``configs.check_activation_memory``, the one copy), for layouts
-        built by hand rather than from validated flags; the same errors."""
+        """The flags' own rules (``configs.check_activation_memory``, the one copy), for runs built
+        directly or by ``replace`` (the planner's candidates) rather than from validated flags; the same errors."""
         check_activation_memory(self.recompute, self.sp, self.seq_length, self.tp)
         need(
             (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep) == 0,
@@ -217,9 +240,9 @@ class MemoryLayout:
         )
         return self
 
-    @property
-    def recompute(self) -> RecomputeConfig:
-        return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+
+# The quantities a layout derives from its run, in declaration order (its record, its equality).
+DERIVED = tuple(name for name, v in vars(MemoryLayout).items() if isinstance(v, _Derived))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1017,8 +1040,13 @@ def predict_rank(
     )
 
 
-def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> dict[str, int]:
-    """What a rank holds beyond the four measured categories (predict_rank's ``extra``)."""
+def extra_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0, params_gathered: int | None = None
+) -> dict[str, int]:
+    """What a rank holds beyond the four measured categories (predict_rank's ``extra``);
+    ``params_gathered``: :func:`gathered_param_bytes` when the caller has it (the planner's cache)."""
+    if params_gathered is None:
+        params_gathered = gathered_param_bytes(config, layout, pp_rank)
     B = dtype_bytes(layout.params_dtype)
     rows = layout.tokens // layout.tp if layout.sp else layout.tokens
     p2p = B * rows * config.hidden_size if layout.pp > 1 else 0
@@ -1027,7 +1055,7 @@ def extra_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> 
         # counted in `activations` once its forward saves it.
         "p2p_buffers": 2 * p2p,
         "recompute_transient": recompute_transient_bytes(config, layout),
-        "params_gathered": gathered_param_bytes(config, layout, pp_rank),
+        "params_gathered": params_gathered,
         "cp_kv_buffers": cp_kv_buffer_bytes(config, layout),
     }
 
@@ -1274,7 +1302,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
         **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
-        "layout": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(layout).items()},
+        "layout": layout.as_record(),
     }
 
 
@@ -1407,15 +1435,22 @@ def _host_fixes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> list
     elements, when that is below ``--offload-sub-group-size``), then bf16 grads too."""
     largest = max((n for n, _ in _main_params(config, layout, pp_rank, 0)), default=1)
     sub = min(layout.offload_sub_group_size, -(-largest // 10**6) * 10**6)
+    run = layout.run
+    offload = replace(
+        run.optimizer.offload, optimizer_device="nvme", sub_group_size=sub
+    )  # one object, as resolved
     nvme = replace(
-        layout, optimizer_cpu_offload=True, offload_optimizer_device="nvme", offload_sub_group_size=sub
+        run,
+        optimizer=replace(run.optimizer, optimizer_cpu_offload=True, offload=offload),
+        data_parallel=replace(run.data_parallel, offload=offload),
     )
     flags = "--offload-optimizer-device nvme --offload-nvme-path DIR"
     flags += f" --offload-sub-group-size {sub}" if sub != layout.offload_sub_group_size else ""
     fixes = [(flags, nvme)]
     if layout.params_dtype == torch.bfloat16 and layout.grad_reduce_dtype == torch.float32:
-        fixes.append((flags + " --grad-reduce-in-bf16", replace(nvme, grad_reduce_dtype=torch.bfloat16)))
-    return fixes
+        bf16 = replace(nvme, data_parallel=replace(nvme.data_parallel, grad_reduce_dtype=torch.bfloat16))
+        fixes.append((flags + " --grad-reduce-in-bf16", bf16))
+    return [(f, MemoryLayout.from_configs(r, layout.device_type)) for f, r in fixes]
 
 
 def check_host_fits(run: RunConfig, mesh: Mesh) -> None:

@@ -152,3 +152,43 @@ def pytest_collection_modifyitems(config, items):
         return SLOW_FIRST.index(base) if base in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=weight)  # stable: a file's tests keep their order
+
+
+# ---- the memory model's layout of a run (issue 34: the layout's one spelling is RunConfig) -----------
+def run_of(flags: str = "", config=None, dp: int = 1):
+    """The RunConfig ``pretrain_gpt.py`` resolves from ``flags`` (one string, split on white space; after
+    ``--micro-batch-size 1``, the memory tests' unit microbatch) on tp x pp x cp x ``dp`` ranks: the real
+    parse and resolution, every check included. ``config`` (a
+    ModelConfig; default a 4-layer GPT-2 of hidden 32) is written as flags by the flag writer, so the
+    resolution checks the layout against the model the test computes with."""
+    from megalite.arguments import parse_args, resolve
+    from megalite.model.config import ModelConfig
+
+    config = config or ModelConfig.gpt2(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300)
+    args = parse_args([*_model_flags(config), "--micro-batch-size", "1", *flags.split()])
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return resolve(args, world * dp, config.vocab_size)
+
+
+def layout_of(flags: str = "", config=None, dp: int = 1, device_type: str = "cpu"):
+    """The memory model's view (``MemoryLayout.from_configs``) of :func:`run_of`'s run."""
+    from megalite.memory import MemoryLayout
+
+    return MemoryLayout.from_configs(run_of(flags, config, dp), device_type)
+
+
+_MODEL_FLAGS: dict = {}
+
+
+def _model_flags(config) -> list[str]:
+    """Flags that resolve to ``config``'s shape (the flag writer's, on mock data and the null tokenizer)."""
+    import dataclasses
+
+    from megalite.arguments import RunConfig
+
+    if config not in _MODEL_FLAGS:
+        data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size)]
+        data += ["--train-iters", "1"]
+        base = RunConfig.from_flags(data, world_size=1, vocab_size=config.vocab_size)
+        _MODEL_FLAGS[config] = [*data, *dataclasses.replace(base, model=config).to_flags(base)]
+    return _MODEL_FLAGS[config]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import COMMON, LLAMA, layout, needs_cuda
+from conftest import COMMON, LLAMA, layout, layout_of, needs_cuda
 
 from megalite.parallel.determinism import deterministic_switches
 from megalite.parallel.param_attributes import wgrad_accumulator
@@ -357,7 +357,7 @@ def test_training_step_reads_the_device_once(flags, per_step):
 def test_memory_model_counts_the_fused_weights(flavour):
     """``memory.fused_wgrad_numel`` (the bytes a step saves follow from it) counts exactly the
     weights the TP linears mark fusable (GPT-2's tied head is the embedding: not fused)."""
-    from megalite.memory import MemoryLayout, fused_wgrad_numel
+    from megalite.memory import fused_wgrad_numel
     from megalite.model.config import ModelConfig
     from megalite.model.gpt import GPTModel
     from megalite.parallel.param_attributes import is_wgrad_fusable
@@ -366,7 +366,7 @@ def test_memory_model_counts_the_fused_weights(flavour):
     config = make(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
     model = GPTModel(config)
     built = sum(p.numel() for p in model.parameters() if is_wgrad_fusable(p))
-    layout = MemoryLayout(tp=1, pp=1, dp=1, micro_batch_size=1, seq_length=8, num_microbatches=1)
+    layout = layout_of("--seq-length 8", config)  # one rank, one microbatch of 1
     assert fused_wgrad_numel(config, layout, 0) == built > 0
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import pretrain_runs
+from conftest import layout_of, pretrain_runs, run_of
 
 from megalite.arguments import ArgumentError
-from megalite.configs import ParallelConfig, ShardingStrategy
+from megalite.configs import ParallelConfig, RecomputeConfig
 from megalite.memory import (
     CATEGORIES,
     ChunkSpec,
@@ -81,7 +81,8 @@ CONFIGS = {
 @pytest.mark.parametrize("tp", [1, 2])
 def test_param_shapes_match_the_model_name_by_name(name, tp):
     config = CONFIGS[name]
-    layout = MemoryLayout(tp=tp, pp=2, first_stage_layers=1, last_stage_layers=3)
+    stages = "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3"
+    layout = layout_of(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size 2 {stages}", config)
     for pp_rank, chunks in enumerate(stage_chunks(config, layout)):
         for c in chunks:
             model = GPTModel(
@@ -97,9 +98,9 @@ def test_param_shapes_match_the_model_name_by_name(name, tp):
 
 def test_grad_buffer_pads_buckets_to_lcm_dp_128_and_optimizer_shards_sum_to_the_whole():
     config = CONFIGS["gpt2"]
-    base = dict(tp=1, pp=2, params_dtype=torch.bfloat16, ddp_bucket_size=5000)
-    plain = MemoryLayout(dp=3, **base)
-    zero = MemoryLayout(dp=3, sharding_strategy=ShardingStrategy.OPTIM, **base)
+    base = "--pipeline-model-parallel-size 2 --bf16 --ddp-bucket-size 5000"
+    plain = layout_of(base, config, dp=3)
+    zero = layout_of(f"{base} --data-parallel-sharding-strategy optim", config, dp=3)
     for r in range(2):
         numel = sum(s.numel for c in stage_chunks(config, plain)[r] for s in chunk_param_shapes(config, 1, c))
         assert grad_buffer_bytes(config, plain, r) == 4 * numel
@@ -127,30 +128,41 @@ def _pieces(config, layout, pp_rank):
 
 # ---- pure: activations -------------------------------------------------------------------------
 def test_in_flight_microbatches_follow_the_schedule_plan():
-    per_chunk = [1]
+    per_chunk, pp4 = [1], "--pipeline-model-parallel-size 4"
     for r in range(4):
-        assert peak_in_flight(MemoryLayout(pp=4, num_microbatches=8), r, per_chunk) == 4 - r  # 1F1B: p - r
-        assert peak_in_flight(MemoryLayout(pp=4, num_microbatches=8, schedule="gpipe"), r, per_chunk) == 8
-    assert peak_in_flight(MemoryLayout(pp=1, num_microbatches=8), 0, per_chunk) == 1
+        assert peak_in_flight(layout_of(f"{pp4} --global-batch-size 8"), r, per_chunk) == 4 - r  # 1F1B: p - r
+        assert (
+            peak_in_flight(layout_of(f"{pp4} --global-batch-size 8 --pipeline-schedule gpipe"), r, per_chunk)
+            == 8
+        )
+    assert peak_in_flight(layout_of("--global-batch-size 8"), 0, per_chunk) == 1
     # Interleaved (p=2, v=2, m=4): rank 0 runs (p-r-1)*2 + (v-1)*p = 4 warm-up forwards, then one more
     # before its first backward: 5 chunk-microbatches of unit size.
-    inter = MemoryLayout(pp=2, vp=2, num_microbatches=4, schedule="interleaved")
+    inter = layout_of(
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4"
+    )
     assert peak_in_flight(inter, 0, [1, 1]) == 5
     assert peak_in_flight(inter, 1, [1, 1]) == 3
 
 
 def test_recompute_layer_counts_follow_the_models_units():
     """Full recompute keeps one input per unit of gpt.recompute_units; selective keeps q, k, v."""
-    full = dict(recompute_granularity="full", recompute_num_layers=2)
-    assert chunk_layer_counts(MemoryLayout(), 3) == {"none": 3}
-    assert chunk_layer_counts(MemoryLayout(recompute_method="uniform", **full), 5) == {"full": 3, "none": 0}
-    assert chunk_layer_counts(MemoryLayout(recompute_method="block", **full), 5) == {"full": 2, "none": 3}
-    assert chunk_layer_counts(MemoryLayout(recompute_granularity="selective"), 2) == {"selective": 2}
-    # One validation: the flags' own (configs.check_activation_memory, via arguments/activation.py).
+    full = "--recompute-granularity full --recompute-num-layers 2"
+    assert chunk_layer_counts(layout_of(), 3) == {"none": 3}
+    assert chunk_layer_counts(layout_of(f"--recompute-method uniform {full}"), 5) == {"full": 3, "none": 0}
+    assert chunk_layer_counts(layout_of(f"--recompute-method block {full}"), 5) == {"full": 2, "none": 3}
+    assert chunk_layer_counts(layout_of("--recompute-granularity selective"), 2) == {"selective": 2}
+    # One validation: the flags' own (configs.check_activation_memory, via arguments/activation.py), for
+    # runs built by replace (the planner's candidates) rather than resolved from flags.
+    run = run_of()
     with pytest.raises(ArgumentError, match="--recompute-method needs --recompute-granularity full"):
-        MemoryLayout(recompute_method="uniform").validate()
+        MemoryLayout.from_configs(
+            dataclasses.replace(run, recompute=RecomputeConfig(method="uniform"))
+        ).validate()
+    sp = dataclasses.replace(run.parallel, tensor_model_parallel_size=4, sequence_parallel=True)
+    short = dataclasses.replace(run.training, seq_length=30)
     with pytest.raises(ArgumentError, match="--seq-length .*--sequence-parallel"):
-        MemoryLayout(tp=4, seq_length=30, sequence_parallel=True).validate()
+        MemoryLayout.from_configs(dataclasses.replace(run, parallel=sp, training=short)).validate()
 
 
 def _paper_config(**kw):
@@ -165,18 +177,21 @@ def test_per_layer_bytes_reproduce_the_paper_on_cuda_bf16():
     and + 16/h (two LayerNorms' fp32 mean and rstd)."""
     config, s, b, h, a = _paper_config(), 2048, 1, 4096, 32
     for t in (1, 2, 4, 8):
-        base = dict(tp=t, seq_length=s, micro_batch_size=b, params_dtype=torch.bfloat16, device_type="cuda")
-        tp_only = layer_activation_bytes(config, MemoryLayout(**base))
+        base = f"--tensor-model-parallel-size {t} --seq-length {s} --micro-batch-size {b} --bf16"
+        tp_only = layer_activation_bytes(config, layout_of(base, config, device_type="cuda"))
         assert tp_only == s * b * h * (10 + 24 / t) + s * b * (16 + 4 * a / t)
         paper = korthikanti_layer_bytes(s, b, h, a, t) - 5 * a * s * s * b / t
         assert relative_error(tp_only, paper) < 0.002
-        with_sp = layer_activation_bytes(config, MemoryLayout(sequence_parallel=t > 1, **base))
+        sp = " --sequence-parallel" if t > 1 else ""
+        with_sp = layer_activation_bytes(config, layout_of(base + sp, config, device_type="cuda"))
         assert (
             relative_error(with_sp, korthikanti_layer_bytes(s, b, h, a, t, sp=True, selective=True)) < 0.002
         )
         if t > 1:  # the paper's SP factor (10 + 24/t) / (34/t), up to the logsumexp / LN-stat terms
             assert relative_error(tp_only / with_sp, (10 + 24 / t) / (34 / t)) < 0.003
-        selective = layer_activation_bytes(config, MemoryLayout(**base), mode="selective")
+        selective = layer_activation_bytes(
+            config, layout_of(base, config, device_type="cuda"), mode="selective"
+        )
         assert tp_only - selective == 4 * a // t * s * b  # flash kept no s x s: only the logsumexp goes
 
 
@@ -184,38 +199,39 @@ def test_cpu_attention_dropout_keeps_the_s_by_s_probabilities():
     """CPU SDPA falls back to the math kernel with dropout: fp32 softmax, noise and dropped
     probabilities (12 bytes per score vs the paper's 5), which selective recompute removes."""
     config = _paper_config(attention_dropout=0.1)
-    layout = MemoryLayout(seq_length=256, micro_batch_size=2)
+    layout = layout_of("--seq-length 256 --micro-batch-size 2", config)
     terms = layer_activation_terms(config, layout)
     assert terms["attention_scores"] == 12 * 32 * 256 * 256 * 2
     assert "attention_scores" not in layer_activation_terms(config, layout, mode="selective")
 
 
-SELECTIVE = dict(recompute_granularity="selective")
-UNIFORM_2 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
-BLOCK_1 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+SELECTIVE = "--recompute-granularity selective"
+UNIFORM_2 = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2"
+BLOCK_1 = "--recompute-granularity full --recompute-method block --recompute-num-layers 1"
+DTYPE_FLAG = {torch.float32: "", torch.bfloat16: "--bf16"}
 
 
 @pytest.mark.parametrize(
     "flavour,dtype,dropout,recompute",
     [
-        ("gpt2", torch.float32, (0.0, 0.0), {}),
-        ("gpt2", torch.bfloat16, (0.1, 0.1), {}),
+        ("gpt2", torch.float32, (0.0, 0.0), ""),
+        ("gpt2", torch.bfloat16, (0.1, 0.1), ""),
         ("gpt2", torch.float32, (0.1, 0.0), SELECTIVE),  # q, k, v: views of the QKV output
-        ("gpt2_gqa", torch.float32, (0.0, 0.0), {}),  # q a view, k and v repeated
+        ("gpt2_gqa", torch.float32, (0.0, 0.0), ""),  # q a view, k and v repeated
         ("gpt2_gqa", torch.bfloat16, (0.0, 0.1), SELECTIVE),
-        ("llama", torch.float32, (0.1, 0.0), {}),
+        ("llama", torch.float32, (0.1, 0.0), ""),
         ("llama", torch.bfloat16, (0.0, 0.0), SELECTIVE),  # q, k after RoPE, v a view
-        ("llama_gqa", torch.bfloat16, (0.0, 0.1), {}),
+        ("llama_gqa", torch.bfloat16, (0.0, 0.1), ""),
         ("llama_gqa", torch.float32, (0.1, 0.1), SELECTIVE),  # k before the GQA repeat
         ("llama_gqa", torch.float32, (0.1, 0.1), UNIFORM_2),
         ("gpt2", torch.bfloat16, (0.1, 0.0), BLOCK_1),
         # CPU math kernel (attention dropout), fp32, one head: v folds to [b*1, s, d] as a view,
         # saved by its bmm, keeping the QKV buffer (bf16 and several heads: an fp32 copy).
-        ("gpt2_1head", torch.float32, (0.1, 0.1), {}),
-        ("gpt2_1head", torch.bfloat16, (0.1, 0.1), {}),
-        ("llama_1head", torch.float32, (0.0, 0.1), {}),
-        ("gpt2", torch.float32, (0.0, 0.1), {}),
-        ("llama_gqa", torch.float32, (0.0, 0.1), {}),
+        ("gpt2_1head", torch.float32, (0.1, 0.1), ""),
+        ("gpt2_1head", torch.bfloat16, (0.1, 0.1), ""),
+        ("llama_1head", torch.float32, (0.0, 0.1), ""),
+        ("gpt2", torch.float32, (0.0, 0.1), ""),
+        ("llama_gqa", torch.float32, (0.0, 0.1), ""),
     ],
 )
 def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recompute, b=3, extra=None):
@@ -228,14 +244,14 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
     if flavour.endswith("_1head"):
         kw["num_attention_heads"] = 1
     config = (ModelConfig.gpt2 if flavour.startswith("gpt2") else ModelConfig.llama)(**kw)
-    model = GPTModel(config, ParallelContext(recompute=MemoryLayout(**recompute).recompute, dtype=dtype))
     s = 16
+    layout = layout_of(f"--micro-batch-size {b} --seq-length {s} {DTYPE_FLAG[dtype]} {recompute}", config)
+    model = GPTModel(config, ParallelContext(recompute=layout.recompute, dtype=dtype))
     ids = torch.randint(0, 200, (b, s))
     meter = SavedTensorMeter(list(model.parameters()))
     with meter.track():
         loss = model(input_ids=ids, position_ids=torch.arange(s).repeat(b, 1), labels=ids)
         loss = (loss * torch.ones(b, s)).sum() / torch.tensor(float(b * s))
-    layout = MemoryLayout(micro_batch_size=b, seq_length=s, params_dtype=dtype, **recompute)
     assert meter.peak == chunk_activation_bytes(config, layout, ChunkSpec(True, True, (0, 3)))
     loss.backward()
     assert meter.live == 0  # every saved storage was released by backward
@@ -243,13 +259,13 @@ def test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, recomp
 
 QK = dict(qk_layernorm=True)
 DENSE_FEATURES = [  # (flavour, dtype, dropout, recompute, the features)
-    ("gpt2", torch.float32, (0.0, 0.0), {}, dict(squared_relu=True, qk_layernorm=True)),
-    ("gpt2_gqa", torch.bfloat16, (0.0, 0.0), {}, QK),  # the norms keep q's GQA copy
-    ("gpt2", torch.float32, (0.0, 0.1), {}, QK),  # math kernel: the norms keep the QKV buffer
-    ("llama", torch.float32, (0.0, 0.0), {}, dict(QK, rotary_interleaved=True, add_qkv_bias=True)),
-    ("llama_gqa", torch.bfloat16, (0.0, 0.0), {}, QK),
+    ("gpt2", torch.float32, (0.0, 0.0), "", dict(squared_relu=True, qk_layernorm=True)),
+    ("gpt2_gqa", torch.bfloat16, (0.0, 0.0), "", QK),  # the norms keep q's GQA copy
+    ("gpt2", torch.float32, (0.0, 0.1), "", QK),  # math kernel: the norms keep the QKV buffer
+    ("llama", torch.float32, (0.0, 0.0), "", dict(QK, rotary_interleaved=True, add_qkv_bias=True)),
+    ("llama_gqa", torch.bfloat16, (0.0, 0.0), "", QK),
     ("llama_gqa", torch.float32, (0.1, 0.0), SELECTIVE, QK),
-    ("llama_gqa", torch.bfloat16, (0.0, 0.1), {}, QK),
+    ("llama_gqa", torch.bfloat16, (0.0, 0.1), "", QK),
 ]  # (not with --apply-layernorm-1p: the model leaves out its fp32 1 + gamma, h floats per norm)
 
 
@@ -262,7 +278,7 @@ def test_dense_features_saved_bytes_equal_the_model(flavour, dtype, dropout, rec
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_math_kernel_v_view_with_one_sequence_per_microbatch(dtype):
     """b == 1: [1, a, s, d] folds to [a, s, d] as a view whatever the heads (fp32)."""
-    test_one_process_saved_bytes_equal_the_model("gpt2", dtype, (0.0, 0.1), {}, b=1)
+    test_one_process_saved_bytes_equal_the_model("gpt2", dtype, (0.0, 0.1), "", b=1)
 
 
 @pytest.mark.parametrize("enable_gqa", [True, False])
@@ -273,7 +289,7 @@ def test_memory_model_follows_the_models_gqa_path(monkeypatch, enable_gqa, flavo
     if enable_gqa and not gpt.SDPA_ENABLE_GQA:
         pytest.skip("torch < 2.5: no enable_gqa")
     monkeypatch.setattr(gpt, "SDPA_ENABLE_GQA", enable_gqa)
-    test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, {})
+    test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, "")
     test_one_process_saved_bytes_equal_the_model(flavour, dtype, dropout, SELECTIVE)
 
 
@@ -531,10 +547,10 @@ def test_sequence_parallel_lowers_measured_layer_bytes_by_the_papers_factor(spaw
             paper = (10 + 24 / t) / (34 / t)
             for name, (config, dtype) in SP_FACTOR_CONFIGS.items():
                 b, s = SP_FACTOR_SHAPE
-                base = MemoryLayout(tp=t, micro_batch_size=b, seq_length=s, params_dtype=dtype)
+                base = f"--tensor-model-parallel-size {t} --micro-batch-size {b} --seq-length {s} {DTYPE_FLAG[dtype]}"
                 no_sp, sp = rank_out[t][name, False], rank_out[t][name, True]
-                assert no_sp == layer_activation_bytes(config, base), (name, t)
-                assert sp == layer_activation_bytes(config, dataclasses.replace(base, sequence_parallel=True))
+                assert no_sp == layer_activation_bytes(config, layout_of(base, config)), (name, t)
+                assert sp == layer_activation_bytes(config, layout_of(f"{base} --sequence-parallel", config))
                 assert no_sp / sp >= paper, f"{name} t={t}: {no_sp / sp:.3f} < paper's {paper:.3f}"
                 if rank == 0:
                     print(f"{name} t={t}: SP lowers a layer's bytes {no_sp / sp:.3f}x (paper {paper:.3f}x)")
@@ -542,7 +558,8 @@ def test_sequence_parallel_lowers_measured_layer_bytes_by_the_papers_factor(spaw
 
 def test_predict_rank_reports_every_category():
     config = CONFIGS["gpt2"]
-    layout = MemoryLayout(tp=2, pp=2, dp=2, num_microbatches=4, sharding_strategy=ShardingStrategy.OPTIM)
+    flags = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8"
+    layout = layout_of(f"{flags} --data-parallel-sharding-strategy optim", config, dp=2)
     first, last = predict_rank(config, layout, 0), predict_rank(config, layout, 1)
     assert first.extra["p2p_buffers"] == 2 * 4 * 1 * 128 * 32
     assert first.activations > last.activations  # 1F1B: stage 0 holds 2 microbatches, stage 1 one
@@ -554,25 +571,27 @@ def test_context_parallel_divides_activations_by_cp():
     config = ModelConfig.llama(
         num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=300
     )
-    base = MemoryLayout(micro_batch_size=2, seq_length=4096, params_dtype=torch.bfloat16, device_type="cuda")
+
+    def lay(flags: str = "", seq: int = 4096, dp: int = 1):
+        return layout_of(f"--micro-batch-size 2 --seq-length {seq} --bf16 {flags}", config, dp, "cuda")
+
+    base = lay()
+    at = {cp: lay(f"--context-parallel-size {cp}") for cp in (2, 4, 8)}
     for mode in ("none", "selective", "full"):
         for cp in (2, 4, 8):
-            short = dataclasses.replace(base, seq_length=4096 // cp)
-            at_cp = dataclasses.replace(base, cp=cp)
+            short = lay(seq=4096 // cp)
+            at_cp = at[cp]
             assert layer_activation_terms(config, at_cp, mode) == layer_activation_terms(config, short, mode)
     for cp in (2, 4):
-        ratio = (
-            predict_rank(config, base, 0).activations
-            / predict_rank(config, dataclasses.replace(base, cp=cp), 0).activations
-        )
+        ratio = predict_rank(config, base, 0).activations / predict_rank(config, at[cp], 0).activations
         assert ratio == pytest.approx(cp, rel=1e-3)
-    zero1 = dict(sharding_strategy=ShardingStrategy.OPTIM, dp=2)
+    zero1 = "--data-parallel-sharding-strategy optim"
     assert (
-        predict_rank(config, dataclasses.replace(base, cp=2, **zero1), 0).optimizer
-        == predict_rank(config, dataclasses.replace(base, **{**zero1, "dp": 4}), 0).optimizer
+        predict_rank(config, lay(f"--context-parallel-size 2 {zero1}", dp=2), 0).optimizer
+        == predict_rank(config, lay(zero1, dp=4), 0).optimizer
     )
     # the K/V buffers CP attention holds: more for all_gather (every rank's K/V) than for the ring
-    ring, gathered = (dataclasses.replace(base, cp=4, cp_comm_type=t) for t in ("p2p", "all_gather"))
+    ring, gathered = (lay(f"--context-parallel-size 4 --cp-comm-type {t}") for t in ("p2p", "all_gather"))
     assert predict_rank(config, base, 0).extra["cp_kv_buffers"] == 0
     assert (
         0
@@ -583,20 +602,17 @@ def test_context_parallel_divides_activations_by_cp():
     # a2a+p2p: a level of one rank is the other kind alone; 2 x 2 holds a2a's (over 2) and the ring's
     # (over 2, on the exchanged shards), more than a2a's over 4
     def kv(comm, sizes=None, cp=4):
-        layout = dataclasses.replace(
-            base, cp=cp, cp_comm_type=comm, hierarchical_context_parallel_sizes=sizes
-        )
+        levels = f" --hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}" if sizes else ""
+        layout = lay(f"--context-parallel-size {cp} --cp-comm-type {comm}{levels}")
         return predict_rank(config, layout, 0).extra["cp_kv_buffers"]
 
     assert kv("a2a+p2p", (4, 1)) == kv("a2a") and kv("a2a+p2p", (1, 4)) == kv("p2p")
     assert kv("a2a+p2p", (2, 2)) > kv("a2a") > 0
     # --num-distributed-optimizer-instances N: the optimizer state is ZeRO-1's over dp x cp / N
-    partial = dataclasses.replace(base, cp=2, **zero1, num_distributed_optimizer_instances=2)
+    partial = lay(f"--context-parallel-size 2 {zero1} --num-distributed-optimizer-instances 2", dp=2)
     assert (
         predict_rank(config, partial, 0).optimizer
-        == predict_rank(
-            config, dataclasses.replace(base, cp=2, sharding_strategy=ShardingStrategy.OPTIM), 0
-        ).optimizer
+        == predict_rank(config, lay(f"--context-parallel-size 2 {zero1}"), 0).optimizer
     )
 
 
@@ -629,22 +645,22 @@ def test_fp16_skipped_first_step_reports_optimizer_state_not_allocated_yet(tmp_p
 
 # ---- mixture of experts: one process, every term ------------------------------------------------
 _MOE_CASES = {
-    "mixtral fp32": (dict(moe_aux_loss_coeff=0.01), "llama", torch.float32, {}),
-    "z-loss bf16": (dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3), "llama", torch.bfloat16, {}),
-    "router fp32 bf16": (dict(moe_router_dtype="fp32", moe_aux_loss_coeff=0.01), "llama", torch.bfloat16, {}),
+    "mixtral fp32": (dict(moe_aux_loss_coeff=0.01), "llama", torch.float32, ""),
+    "z-loss bf16": (dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3), "llama", torch.bfloat16, ""),
+    "router fp32 bf16": (dict(moe_router_dtype="fp32", moe_aux_loss_coeff=0.01), "llama", torch.bfloat16, ""),
     "deepseek": (
         dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_topk=4,
              moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
              moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3,
              moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
-        "llama", torch.float32, {},
+        "llama", torch.float32, "",
     ),
     "pre-softmax gelu first dense": (
-        dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01, moe_layer_freq=(0, 1, 1)), "gpt2", torch.float32, {}
+        dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01, moe_layer_freq=(0, 1, 1)), "gpt2", torch.float32, ""
     ),
     "capacity pad": (
         dict(moe_aux_loss_coeff=0.01, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
-        "llama", torch.float32, {},
+        "llama", torch.float32, "",
     ),
     "full block 1": (dict(moe_aux_loss_coeff=0.01), "llama", torch.float32, BLOCK_1),
     "selective": (dict(moe_aux_loss_coeff=0.01), "llama", torch.bfloat16, SELECTIVE),
@@ -663,7 +679,7 @@ def test_moe_model_saved_bytes_and_params_equal_the_model(case):
     )
     kw = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=200, max_position_embeddings=16)
     config = (ModelConfig.gpt2 if flavour == "gpt2" else ModelConfig.llama)(**kw, moe=moe)
-    layout = MemoryLayout(micro_batch_size=2, seq_length=16, params_dtype=dtype, **recompute)
+    layout = layout_of(f"--micro-batch-size 2 --seq-length 16 {DTYPE_FLAG[dtype]} {recompute}", config)
     model = GPTModel(config, ParallelContext(recompute=layout.recompute, dtype=dtype))
     chunk = ChunkSpec(True, True, (0, 3))
     assert [(s.name, s.shape) for s in chunk_param_shapes(config, 1, chunk)] == [
@@ -687,14 +703,14 @@ def test_moe_expert_state_shards_over_ep_etp_and_edp():
 
     moe = MoEConfig(num_experts=8, hidden_size=32, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01)
     config = ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, moe=moe)
-    chunk = stage_chunks(config, MemoryLayout())[0][0]
+    chunk = stage_chunks(config, layout_of("", config))[0][0]
     experts = [s for s in chunk_param_shapes(config, 2, chunk, ep=4, etp=1) if s.expert]
     assert {s.shape for s in experts} == {(2, 32, 64), (2, 64, 32)}
-    base = dict(tp=2, dp=4, params_dtype=torch.bfloat16, sequence_parallel=True, ddp_bucket_size=10**9)
+    base = "--tensor-model-parallel-size 2 --bf16 --sequence-parallel --ddp-bucket-size 1000000000"
+    experts_apart = "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1"
     for zero in (False, True):
-        lay = MemoryLayout(
-            ep=4, etp=1, sharding_strategy=ShardingStrategy("optim" if zero else "no_shard"), **base
-        )
+        sharding = f"--data-parallel-sharding-strategy {'optim' if zero else 'no_shard'}"
+        lay = layout_of(f"{base} {experts_apart} {sharding}", config, dp=4)
         assert lay.edp == 2 and lay.experts_apart
         n_exp = sum(s.numel for s in experts)
         n_dense = sum(s.numel for s in chunk_param_shapes(config, 2, chunk, 4, 1) if not s.expert)
@@ -706,9 +722,12 @@ def test_moe_expert_state_shards_over_ep_etp_and_edp():
             # the experts' main params split over edp: edp ranks 0 and 1 hold disjoint halves
             e0, e1 = (optimizer_device_bytes(config, lay, 0, 0, e) for e in (0, 1))
             assert abs(e0 - e1) <= 12 * 128 + 8
+    run = run_of("", config, dp=2)  # ep 4 by replace (the planner's path), unresolved: validate() refuses it
+    ep4 = dataclasses.replace(run.parallel, expert_model_parallel_size=4)
     with pytest.raises(ArgumentError, match="--expert-model-parallel-size"):
-        MemoryLayout(tp=1, dp=2, ep=4).validate()  # ep does not divide the stage's ranks
-    lay = MemoryLayout(tp=2, dp=4, ep=4, etp=1, sequence_parallel=True, micro_batch_size=2, seq_length=16)
+        MemoryLayout.from_configs(dataclasses.replace(run, parallel=ep4)).validate()  # ep does not divide
+    sp = "--tensor-model-parallel-size 2 --sequence-parallel"
+    lay = layout_of(f"{sp} {experts_apart} --micro-batch-size 2 --seq-length 16", config, dp=4)
     sent, computed = moe_rows(moe, lay)
     assert (sent, computed) == (16 * 2, 16 * 2)  # T = b s / t routed, k = 2; etp 1
     worst = moe_rows(moe, lay, worst=True)[1]

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from conftest import COMMON, layout, losses, metrics, needs_cuda, pretrain_runs
+from conftest import COMMON, layout, layout_of, losses, metrics, needs_cuda, pretrain_runs
 
 from megalite.arguments import parse_args, validate_args
 from megalite.spawn import run_distributed
@@ -181,23 +181,22 @@ def test_offload_fraction_split_follows_the_fraction():
     """The split (the optimizers' own offload_split, through the memory model on meta tensors): per
     rank, the offloaded elements are at least the fraction and exceed it by less than one main
     param; the same rule on every DP rank's own shard; 0.0 and 1.0 are none and all."""
-    from megalite.memory import MemoryLayout, _main_params
+    from megalite.memory import _main_params
     from megalite.model.config import ModelConfig
 
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
     for dp, zero in ((1, False), (2, True), (4, True)):
         for f in (0.0, 0.25, 0.5, 0.9, 1.0):
-            lay = MemoryLayout(dp=dp, sharding_strategy="optim" if zero else "no_shard", optimizer_cpu_offload=True,
-                               optimizer_offload_fraction=f)  # fmt: skip
+            sharding = f"--data-parallel-sharding-strategy {'optim' if zero else 'no_shard'}"
+            fraction = f"--optimizer-offload-fraction {f}"
+            lay = layout_of(f"{sharding} --optimizer-cpu-offload {fraction}", config, dp=dp)
             for dp_rank in range(dp):
                 mains = _main_params(config, lay, 0, dp_rank)
                 total = sum(n for n, _ in mains)
                 host = sum(n for n, h in mains if h)
                 assert f * total <= host < f * total + max(n for n, _ in mains), (f, dp_rank, host, total)
                 assert (host == 0) == (f == 0.0) and (host == total or f < 1.0)
-            off = MemoryLayout(
-                dp=dp, sharding_strategy="optim" if zero else "no_shard", optimizer_offload_fraction=f
-            )
+            off = layout_of(f"{sharding} {fraction}", config, dp=dp)
             assert not any(h for n, h in _main_params(config, off, 0, 0))  # no --optimizer-cpu-offload
 
 

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from conftest import COMMON, layout, losses, metrics, pretrain_runs
+from conftest import COMMON, layout, layout_of, losses, metrics, pretrain_runs
 
 from megalite.arguments import RunConfig
 from megalite.errors import ArgumentError
@@ -182,25 +182,26 @@ def test_io_error_mid_run_stops_without_touching_the_last_checkpoint(tmp_path, m
     assert os.listdir(swap) == []  # the run's swap directory is removed on the way out
 
 
-def test_sub_groups_and_the_nvme_working_set():
+def test_sub_groups_and_the_nvme_working_set(tmp_path):
     """Sub-groups cut in order at --offload-sub-group-size (a larger main param alone); the memory
     model's working set is the largest run of buffer count + 1 consecutive sub-groups, 12 B each."""
-    from megalite.memory import MemoryLayout, _main_params, nvme_working_set_bytes
+    from megalite.memory import _main_params, nvme_working_set_bytes
     from megalite.model.config import ModelConfig
     from megalite.optim.step import sub_groups
 
     assert sub_groups([0, 1, 2, 3], [5, 5, 20, 1], 10) == [[0, 1], [2], [3]]
     assert sub_groups([1, 3], [9, 4, 9, 4], 10) == [[1, 3]]
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
-    lay = MemoryLayout(optimizer_cpu_offload=True, offload_optimizer_device="nvme", offload_sub_group_size=1)
+    nvme = f"--offload-optimizer-device nvme --offload-nvme-path {tmp_path}"  # (nothing is written)
+    lay = layout_of(f"{nvme} --offload-sub-group-size 1", config)
     sizes = sorted((n for n, _ in _main_params(config, lay, 0, 0)), reverse=True)
     each = [n for n, _ in _main_params(config, lay, 0, 0)]
     want = 12 * max(sum(each[k : k + 4]) for k in range(len(each)))  # buffer count 4: 3 ahead + 2
     assert nvme_working_set_bytes(config, lay, 0) == 12 * max(sum(each[k : k + 5]) for k in range(len(each)))
     assert want < nvme_working_set_bytes(config, lay, 0) <= 12 * sum(sizes[:5])
-    whole = MemoryLayout(optimizer_cpu_offload=True, offload_optimizer_device="nvme")
+    whole = layout_of(nvme, config)
     assert nvme_working_set_bytes(config, whole, 0) == 12 * sum(each)  # one sub-group: all of it
-    assert nvme_working_set_bytes(config, MemoryLayout(optimizer_cpu_offload=True), 0) == 0
+    assert nvme_working_set_bytes(config, layout_of("--optimizer-cpu-offload", config), 0) == 0
 
 
 @pytest.mark.parametrize("depth", [1, 2])

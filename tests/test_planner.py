@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import layout_of
 from test_memory import _MODEL, CATEGORIES, LAYOUTS, _flag, relative_error, spawned  # noqa: F401
 
 from megalite.arguments import build_configs, build_parser, model_config, parse_args, validate_args
@@ -315,7 +316,7 @@ def test_gpt3_parameters_and_flops_are_narayanans_equations():
 
     cfg, s = _gpt3(), 2048
     L, h, V = 96, 12288, 51200
-    layout = MemoryLayout(seq_length=s, params_dtype=torch.float16, device_type="cuda")
+    layout = layout_of(f"--seq-length {s} --fp16", cfg, device_type="cuda")
     params = predict_rank(cfg, layout, 0).params // 2
     assert params == 12 * L * h**2 + 13 * L * h + (V + s) * h + 2 * h  # eq. (2) multiplied out
     assert params - 2 * h == pytest.approx(
@@ -341,9 +342,10 @@ def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
       the embedding's own (its dropout mask and ids) -- within 1%."""
     cfg, s, b, h, a, L = _gpt3(hidden_dropout=0.1, attention_dropout=0.1), 2048, 1, 12288, 96, 96
     m = 4 * p
-    base = dict(tp=t, pp=p, seq_length=s, micro_batch_size=b, num_microbatches=m,
-                params_dtype=torch.float16, device_type="cuda")  # fmt: skip
-    mem = predict_rank(cfg, MemoryLayout(**base), 0)
+    base = f"--tensor-model-parallel-size {t} --pipeline-model-parallel-size {p} --seq-length {s} "
+    base += f"--micro-batch-size {b} --global-batch-size {m} --fp16"
+    layout = layout_of(base, cfg, device_type="cuda")
+    mem = predict_rank(cfg, layout, 0)
     held = mem.params // 2
     # per layer: 12h^2/t weights, the column-parallel biases 7h/t, the row-parallel biases and two
     # LayerNorms 6h replicated; stage 0 adds the vocab-parallel embedding and the positions
@@ -353,13 +355,16 @@ def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
     paper = L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     flash = L * s * b * (-5 * a * s / t + 4 * a / t + 16)
     assert relative_error(mem.activations, paper + flash) < 0.01
-    sp = predict_rank(cfg, MemoryLayout(**base, sequence_parallel=True, recompute_granularity="selective"), 0)
+    selective = layout_of(
+        f"{base} --sequence-parallel --recompute-granularity selective", cfg, device_type="cuda"
+    )
+    sp = predict_rank(cfg, selective, 0)
     assert relative_error(sp.activations, L * s * b * h * 34 / t) < 0.01
     # the planner reports this same prediction for the layout
     problem = planner.Problem(cfg, planner.Cluster(t * p, 8, planner.GPUS["A100-80GB"]), s, m, torch.float16)
     got = planner.with_memory(problem, planner.Candidate(t, p, 1, 1, b, False, "none", "no_shard"))
     assert got.memory_per_rank_gb * planner.GIB == max(
-        sum(predict_rank(cfg, MemoryLayout(**base), r).categories().values()) for r in (0, p - 1)
+        sum(predict_rank(cfg, layout, r).categories().values()) for r in (0, p - 1)
     )
 
 

@@ -4,12 +4,11 @@ the loss curve of one process at every layout, checkpoints across strategies, Ze
 rank, the flags (pretrain() with --mock-data, tiny models, fp32,
 dropout 0)."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
-from conftest import COMMON, LLAMA, layout, losses, metrics, pretrain_runs
+from conftest import COMMON, LLAMA, layout, layout_of, losses, metrics, pretrain_runs
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.configs import RecomputeConfig
@@ -427,18 +426,24 @@ def test_zero3_prefetch_one_process(recompute):
     prefetch; the peak of gathered bytes equals the memory model's, with and without; grads equal."""
     import torch
 
-    from megalite.memory import MemoryLayout, gathered_param_bytes
+    from megalite.memory import gathered_param_bytes
     from megalite.model.config import ModelConfig
 
     config = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=40)
     method, n = recompute or (None, None)
-    kwargs = dict(recompute_granularity="full" if recompute else None, recompute_method=method)
-    kwargs["recompute_num_layers"] = n
+    flags = (
+        f"--recompute-granularity full --recompute-method {method} --recompute-num-layers {n}"
+        if recompute
+        else ""
+    )
+    flags += " --data-parallel-sharding-strategy optim_grads_params"
     tokens = torch.randint(0, 40, (2, 8))
     seen = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        ddp = one_process_zero3(config, prefetch, recompute=MemoryLayout(**kwargs).recompute)
+        ahead = " --overlap-grad-reduce --overlap-param-gather" if prefetch else ""
+        layout = layout_of(flags + ahead, config)
+        ddp = one_process_zero3(config, prefetch, recompute=layout.recompute)
         sharding = ddp.param_sharding
         events = []  # (what, unit) in order: "demand" a unit needed now, "launch" a gather started
 
@@ -456,8 +461,6 @@ def test_zero3_prefetch_one_process(recompute):
         ddp(input_ids=tokens, labels=tokens).mean().backward()
         ddp.finish_grad_sync()
         assert sharding.live == 0 and all(not u.gathered for u in sharding.units.values())
-        layout = MemoryLayout(sharding_strategy="optim_grads_params", **kwargs)
-        layout = dataclasses.replace(layout, overlap_param_gather=prefetch)
         assert sharding.peak == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
         grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}
         seen[prefetch] = (events, sharding.peak, grads)

@@ -54,6 +54,8 @@ def _moe(run, name: str, default=None):
 
 def _layer_freq(run) -> str:
     freq = _moe(run, "moe_layer_freq", (1,))
+    if isinstance(freq, int):  # a MoEConfig built directly: Megatron's int form (every freq-th layer)
+        return str(freq)
     return "1" if all(freq) else "[" + ",".join(map(str, freq)) + "]"
 
 

@@ -385,10 +385,8 @@ def rank_memory(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> Rank
     slow terms cached."""
     layout.validate()
     config.validate(layout.tp)
-    # extra_bytes without ZeRO-3's gathered units (the slow term, cached)
-    below = ShardingStrategy.OPTIM_GRADS if layout.shard_params else layout.sharding_strategy
-    extra = extra_bytes(config, dataclasses.replace(layout, sharding_strategy=below), pp_rank)
-    extra["params_gathered"] = _gathered_bytes(config, layout, pp_rank)
+    # extra_bytes with ZeRO-3's gathered units from the cache (the slow term)
+    extra = extra_bytes(config, layout, pp_rank, params_gathered=_gathered_bytes(config, layout, pp_rank))
     return RankMemory(
         *_rank_state(config, layout, pp_rank), _activation_bytes(config, layout, pp_rank), extra
     )
@@ -417,7 +415,8 @@ def model_numel(config: ModelConfig, experts: bool | None = None) -> int:
     routed experts' (True) or only the rest (False)."""
     key = (config, experts)
     if key not in _numel_cache:
-        chunks = stage_chunks(config, MemoryLayout())[0]
+        one_stage = MemoryLayout.from_configs(_default_run(128, 1, torch.float32, 128))  # the flags' defaults
+        chunks = stage_chunks(config, one_stage)[0]
         shapes = [s for c in chunks for s in chunk_param_shapes(config, 1, c)]
         _numel_cache[key] = sum(s.numel for s in shapes if experts is None or s.expert == experts)
     return _numel_cache[key]
