@@ -1826,4 +1826,22 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_megatron_checkpoints.py::test_export_writes_what_megatron_core_writes",),
         "Megatron's SwiGLU fc1 rows are [gate; up]: swapped halves are undone by megalite's own reader",
     ),
+    # ---- issue 41: ramp-up in the interaction matrix; the async kill tests' shared checker -----------
+    Mutant(
+        "per-token-normaliser-assumes-the-full-batch",
+        "megalite/training.py",
+        "    factors = (len(microbatches) if per_token else 1) * size / counts.clamp(min=1.0)\n",
+        "    factors = (run.training.num_microbatches if per_token else 1) * size / counts.clamp(min=1.0)\n",
+        (CP + "::test_matches_one_process",),
+        "under --rampup-batch-size a step has fewer microbatches than the full batch: the per-token "
+        "loss scales by this step's count (crossed with the ramp only in the CP x ZeRO-3 pair)",
+    ),
+    Mutant(
+        "async-kill-checker-ignores-tensors",
+        "tests/async_kill_cases.py",
+        '            assert digest(_tensors(folder)) == ref[it], f"iteration {it} differs from the uninterrupted run"\n',
+        "",
+        ("tests/test_checkpoint_async_kill.py",),
+        "a checker that verifies checksums only passes a checkpoint of the wrong values: it must fail there",
+    ),
 ]
