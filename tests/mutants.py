@@ -1844,4 +1844,47 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_checkpoint_async_kill.py",),
         "a checker that verifies checksums only passes a checkpoint of the wrong values: it must fail there",
     ),
+    # ---- more of the Megatron optimizer import and the export (the checkpoint package's share) -------
+    Mutant(
+        "megatron-optim-import-norms-weight-decayed",
+        "megalite/checkpoint/megatron_optim.py",
+        '    return t.dim() == 1 or name.endswith(".bias")\n',
+        '    return name.endswith(".bias")\n',
+        (
+            "tests/test_megatron_checkpoints.py::test_stored_megatron_optimizer_state_reads_the_same_from_both_formats",
+        ),
+        "the norms' weights are in megatron-core's no-weight-decay group: the legacy indices shift",
+    ),
+    Mutant(
+        "megatron-distopt-dist-bucket-offset-coalesced",
+        "megalite/checkpoint/megatron_distopt_state.py",
+        "        start = mdo.in_bucket_offset(layout, place)\n",
+        "        start = mdo.coalesced_offset(layout, place)\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_distributed_optimizer_state_reads_the_same_from_its_three_layouts",
+        ),
+        "dp_reshardable stores each bucket as its own tensor: offsets start at the bucket, not the buffer",
+    ),
+    Mutant(
+        "megatron-export-swiglu-tp-split-rows",
+        "megalite/checkpoint/megatron_export.py",
+        "            return torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]]).clone()\n",
+        "            return whole.chunk(tp, dim=0)[tp_rank].clone()\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_megatron_core_checkpoints_import_and_train_on_at_another_layout",
+        ),
+        "a TP rank's SwiGLU fc1 is [its gate shard; its up shard], not a plain row slice of [gate; up] "
+        "(megatron-core reads the Llama export at tp 2; the cheap export test's GPT-2 has no SwiGLU)",
+    ),
+    Mutant(
+        "megatron-export-vocab-padded-for-one-rank",
+        "megalite/checkpoint/megatron_export.py",
+        "            pad = padded_vocab(config, tp) - t.shape[0]\n",
+        "            pad = padded_vocab(config, 1) - t.shape[0]\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_megatron_core_checkpoints_import_and_train_on_at_another_layout",
+        ),
+        "Megatron pads the vocabulary for the target TP size (divisible-by x tp): the grown 150-token "
+        "vocabulary, 256 rows at tp 2 (the stored fixtures' vocabularies pad alike at tp 1 and 2)",
+    ),
 ]
