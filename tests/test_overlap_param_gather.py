@@ -4,7 +4,10 @@ The same bytes reach the same params, only later, so every run must match its tw
 BITWISE: ZeRO-1, ZeRO-2 and ZeRO-3 (its prefetch: more in tests/test_zero.py) at dp=2, and
 tp=2 x pp=2 x dp=2 under 1F1B and the interleaved schedule (fp32, dropout 0, 10 iterations, an evaluation every 5). A run saved at iteration 5 with the flag on
 resumes bitwise. One more check looks inside one step: the step only starts the gathers, and the
-forward makes the params final bucket by bucket. One spawn per world size.
+forward makes the params final bucket by bucket. And the resource bounds of every ZeRO level at dp 2
+(issue 41), which equal losses cannot see: the gathered params, the gathers in flight, the staged
+grads, ZeRO-3's nvme read-ahead, each against its bound, read off the storages after every op.
+One spawn per world size.
 """
 
 from __future__ import annotations
@@ -118,9 +121,10 @@ BOUNDS |= {f"z3-opg-nvme-depth{k}": BOUNDS["z3-opg"] + ["--offload-param-device"
 
 class _ResourceMeter(TorchDispatchMode):
     """After every op of a step, the bytes the chunk holds of each transient kind, by phase (the
-    chunk's forward, its backward, other: the loss, the step, the grad sync): ZeRO-3's gathered full params (their storages' sizes,
-    not the code's own counter), its shards in memory (nvme), ZeRO-1/2's post-step gathers in flight
-    (``--overlap-param-gather``), the staged grad buckets (ZeRO-2/3), and every param storage."""
+    chunk's forward, its backward, other: the loss, the step, the grad sync): ZeRO-3's gathered full
+    params (their storages' sizes, not the code's own counter), its shards in memory (nvme),
+    ZeRO-1/2's post-step gathers in flight (``--overlap-param-gather``; each buffer seen as it is
+    packed, not through the code's own list), the staged grad buckets (ZeRO-2/3), every param storage."""
 
     def __init__(self, chunk):
         super().__init__()
@@ -130,7 +134,7 @@ class _ResourceMeter(TorchDispatchMode):
         self.phase = "other"  # the chunk's forward (its hooks' gathers included) sets "forward"
         chunk.module.register_forward_pre_hook(lambda *_: setattr(self, "phase", "forward"), prepend=True)
         chunk.module.register_forward_hook(lambda *_: setattr(self, "phase", "other"))
-        if chunk.param_gather is not None:  # see each buffer as it is packed (not the code's own list)
+        if chunk.param_gather is not None:
             pack = chunk.param_gather.pack
 
             def packing(bucket, full):
