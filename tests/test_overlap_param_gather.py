@@ -13,7 +13,6 @@ One spawn per world size.
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
@@ -123,30 +122,37 @@ class _ResourceMeter(TorchDispatchMode):
     """After every op of a step, the bytes the chunk holds of each transient kind, by phase (the
     chunk's forward, its backward, other: the loss, the step, the grad sync): ZeRO-3's gathered full
     params (their storages' sizes, not the code's own counter), its shards in memory (nvme),
-    ZeRO-1/2's post-step gathers in flight (``--overlap-param-gather``; each buffer seen as it is
-    packed, not through the code's own list), the staged grad buckets (ZeRO-2/3), every param storage."""
+    ZeRO-1/2's post-step gathers in flight (``--overlap-param-gather``: from a buffer's packing until
+    the gather drops it; gloo may hold a waited buffer a moment longer), the staged grad buckets
+    (ZeRO-2/3), every param storage."""
 
     def __init__(self, chunk):
         super().__init__()
         self.chunk = chunk
         self.peak: dict[str, dict[str, int]] = {}
-        self._gathers: list[weakref.ref] = []  # every post-step gather buffer made, alive or not
+        self._launching = None  # a post-step gather buffer being packed and launched (not yet listed)
         self.phase = "other"  # the chunk's forward (its hooks' gathers included) sets "forward"
         chunk.module.register_forward_pre_hook(lambda *_: setattr(self, "phase", "forward"), prepend=True)
         chunk.module.register_forward_hook(lambda *_: setattr(self, "phase", "other"))
-        if chunk.param_gather is not None:
-            pack = chunk.param_gather.pack
+        gather = chunk.param_gather
+        if gather is not None:  # a buffer is in flight from its packing until the gather lets it go
+            pack, launch = gather.pack, gather._launch
 
             def packing(bucket, full):
-                self._gathers.append(weakref.ref(full))
+                self._launching = full
                 pack(bucket, full)
 
-            chunk.param_gather.pack = packing
+            def launching(i):
+                launch(i)
+                self._launching = None
+
+            gather.pack, gather._launch = packing, launching
 
     def sample(self) -> dict[str, int]:
         chunk, sharding = self.chunk, self.chunk.param_sharding
         buckets = chunk.buffer.buckets
-        in_flight = [f for ref in self._gathers if (f := ref()) is not None]
+        held = [f for f in chunk.param_gather._full if f is not None] if chunk.param_gather else []
+        in_flight = held + [f for f in [self._launching] if f is not None and all(f is not g for g in held)]
         staged = [b.grad_data for b in buckets if getattr(b, "grad_data", None) is not None]
         params = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in chunk.module.parameters()}
         out = {"params": sum(params.values()), "in_flight": sum(f.nbytes for f in in_flight)}
