@@ -110,6 +110,29 @@ def layout(tp: int, pp: int) -> list[str]:
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
 
+def rampup(argv: list[str]) -> list[str]:
+    """``argv`` (iteration-based: ``--train-iters``, ``--lr-warmup-iters``, ``--global-batch-size``
+    G) with its batch ramped up as Megatron-LM does it (``--rampup-batch-size G/2 G/2 2G``: G/2 for
+    the first 2G samples, then G), which needs a sample-based run: the same number of iterations,
+    the warm-up over as many samples as its iterations held. One sample per microbatch, so G/2 is a
+    whole number of microbatches on every DP rank that G is (a layout's parity run and its
+    one-process reference both take this form)."""
+    out = list(argv)
+    value = {
+        flag: int(out[out.index(flag) + 1])
+        for flag in ("--train-iters", "--lr-warmup-iters", "--global-batch-size")
+    }
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = out.index(flag)
+        del out[i : i + 2]
+    g, iters = value["--global-batch-size"], value["--train-iters"]
+    half = g // 2
+    ramp_iters = 2 * g // half  # iterations at G/2 (Megatron's ramp: consumed <= 2G samples)
+    samples = ramp_iters * half + (iters - ramp_iters) * g
+    return out + ["--micro-batch-size", "1", "--rampup-batch-size", str(half), str(half), str(2 * g),
+                  "--train-samples", str(samples), "--lr-warmup-samples", str(value["--lr-warmup-iters"] * g)]  # fmt: skip
+
+
 def metrics(path):
     """[(iteration, loss)] of the train lines of a --metrics-file."""
     with open(path) as f:

@@ -1721,4 +1721,170 @@ MUTANTS += [  # checkpoint/hf.py: a converted model must compute the same functi
         ("tests/test_fake_rank.py::test_live_storage_meter_peak_and_temporaries_exact_on_a_script",),
         "a steady step holds the optimizer state the first step makes at its end: the peak misses it",
     ),
+    # ---- resource bounds (issue 41): what only memory sees, read off the storages at dp 2 ----------
+    Mutant(
+        "zero3-prefetch-two-units-ahead",
+        "megalite/parallel/sharding/optim_grads_params.py",
+        "            if nxt is not None:\n                self._launch(nxt)\n",
+        "            if nxt is not None:\n                self._launch(nxt)\n"
+        "                if order.get(nxt) is not None:\n                    self._launch(order.get(nxt))\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "--overlap-param-gather prefetches one unit: two ahead hold a third layer's full params, same values",
+    ),
+    Mutant(
+        "zero3-units-freed-at-end-of-backward",
+        "megalite/parallel/sharding/optim_grads_params.py",
+        "        if len(unit.ready) == len(unit.params):\n            self.free(unit)\n",
+        "        if len(unit.ready) == len(unit.params):\n            unit.ready.clear()\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "a unit released when the whole backward ends, not once its grads are in: every layer gathered at once",
+    ),
+    Mutant(
+        "zero1-overlap-param-gather-launches-every-bucket",
+        "megalite/parallel/param_gather.py",
+        "            self._launch_through(i + 1)  # prefetch: bucket i + 1 travels while bucket i's modules run\n",
+        "            self._launch_through(len(self.buckets) - 1)\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "every post-step gather in flight at the first wait: a full copy of the params, bitwise the same run",
+    ),
+    Mutant(
+        "zero3-nvme-reads-one-unit-more-ahead",
+        "megalite/parallel/sharding/optim_grads_params.py",
+        "        for _ in range(self.tier.depth):  # the offloaded shards of the units after it, read ahead\n",
+        "        for _ in range(self.tier.depth + 1):\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "--offload-buffer-count N reads N - 1 units ahead; one more holds another unit's shards, same values",
+    ),
+    Mutant(
+        "zero3-nvme-rereads-the-prefetched-unit",
+        "megalite/parallel/sharding/optim_grads_params.py",
+        "        nxt = order.get(unit) if self.prefetch else unit  # after the unit prefetched just now\n",
+        "        nxt = unit\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "the read-ahead from the unit just launched reads its shards again and holds them to the backward "
+        "(the bug this test found: nearly every shard in memory during the forward)",
+    ),
+    Mutant(
+        "zero2-three-buckets-staged",
+        "megalite/parallel/sharding/optim_grads.py",
+        "        if bucket.index > 0:  # at most two staged buckets in flight\n"
+        "            self.finish(self.buffer.buckets[bucket.index - 1])\n",
+        "        if bucket.index > 1:\n            self.finish(self.buffer.buckets[bucket.index - 2])\n",
+        ("tests/test_overlap_param_gather.py::test_resource_peaks_per_zero_level_and_prefetch_depth",),
+        "finishing the bucket before the previous one keeps three full-size staging buffers, same values",
+    ),
+    # ---- Megatron distributed-optimizer import / export, Megatron MoE import / export ---------------
+    Mutant(
+        "megatron-distopt-shared-embedding-shares-a-bucket",
+        "megalite/checkpoint/megatron_distopt.py",
+        "        if shared[i] and members:\n            start = close(start)\n",
+        "",
+        ("tests/test_megatron_distopt.py",),
+        "megatron-core gives the tied embedding / output weight (pp > 1) a bucket of its own",
+    ),
+    Mutant(
+        "megatron-distopt-coalesced-offset-counts-padding",
+        "megalite/checkpoint/megatron_distopt.py",
+        "    before = sum(b.numel_unpadded for b in layout.buckets[: place.bucket])\n",
+        "    before = sum(b.numel for b in layout.buckets[: place.bucket])\n",
+        ("tests/test_megatron_distopt.py",),
+        "distrib_optim.pt concatenates each bucket's unpadded prefix: the end padding is not stored",
+    ),
+    Mutant(
+        "megatron-export-optim-legacy-indices-alphabetical",
+        "megalite/checkpoint/megatron_export_optim.py",
+        '    names = sorted(local["exp_avg"], key=megatron_order)\n',
+        '    names = sorted(local["exp_avg"])\n',
+        (
+            "tests/test_megatron_export_optimizer.py::test_export_with_optimizer_writes_what_megatron_core_writes",
+        ),
+        "torch AdamW's state indices follow named_parameters (linear_proj before linear_qkv), not the names' order",
+    ),
+    Mutant(
+        "megatron-export-optim-norms-weight-decayed",
+        "megalite/checkpoint/megatron_export_optim.py",
+        '    return t.dim() == 1 or name.endswith(".bias")\n',
+        '    return name.endswith(".bias")\n',
+        (
+            "tests/test_megatron_export_optimizer.py::test_export_with_optimizer_writes_what_megatron_core_writes",
+        ),
+        "megatron-core puts every 1-D parameter (the norms' weights) in the no-weight-decay group",
+    ),
+    Mutant(
+        "megatron-moe-import-local-expert-offset",
+        "megalite/checkpoint/megatron_moe.py",
+        "        renamed = [{global_experts(n, e * num_local): x for n, x in c.items()} for c in per_chunk]\n",
+        "        renamed = [{global_experts(n, e): x for n, x in c.items()} for c in per_chunk]\n",
+        ("tests/test_megatron_checkpoints.py::test_stored_megatron_checkpoints_give_megatron_core_logits",),
+        "EP rank e's local expert L is global expert e * E / ep + L: else the EP ranks' experts collide",
+    ),
+    Mutant(
+        "megatron-moe-export-fc1-up-before-gate",
+        "megalite/checkpoint/megatron_moe.py",
+        '                out[base + "linear_fc1.weight"] = torch.cat([t.t(), up.t()])\n',
+        '                out[base + "linear_fc1.weight"] = torch.cat([up.t(), t.t()])\n',
+        ("tests/test_megatron_checkpoints.py::test_export_writes_what_megatron_core_writes",),
+        "Megatron's SwiGLU fc1 rows are [gate; up]: swapped halves are undone by megalite's own reader",
+    ),
+    # ---- issue 41: ramp-up in the interaction matrix; the async kill tests' shared checker -----------
+    Mutant(
+        "per-token-normaliser-assumes-the-full-batch",
+        "megalite/training.py",
+        "    factors = (len(microbatches) if per_token else 1) * size / counts.clamp(min=1.0)\n",
+        "    factors = (run.training.num_microbatches if per_token else 1) * size / counts.clamp(min=1.0)\n",
+        (CP + "::test_matches_one_process",),
+        "under --rampup-batch-size a step has fewer microbatches than the full batch: the per-token "
+        "loss scales by this step's count (crossed with the ramp only in the CP x ZeRO-3 pair)",
+    ),
+    Mutant(
+        "async-kill-checker-ignores-tensors",
+        "tests/async_kill_cases.py",
+        '            assert digest(_tensors(folder)) == ref[it], f"iteration {it} differs from the uninterrupted run"\n',
+        "",
+        ("tests/test_checkpoint_async_kill.py",),
+        "a checker that verifies checksums only passes a checkpoint of the wrong values: it must fail there",
+    ),
+    # ---- more of the Megatron optimizer import and the export (the checkpoint package's share) -------
+    Mutant(
+        "megatron-optim-import-norms-weight-decayed",
+        "megalite/checkpoint/megatron_optim.py",
+        '    return t.dim() == 1 or name.endswith(".bias")\n',
+        '    return name.endswith(".bias")\n',
+        (
+            "tests/test_megatron_checkpoints.py::test_stored_megatron_optimizer_state_reads_the_same_from_both_formats",
+        ),
+        "the norms' weights are in megatron-core's no-weight-decay group: the legacy indices shift",
+    ),
+    Mutant(
+        "megatron-distopt-dist-bucket-offset-coalesced",
+        "megalite/checkpoint/megatron_distopt_state.py",
+        "        start = mdo.in_bucket_offset(layout, place)\n",
+        "        start = mdo.coalesced_offset(layout, place)\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_distributed_optimizer_state_reads_the_same_from_its_three_layouts",
+        ),
+        "dp_reshardable stores each bucket as its own tensor: offsets start at the bucket, not the buffer",
+    ),
+    Mutant(
+        "megatron-export-swiglu-tp-split-rows",
+        "megalite/checkpoint/megatron_export.py",
+        "            return torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]]).clone()\n",
+        "            return whole.chunk(tp, dim=0)[tp_rank].clone()\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_megatron_core_checkpoints_import_and_train_on_at_another_layout",
+        ),
+        "a TP rank's SwiGLU fc1 is [its gate shard; its up shard], not a plain row slice of [gate; up] "
+        "(megatron-core reads the Llama export at tp 2; the cheap export test's GPT-2 has no SwiGLU)",
+    ),
+    Mutant(
+        "megatron-export-vocab-padded-for-one-rank",
+        "megalite/checkpoint/megatron_export.py",
+        "            pad = padded_vocab(config, tp) - t.shape[0]\n",
+        "            pad = padded_vocab(config, 1) - t.shape[0]\n",
+        (
+            "tests/test_megatron_checkpoints.py::test_megatron_core_checkpoints_import_and_train_on_at_another_layout",
+        ),
+        "Megatron pads the vocabulary for the target TP size (divisible-by x tp): the grown 150-token "
+        "vocabulary, 256 rows at tp 2 (the stored fixtures' vocabularies pad alike at tp 1 and 2)",
+    ),
 ]

@@ -11,10 +11,9 @@ import os
 import random
 import signal
 import time
-import zlib
 
 import pytest
-import torch
+from async_kill_cases import PHASES, check_published, checker_must_fail, kill_at, reference_digests
 from conftest import COMMON
 
 from megalite.spawn import run_distributed
@@ -23,71 +22,22 @@ T = 1000  # --train-iters: more than the chain reaches, so no run ends by itself
 R = 300  # iterations of the reference (--exit-interval: the same flags, the same run)
 ARGV = [*COMMON, "--num-layers", "2", "--global-batch-size", "2", "--train-iters", str(T),
         "--lr-decay-style", "constant", "--log-interval", "1000"]  # fmt: skip
-PHASES = ("staging", "writing", "publishing")
-
-
-def _digest(tensors: dict) -> dict:
-    return {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in tensors.items()}
 
 
 def _reference() -> dict:
     """{iteration: digest of every checkpoint tensor} of the uninterrupted run (no saves)."""
-    import dataclasses
-
-    import megalite.training as training
-    from megalite.checkpoint.checkpointing import capture_save
-
-    ref, step = {}, training.train_step
-
-    def recording(state, data_iter, **kwargs):
-        out = step(state, data_iter, **kwargs)
-        config = dataclasses.replace(state.configs.checkpoint, save="unused")
-        ref[state.iteration] = _digest(
-            {k: getattr(v, "tensor", v) for k, v in capture_save(state, config).pieces.items()}
-        )
-        return out
-
-    training.train_step = recording
-    try:
-        training.pretrain([*ARGV, "--exit-interval", str(R)])
-    finally:
-        training.train_step = step
-    return ref
+    return reference_digests([*ARGV, "--exit-interval", str(R)])
 
 
 def _child(save, how: str, nth: int, extra: list[str]) -> None:
     """The forked run: train from --save's latest checkpoint, saving asynchronously every iteration;
     ``how`` (a phase) SIGKILLs this process there at its ``nth`` save."""
-    import megalite.checkpoint.async_save as async_save
-    from megalite.checkpoint import files, storage
     from megalite.training import pretrain
 
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
-    count = {"n": 0}
-
-    def die_at(phase: str, real):
-        def wrapped(*args, **kwargs):
-            if phase == "staging":
-                count["n"] += 1
-                if count["n"] == nth:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            out = real(*args, **kwargs)
-            if phase == "writing" or phase == "publishing":
-                count["n"] += 1
-                if count["n"] == nth:
-                    os.kill(os.getpid(), signal.SIGKILL)  # files written / folder renamed, tracker not
-            return out
-
-        return wrapped
-
-    if how == "staging":
-        async_save.HostStaging.stage = die_at("staging", async_save.HostStaging.stage)
-    elif how == "writing":
-        storage.write = die_at("writing", storage.write)
-    elif how == "publishing":
-        files.publish = die_at("publishing", files.publish)
+    kill_at(how, nth)
     argv = ARGV + ["--save", str(save), "--load", str(save), "--save-interval", "1", "--async-save"]
     pretrain(argv + extra)
 
@@ -105,21 +55,7 @@ def _fork(save, how="random", nth=0, extra=()) -> int:
 
 
 def _check(save, ref: dict, seen: dict) -> int | None:
-    """The tracker's checkpoint verifies and equals the reference; so does every published folder."""
-    from test_checkpoint_async import _tensors
-
-    from megalite.checkpoint import files
-
-    latest = files.read_tracker(save)
-    for it in files.finished_iterations(save):
-        if it not in seen:
-            folder = files.iteration_dir(save, it)
-            assert files.check_files(folder, files.stored_checksums(files.read_metadata(folder))) is None
-            assert it <= R, f"the chain reached iteration {it}: raise R"
-            assert _digest(_tensors(folder)) == ref[it], f"iteration {it} differs from the uninterrupted run"
-            seen[it] = True
-    assert latest is None or latest in seen, f"the tracker names {latest}, not a complete checkpoint"
-    return latest
+    return check_published(save, ref, seen, R)
 
 
 def _kills(tmp) -> dict:
@@ -176,7 +112,9 @@ def _kills(tmp) -> dict:
     # The next start removes what a killed save left (here: one more iteration, then --exit-interval).
     left = sorted(p.name for p in save.glob("iter_*.tmp"))
     _, status = os.waitpid(_fork(save, extra=["--exit-interval", "1"]), 0)
+    caught = checker_must_fail(save, ref)
     return {
+        "checker_caught": caught,
         "log": log,
         "times": (t_ref, time.perf_counter() - t0),
         "terms": terms,
@@ -207,3 +145,5 @@ def test_kills_during_async_saves_leave_the_latest_checkpoint_whole(tmp_path):
     assert out["left"], out  # the killed save's folder, never published ...
     code, last, left = out["final"]  # ... is removed by the next start, which saves one more iteration
     assert code == 0 and last == out["terms"][-1][2] + 1 and left == [], out
+    differs, untracked = out["checker_caught"]  # the checker fails where it must (tests/async_kill_cases.py)
+    assert "differs from the uninterrupted run" in differs and "not a whole checkpoint" in untracked, out

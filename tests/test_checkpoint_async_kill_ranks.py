@@ -16,10 +16,10 @@ import random
 import signal
 import socket
 import time
-import zlib
 
 import pytest
 import torch
+from async_kill_cases import PHASES, check_published, kill_at, reference_digests
 from conftest import COMMON
 
 from megalite.spawn import run_distributed
@@ -41,11 +41,6 @@ ARGV = [
     "--distributed-timeout-minutes",
     "0.1",
 ]  # fmt: skip  (a rank left alone stops within 6 s)
-PHASES = ("staging", "writing", "publishing")
-
-
-def _digest(tensors: dict) -> dict:
-    return {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in tensors.items()}
 
 
 def _free_port() -> int:
@@ -61,42 +56,9 @@ def _rank_env(rank: int, port: int) -> None:
 
 def _record_reference(out_file: str) -> None:
     """This rank's {iteration: digest of its checkpoint pieces} over the uninterrupted run (no saves)."""
-    import dataclasses
-
-    import megalite.training as training
-    from megalite.checkpoint.checkpointing import capture_save
-
-    ref, step = {}, training.train_step
-
-    def recording(state, data_iter, **kwargs):
-        out = step(state, data_iter, **kwargs)
-        config = dataclasses.replace(state.configs.checkpoint, save="unused")
-        pieces = capture_save(state, config).pieces
-        ref[state.iteration] = _digest({k: getattr(v, "tensor", v) for k, v in pieces.items()})
-        return out
-
-    training.train_step = recording
-    training.pretrain([*ARGV, "--exit-interval", str(R)])
+    ref = reference_digests([*ARGV, "--exit-interval", str(R)])
     with open(out_file, "w") as f:
         json.dump(ref, f)
-
-
-def _die_at(phase: str, nth: int, real):
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        if phase == "staging":
-            count["n"] += 1
-            if count["n"] == nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-        out = real(*args, **kwargs)
-        if phase in ("writing", "publishing"):  # its files written / its folder renamed, tracker not
-            count["n"] += 1
-            if count["n"] == nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return out
-
-    return wrapped
 
 
 def _rank(rank: int, port: int, job: dict) -> None:
@@ -109,18 +71,11 @@ def _rank(rank: int, port: int, job: dict) -> None:
     torch.set_num_threads(1)
     if job.get("reference"):
         return _record_reference(job["reference"].format(rank=rank))
-    import megalite.checkpoint.async_save as async_save
-    from megalite.checkpoint import files, storage
     from megalite.training import pretrain
 
     how, nth = job.get("how", "random"), job.get("nth", 0)
-    if rank == job.get("victim") and how in PHASES:
-        if how == "staging":
-            async_save.HostStaging.stage = _die_at(how, nth, async_save.HostStaging.stage)
-        elif how == "writing":
-            storage.write = _die_at(how, nth, storage.write)
-        else:
-            files.publish = _die_at(how, nth, files.publish)
+    if rank == job.get("victim"):
+        kill_at(how, nth)
     save = str(job["save"])
     pretrain(
         ARGV + ["--save", save, "--load", save, "--save-interval", "1", "--async-save", *job.get("extra", [])]
@@ -163,21 +118,7 @@ def _reap(pids: list[int], done: dict[int, int]) -> dict[int, int]:
 
 
 def _check(save, ref: dict, seen: dict) -> int | None:
-    """Every published folder verifies and equals the reference; the tracker names one of them."""
-    from test_checkpoint_async import _tensors
-
-    from megalite.checkpoint import files
-
-    latest = files.read_tracker(save) if save.is_dir() else None
-    for it in files.finished_iterations(save) if save.is_dir() else []:
-        if it not in seen:
-            folder = files.iteration_dir(save, it)
-            assert files.check_files(folder, files.stored_checksums(files.read_metadata(folder))) is None
-            assert it <= R, f"the chain reached iteration {it}: raise R"
-            assert _digest(_tensors(folder)) == ref[it], f"iteration {it} differs from the uninterrupted run"
-            seen[it] = True
-    assert latest is None or latest in seen, f"the tracker names {latest}, not a whole checkpoint"
-    return latest
+    return check_published(save, ref, seen, R)
 
 
 def _kills(tmp) -> dict:

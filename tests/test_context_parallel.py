@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import COMMON, LLAMA, layout, one_thread, pretrain_runs
+from conftest import COMMON, LLAMA, layout, one_thread, pretrain_runs, rampup
 from test_megatron_compat import llama3_8b, runnable
 
 from megalite.arguments import ArgumentError, build_configs, parse_args, validate_args
@@ -74,6 +74,9 @@ PAIRS = {
     ("p2p", "tp2-cp2-pp2-sp"): ["--recompute-activations"],
     ("all_gather", "tp2-cp2-pp2-sp"): PER_TOKEN + FULL_RECOMPUTE,
 }
+# Batch-size ramp-up (--rampup-batch-size, conftest.rampup: half the batch, then all of it) crossed
+# with CP + TP + SP + PP, and with CP + ZeRO-3 at dp 2, against the one-process ramped run.
+RAMPED = {("p2p", "tp2-cp2-pp2-sp"), ("all_gather", "cp2-dp2-zero3")}
 # Composes: cp2 x pp2, interleaved (2 virtual stages of 1 layer), selective recompute, ZeRO-1 (over
 # dp x cp = 2 at dp 1), --overlap-grad-reduce; 4 layers.
 # Both evaluate twice (every 5 iterations, 1 batch): the eval loss is over whole sequences too.
@@ -171,6 +174,7 @@ def runs(tmp_path_factory):
         for comm in COMMS:
             for name, (world, lflags) in LAYOUTS.items():
                 argv = BASE + fflags + lflags + PAIRS.get((comm, name), []) + cp(CP_OF[name], comm)
+                argv = rampup(argv) if (comm, name) in RAMPED else argv
                 argv += out(f"{flavour}-{comm}-{name}")
                 if (flavour, comm, name) == SAVED:
                     argv += ["--save", str(d / "saved"), "--save-interval", str(SAVE_AT)]
@@ -188,6 +192,7 @@ def runs(tmp_path_factory):
     results = {w: run_distributed(_rank_work, w, plan[w], mesh_sizes[w], timeout=300) for w in (2, 4, 8)}
     with one_thread():  # the references, and the cp2 checkpoint resumed on one process
         pretrain_runs([BASE + f + out(f"{n}-reference") for n, f in FLAVOURS.items()])
+        pretrain_runs([rampup(BASE + f) + out(f"{n}-rampup-reference") for n, f in FLAVOURS.items()])
         pretrain_runs([BASE + f + loss + out(f"{n}-{r}-reference") for n, f in FLAVOURS.items()
                        for r, loss in REFERENCES.items()])  # fmt: skip
         pretrain_runs([BASE + resume(out("resume-cp1")), FOUR_LAYERS + out("four-layers-reference")])
@@ -201,6 +206,7 @@ def test_matches_one_process(runs, flavour, comm, name):
     """Every iteration's loss and grad norm equal one process's over the same global batches."""
     _, d = runs
     loss = {tuple(f): r for r, f in REFERENCES.items()}.get(tuple(PAIRS.get((comm, name), [])))
+    loss = "rampup" if (comm, name) in RAMPED else loss  # their loss flags: none, or the per-token mean
     ref = rows(d / (f"{flavour}-{loss}-reference.jsonl" if loss else f"{flavour}-reference.jsonl"))
     got = rows(d / f"{flavour}-{comm}-{name}.jsonl")
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
@@ -209,6 +215,12 @@ def test_matches_one_process(runs, flavour, comm, name):
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **TOL, msg=key
         )
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains: the comparison is not of constants
+    if loss == "rampup":  # 2 samples a step, then 4 (Megatron's ramp over 8 samples, written out)
+        steps = [
+            b["consumed_samples"] - a["consumed_samples"]
+            for a, b in zip([{"consumed_samples": 0}, *got], got)
+        ]
+        assert steps == [2] * 4 + [4] * (ITERS - 4), steps
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

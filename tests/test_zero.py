@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import COMMON, LLAMA, layout, layout_of, losses, metrics, pretrain_runs
+from conftest import COMMON, LLAMA, layout, layout_of, losses, metrics, pretrain_runs, rampup
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.configs import RecomputeConfig
@@ -55,6 +55,20 @@ PAIRS = {
     "gpt2-pp2-dp2-offload": ["--decoder-first-pipeline-num-layers", "1", "--recompute-activations"],
 }
 
+# Batch-size ramp-up (--rampup-batch-size, conftest.rampup: half the batch, then all of it) crossed
+# with ZeRO-2 at tp2 x dp2, the offloaded optimizer at pp2 x dp2 and ZeRO-3 under the interleaved
+# schedule (tied embedding), each against the one-process ramped run ("gpt2-rampup-ref").
+RAMPED = {"gpt2-tp2-dp2-z2", "gpt2-pp2-dp2-offload", "gpt2-pp2-dp2-interleaved-z3"}
+
+
+def _ramped(name: str, argv: list[str]) -> list[str]:
+    return rampup(argv) if name in RAMPED else argv
+
+
+def _reference(flavour: str, run: str) -> str:
+    """The one-process metrics file run ``run`` (a metrics name) is compared with."""
+    return f"{flavour}-rampup-ref.jsonl" if run in RAMPED else f"{flavour}-ref.jsonl"
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -67,6 +81,8 @@ def runs(tmp_path_factory):
     by_world: dict[int, list] = {1: [], 4: [], 8: []}
     for flavour, argv in FLAVOURS.items():
         by_world[1].append(argv + out(f"{flavour}-ref"))
+        if flavour == "gpt2":
+            by_world[1].append(rampup(argv) + out("gpt2-rampup-ref"))
         for name, (tp, pp, world) in LAYOUTS.items():
             for z, flags in STRATEGIES.items():
                 # Llama: overlapped with backward, many small buckets; GPT-2: Megatron's defaults.
@@ -74,7 +90,8 @@ def runs(tmp_path_factory):
                 if z == "z3" and flavour == "llama" and name == "tp2-pp2-dp2":
                     extra = extra + SP_RECOMPUTE  # ZeRO-3 gathers inside the recompute, under SP and PP
                 extra = extra + PAIRS.get(f"{flavour}-{name}-{z}", [])
-                by_world[world].append(argv + layout(tp, pp) + flags + extra + out(f"{flavour}-{name}-{z}"))
+                run = f"{flavour}-{name}-{z}"
+                by_world[world].append(_ramped(run, argv + layout(tp, pp) + flags + extra) + out(run))
                 if z == "z3" and flavour == "llama":  # the same with --overlap-param-gather
                     # tp2-dp2 also saves at iteration 5 (resumed below, the flag on, bitwise).
                     save = (
@@ -92,7 +109,8 @@ def runs(tmp_path_factory):
     )
     by_world[4] += [
         BASE + Z2 + OFFLOAD + PAIRS["gpt2-dp4-z2-offload"] + out("gpt2-dp4-z2-offload"),
-        BASE + layout(1, 2) + OFFLOAD + PAIRS["gpt2-pp2-dp2-offload"] + out("gpt2-pp2-dp2-offload"),
+        _ramped("gpt2-pp2-dp2-offload", BASE + layout(1, 2) + OFFLOAD + PAIRS["gpt2-pp2-dp2-offload"])
+        + out("gpt2-pp2-dp2-offload"),
     ]
     by_world[4] += [
         # Sequence parallelism (its grads summed over TP on the shards) and full recompute.
@@ -103,7 +121,8 @@ def runs(tmp_path_factory):
         # ZeRO-3: fp16 loss scaling with the optimizer offloaded; the tied embedding across stages of
         # the interleaved schedule.
         BASE + FP16 + Z3 + OFFLOAD + out("fp16-z3-offload"),
-        BASE + layout(1, 2) + Z3 + INTERLEAVED + out("gpt2-pp2-dp2-interleaved-z3"),
+        _ramped("gpt2-pp2-dp2-interleaved-z3", BASE + layout(1, 2) + Z3 + INTERLEAVED)
+        + out("gpt2-pp2-dp2-interleaved-z3"),
     ]
     # ZeRO-3 checkpoint at tp2 x dp2, iteration 5: resumed there (bitwise), under ZeRO-1 at (2, 2, 2)
     # and under no_shard on one process (later spawns).
@@ -157,21 +176,34 @@ def _assert_close(ref, got, name):
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_zero_matches_one_process(runs, z, flavour, name):
-    ref = losses(runs / f"{flavour}-ref.jsonl")
+    ref = losses(runs / _reference(flavour, f"{flavour}-{name}-{z}"))
     assert len(ref) == ITERS and ref[-1] < ref[0]
     _assert_close(ref, losses(runs / f"{flavour}-{name}-{z}.jsonl"), f"{flavour} {name} {z}")
 
 
 @pytest.mark.timeout(400)
+def test_ramped_runs_ramp_their_batch(runs):
+    """The ramped runs and their reference take 4 then 8 samples a step (Megatron's ramp, written
+    out), and the ramp changes the losses (the pairs above are not the plain run's)."""
+    for run in sorted(RAMPED) + ["gpt2-rampup-ref"]:
+        with open(runs / f"{run}.jsonl") as f:
+            consumed = [0] + [r["consumed_samples"] for r in map(json.loads, f) if r["kind"] == "train"]
+        assert [b - a for a, b in zip(consumed, consumed[1:])] == [4] * 4 + [8] * (ITERS - 4), run
+    assert losses(runs / "gpt2-rampup-ref.jsonl")[4:] != losses(runs / "gpt2-ref.jsonl")[4:]
+
+
+@pytest.mark.timeout(400)
 def test_zero3_interleaved_tied_embedding(runs):
     got = losses(runs / "gpt2-pp2-dp2-interleaved-z3.jsonl")
-    _assert_close(losses(runs / "gpt2-ref.jsonl"), got, "gpt2 pp2 dp2 interleaved z3")
+    _assert_close(
+        losses(runs / _reference("gpt2", "gpt2-pp2-dp2-interleaved-z3")), got, "gpt2 pp2 dp2 interleaved z3"
+    )
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", ["gpt2-offload", "gpt2-dp4-z2-offload", "gpt2-pp2-dp2-offload"])
 def test_offload_matches_one_process(runs, name):
-    _assert_close(losses(runs / "gpt2-ref.jsonl"), losses(runs / f"{name}.jsonl"), name)
+    _assert_close(losses(runs / _reference("gpt2", name)), losses(runs / f"{name}.jsonl"), name)
 
 
 @pytest.mark.timeout(400)

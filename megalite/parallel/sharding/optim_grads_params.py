@@ -218,7 +218,7 @@ class ParamSharding:
             nxt = order.get(unit)
             if nxt is not None:
                 self._launch(nxt)
-        nxt = unit
+        nxt = order.get(unit) if self.prefetch else unit  # after the unit prefetched just now
         for _ in range(self.tier.depth):  # the offloaded shards of the units after it, read ahead
             nxt = order.get(nxt)
             if nxt is None:
