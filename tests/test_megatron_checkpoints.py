@@ -314,8 +314,9 @@ def _continue_stored(cases):
 
 
 def test_stored_megatron_run_continues_after_conversion(tmp_path, capsys):
-    """convert --include-optimizer, then pretrain_gpt.py's --load and one step (tp=1, pp=1): the
-    weights megatron-core reached with its own next step (expected.pt "next", both formats)."""
+    """convert --include-optimizer, then pretrain_gpt.py's --load and one step (tp=1, pp=1; the MoE
+    fixture also at its own pp2 x ep2 and at tp2 x ep2 with SP, 4 ranks): the weights megatron-core
+    reached with its own next step at pp2 x ep2 (expected.pt "next", both formats)."""
     import megatron_core_run as mcr
 
     cases = []
@@ -343,6 +344,57 @@ def test_stored_megatron_run_continues_after_conversion(tmp_path, capsys):
             rows = _determined_rows(name, config)
             assert (t[rows] - before[name][rows]).abs().max() > 20 * step_atol, f"{path} {name}: no step"
             torch.testing.assert_close(got[name][rows], t[rows], rtol=0, atol=step_atol, msg=f"{path} {name}")
+    # The MoE fixture's own layout (pp2 x ep2, so dp2: each DP rank its own sequence, as megatron-core's
+    # next step ran) and another (tp2 x ep2 with sequence parallelism, dp2): 4 ranks, saved, read back.
+    moe = [(str(tmp_path / f"moe-{fmt}"), str(tmp_path / f"moe-{fmt}-{name}"), flags)
+           for fmt in FORMATS for name, flags in MOE_CONTINUE_LAYOUTS.items()]  # fmt: skip
+    config = mg.read_megatron(DATA / "moe" / "torch").config
+    run_distributed(_continue_at_layouts, 4, moe, config, timeout=300)
+    want = expected("moe")["next"]
+    for _, out, _ in moe:
+        model, _ = load_model(out)
+        got = split_experts({n: p.detach()[: config.vocab_size] for n, p in model.named_parameters()}, config)
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=step_atol, msg=f"{out} {name}")
+
+
+# layouts of the MoE fixture's continued run (4 ranks): its own, and another
+MOE_CONTINUE_LAYOUTS = {
+    "pp2-ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+    "tp2-ep2-sp": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+    ],
+}
+
+
+def _continue_at_layouts(cases, config):
+    """Each rank: ``--load`` of a converted checkpoint at a layout, one step on its DP rows of
+    megatron_core_run's batch, then ``--save`` (megalite's layout-free checkpoint)."""
+    import megatron_core_run as mcr
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import load_checkpoint, save_checkpoint
+    from megalite.training import setup, train_step
+
+    for converted, out, flags in cases:
+        schedule = list(mcr.MEGALITE_SCHEDULE_FLAGS)
+        schedule[schedule.index("--micro-batch-size") + 1] = "1"  # dp 2: one sequence per DP rank
+        argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1),
+                "--seq-length", str(mcr.SEQ), "--train-iters", str(mcr.DECAY_ITERS), "--load", converted,
+                "--save", out, "--hidden-dropout", "0", "--attention-dropout", "0", *schedule, *flags,
+                *mg.model_flags(config)]  # fmt: skip
+        state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
+        assert load_checkpoint(state)
+        r = state.mesh.dp_rank
+        batch = {"tokens": mcr.tokens()[r : r + 1], "labels": mcr.labels()[r : r + 1],
+                 "loss_mask": torch.ones(1, mcr.SEQ), "position_ids": torch.arange(mcr.SEQ)[None]}  # fmt: skip
+        assert state.mesh.dp_size == 2 and state.mesh.cp_size == 1
+        train_step(state, iter([batch]))
+        save_checkpoint(state)
 
 
 def test_unreadable_megatron_optimizer_state_fails_in_one_line(tmp_path, capsys):
