@@ -235,6 +235,13 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
         if arg == "moe_router_num_groups":
             _rewrite_rank_file(bad, lambda s: setattr(s["args"], "moe_router_group_topk", 1))
         assert f"args.{arg}" in _one_line_error(bad, says) or arg == "moe_router_num_groups"
+    # expert bias enabled in the args, a router's expert_bias buffer gone from the file: not read as zeros
+    bad = Path(shutil.copytree(DATA / "moe_bias" / "torch", tmp_path / "moe-no-bias"))
+    _rewrite_rank_file(bad, lambda s: s["model"].pop("decoder.layers.0.mlp.router.expert_bias"))
+    _one_line_error(
+        bad,
+        r"args\.moe_router_enable_expert_bias is set but there is no decoder\.layers\.0\.mlp\.router\.expert_bias",
+    )
 
     fp8 = copy("fp8")
     _rewrite_rank_file(fp8, lambda s: setattr(s["args"], "fp8", "hybrid"))
