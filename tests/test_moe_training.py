@@ -53,9 +53,10 @@ def ZERO(level: int) -> list[str]:
 CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
 VPP = layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1"]
 BF16 = ["--bf16"]
-# bf16 against bf16: the same rounding of each op, other sums (expert grads over edp, the
-# CP ring's partial softmax): a loss within a few bf16 ulps of one process's (2**-8 = 4e-3)
-BF16_TOL = dict(rtol=1e-2, atol=1e-3)
+# bf16 against bf16: the same rounding of each op, other sums (expert grads over edp, the CP ring's
+# partial softmax). Seen: loss within 8e-5, grad norm 9e-4, aux loss 3e-4 (relative) of one bf16
+# process's, while one bf16 and one fp32 process differ by 2e-4 / 1.2e-3 / 2e-4
+BF16_TOL = dict(rtol=5e-3, atol=1e-5)
 
 # name -> (model, flags), all on 4 ranks
 LAYOUTS = {
@@ -194,15 +195,17 @@ def test_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", BF16_LAYOUTS)
 def test_bf16_matches_one_bf16_process(runs, name):
     """bf16 with expert ZeRO: every iteration's loss, aux loss and grad norm within bf16 rounding of
-    one bf16 process's (and far from the fp32 run's: the checker sees the dtype)."""
+    one bf16 process's (and nearer it than the fp32 run: the checker sees the dtype)."""
     ref, got = rows(runs / "mixtral-bf16-reference.jsonl"), rows(runs / f"{name}.jsonl")
     assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
     for key in ("loss", "grad_norm", *AUX["mixtral"]):
         torch.testing.assert_close(
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **BF16_TOL, msg=key
         )
+    # and it ran in bf16: its losses are nearer one bf16 process's than one fp32 process's
     fp32 = rows(runs / "mixtral-reference.jsonl")
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(ref, fp32)) > 0
+    near, far = (sum(abs(a["loss"] - b["loss"]) for a, b in zip(got, r)) for r in (ref, fp32))
+    assert near < far, (near, far)
 
 
 @pytest.mark.parametrize("name", [*RESUMES, "resumed-ep1"])
