@@ -10,7 +10,8 @@ local experts, or Transformer Engine's grouped experts, which store the same ten
   ``mlp.experts.local_experts.L.linear_fc1.weight`` ``[2 ffn, h]`` (SwiGLU: ``[gate; up]``) and
   ``linear_fc2.weight`` ``[h, ffn]`` (``nn.Linear``'s ``[out, in]``; megalite keeps ``x @ W``, so
   each is transposed), the shared experts ``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` and
-  ``gate_weight`` (``--moe-shared-expert-gate``);
+  ``gate_weight`` (``--moe-shared-expert-gate``); with ``--moe-router-enable-expert-bias`` the
+  router's persistent ``mlp.router.expert_bias`` ``[E]`` buffer (megalite's name too; no Adam state);
 * ``torch`` (legacy): one file per TP x PP x EP rank, ``mp_rank_TT[_PPP][_EEE]``, each holding
   its EP rank's ``num_experts / ep`` experts under LOCAL indices ``L``: expert ``ep_rank * E/ep + L``;
   Transformer Engine's grouped experts: ``mlp.experts.linear_fc1.weightL``;
