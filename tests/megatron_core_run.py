@@ -73,6 +73,19 @@ FLAVOURS = {
                  moe_shared_expert_gate=True),
         ep=2, tp=1,
     ),
+    # DeepSeek-V3's aux-loss-free balancing: sigmoid scores, the routers' expert_bias buffers updated
+    # after each step (--moe-router-enable-expert-bias, a fast --moe-router-bias-update-rate so the
+    # saved biases are far from 0), a scaled top-2, a small seq_aux_loss; pp2 x ep2 as "moe".
+    "moe_bias": dict(
+        num_layers=2, save_rng=False, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, vocab=128, vp=None,
+        moe=dict(num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2, moe_aux_loss_coeff=1e-3,
+                 moe_router_load_balancing_type="seq_aux_loss", moe_router_score_function="sigmoid",
+                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+                 moe_router_topk_scaling_factor=2.5),
+        ep=2, tp=1,
+    ),
 }  # fmt: skip
 # The feature switches a flavour may set (off where it does not).
 FEATURES = ("squared_relu", "qk_layernorm", "rotary_interleaved", "add_qkv_bias")
@@ -133,12 +146,12 @@ def moe_args(f: dict) -> dict:
     if not f.get("moe"):
         return {"num_experts": None}
     return dict(
-        f["moe"], expert_model_parallel_size=f["ep"], expert_tensor_parallel_size=1, sequence_parallel=False,
+        expert_model_parallel_size=f["ep"], expert_tensor_parallel_size=1, sequence_parallel=False,
         moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_dtype=None,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_layer_freq=1,
         moe_expert_capacity_factor=None, moe_z_loss_coeff=None, moe_router_topk_scaling_factor=None,
-        moe_router_enable_expert_bias=False, moe_input_jitter_eps=None,
-    )  # fmt: skip
+        moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3, moe_input_jitter_eps=None,
+    ) | f["moe"]  # fmt: skip
 
 
 def moe_config(f: dict) -> dict:
@@ -599,10 +612,26 @@ def train_step(chunks: list, optimizer, pp: int, rows: slice | None = None, fina
         _sum_tied_embedding_grads(chunks)
         _sum_tp_replicated_grads(chunks)
         _average_data_parallel_grads(chunks)
+        _update_expert_bias(chunks)
     else:
         finalize()
     optimizer.step()
     return loss
+
+
+def _update_expert_bias(chunks: list) -> None:
+    """``finalize_model_grads``' expert-bias work (``--moe-router-enable-expert-bias``): megatron-core's
+    own ``_update_router_expert_bias`` (the routed-token counts summed over TP x CP x DP, each bias
+    moved by the update rate towards balance), then its reset of the counts."""
+    config = chunks[0].config
+    if not getattr(config, "moe_router_enable_expert_bias", False):
+        return
+    import importlib
+
+    # the module (the package exports its function of the same name)
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    fmg._update_router_expert_bias(chunks, config)
+    fmg.reset_model_temporary_tensors(config, chunks)
 
 
 def _average_data_parallel_grads(chunks: list) -> None:

@@ -5,7 +5,8 @@ Two sources, the same assertions:
 * tests/data/megatron/: checkpoints written by the real megatron-core package (regenerate with
   tests/data/megatron/make_fixtures.py) at tp=2 x pp=2 — GPT-2 style (tied, biases, LayerNorm)
   and Llama style (GQA, SwiGLU, RMSNorm, RoPE, untied, 2 virtual stages), and a mixture of experts
-  at pp=2 x ep=2 (``moe``: 4 experts top-2, a gated shared expert) — in the ``torch``
+  at pp=2 x ep=2 (``moe``: 4 experts top-2, a gated shared expert; ``moe_bias``: sigmoid scores and
+  the routers' ``expert_bias``, Megatron's --moe-router-enable-expert-bias) — in the ``torch``
   (legacy) and ``torch_dist`` formats, with megatron-core's own logits on fixed tokens. These run
   without megatron-core too.
 * With megatron-core importable, the same checkpoints are written afresh on 4 gloo ranks, the
@@ -31,7 +32,7 @@ import torch
 
 from megalite.checkpoint import load_model, save_model_checkpoint
 from megalite.checkpoint import megatron as mg
-from megalite.checkpoint.logical import split_experts, stack_experts
+from megalite.checkpoint.logical import buffer_pieces, split_experts, stack_experts
 from megalite.model.gpt import GPTModel
 from megalite.spawn import run_distributed
 
@@ -42,7 +43,10 @@ FLAVOURS = (
     "llama",
     "qwen",
     "moe",
-)  # qwen: Megatron's dense features; moe: experts at pp2 x ep2 (tests/megatron_core_run.py)
+    "moe_bias",
+)  # qwen: Megatron's dense features; moe: experts at pp2 x ep2; moe_bias: sigmoid routing with the
+# routers' expert_bias buffers (DeepSeek-V3's aux-loss-free balancing) (tests/megatron_core_run.py)
+MOE_FLAVOURS = ("moe", "moe_bias")
 FORMATS = ("torch", "torch_dist")
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 
@@ -151,26 +155,32 @@ def test_export_writes_what_megatron_core_writes(tmp_path):
     assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
 
     # MoE at pp2 x ep2: each EP rank's file holds its experts under local indices, as megatron-core's
-    for fmt in FORMATS:
-        assert convert_main("--input", str(DATA / "moe" / fmt), "--output", str(tmp_path / f"moe-{fmt}"),
-                            "--output-format", "megatron", "--ckpt-format", fmt, "--target-pipeline-parallel-size",
-                            "2", "--target-expert-parallel-size", "2") == 0  # fmt: skip
-    ours, theirs = tmp_path / "moe-torch" / "iter_0000000", DATA / "moe" / "torch" / "iter_0000005"
-    for rank in ("mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"):
-        a = mg.load_pickle(ours / rank / mg.LEGACY_FILE, "test")["model"]
-        b = mg.load_pickle(theirs / rank / mg.LEGACY_FILE, "test")["model"]
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) if b[k] is not None else a[k] is None for k in b), rank
-    mine = storage.read_dcp_metadata(tmp_path / "moe-torch_dist" / "iter_0000000")
-    real = storage.read_dcp_metadata(DATA / "moe" / "torch_dist" / "iter_0000005")
-    real_model = {k: v for k, v in storage.stored_shapes(real).items() if not k.startswith("chained_")}
-    assert storage.stored_shapes(mine) == real_model
-    assert mine.state_dict_metadata.keys() == {
-        k for k in real.state_dict_metadata if not k.startswith(("chained_", "optimizer.", "rng_state"))
-    }  # the _extra_state objects too
-    a, b = mg.read_megatron(ours.parent), mg.read_megatron(DATA / "moe" / "torch_dist")
-    assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
+    # (and the routers' expert_bias buffers, moe_bias)
+    for flavour in MOE_FLAVOURS:
+        for fmt in FORMATS:
+            assert convert_main("--input", str(DATA / flavour / fmt), "--output", str(tmp_path / f"{flavour}-{fmt}"),
+                                "--output-format", "megatron", "--ckpt-format", fmt, "--target-pipeline-parallel-size",
+                                "2", "--target-expert-parallel-size", "2") == 0  # fmt: skip
+        ours, theirs = (
+            tmp_path / f"{flavour}-torch" / "iter_0000000",
+            DATA / flavour / "torch" / "iter_0000005",
+        )
+        for rank in ("mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"):
+            a = mg.load_pickle(ours / rank / mg.LEGACY_FILE, "test")["model"]
+            b = mg.load_pickle(theirs / rank / mg.LEGACY_FILE, "test")["model"]
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) if b[k] is not None else a[k] is None for k in b), rank
+        mine = storage.read_dcp_metadata(tmp_path / f"{flavour}-torch_dist" / "iter_0000000")
+        real = storage.read_dcp_metadata(DATA / flavour / "torch_dist" / "iter_0000005")
+        real_model = {k: v for k, v in storage.stored_shapes(real).items() if not k.startswith("chained_")}
+        assert storage.stored_shapes(mine) == real_model
+        assert mine.state_dict_metadata.keys() == {
+            k for k in real.state_dict_metadata if not k.startswith(("chained_", "optimizer.", "rng_state"))
+        }  # the _extra_state objects too
+        a, b = mg.read_megatron(ours.parent), mg.read_megatron(DATA / flavour / "torch_dist")
+        assert a.config == b.config and all(torch.equal(a.state[k], b.state[k]) for k in b.state)
     # and at another EP size (one expert per file): the same model reads back
+    b = mg.read_megatron(DATA / "moe" / "torch_dist")
     assert convert_main("--input", str(DATA / "moe" / "torch"), "--output", str(tmp_path / "moe-ep4"),
                         "--output-format", "megatron", "--ckpt-format", "torch", "--target-expert-parallel-size",
                         "4") == 0  # fmt: skip
@@ -217,7 +227,6 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
 
     # MoE args megalite does not compute the same way stop in one line naming the arg
     for arg, value, says in (
-        ("moe_router_enable_expert_bias", True, "expert_bias buffers"),
         ("moe_apply_probs_on_input", True, "router probabilities applied to the experts' input"),
         ("moe_router_num_groups", 3, "--num-experts \\(4\\) is not divisible by --moe-router-num-groups"),
     ):
@@ -226,6 +235,13 @@ def test_unreadable_megatron_checkpoints_fail_in_one_line(tmp_path):
         if arg == "moe_router_num_groups":
             _rewrite_rank_file(bad, lambda s: setattr(s["args"], "moe_router_group_topk", 1))
         assert f"args.{arg}" in _one_line_error(bad, says) or arg == "moe_router_num_groups"
+    # expert bias enabled in the args, a router's expert_bias buffer gone from the file: not read as zeros
+    bad = Path(shutil.copytree(DATA / "moe_bias" / "torch", tmp_path / "moe-no-bias"))
+    _rewrite_rank_file(bad, lambda s: s["model"].pop("decoder.layers.0.mlp.router.expert_bias"))
+    _one_line_error(
+        bad,
+        r"args\.moe_router_enable_expert_bias is set but there is no decoder\.layers\.0\.mlp\.router\.expert_bias",
+    )
 
     fp8 = copy("fp8")
     _rewrite_rank_file(fp8, lambda s: setattr(s["args"], "fp8", "hybrid"))
@@ -303,7 +319,8 @@ def test_stored_megatron_optimizer_state_reads_the_same_from_both_formats():
         assert (legacy.step, legacy.consumed_train_samples, legacy.scheduler["num_steps"]) == (5, 10, 10)
         assert (dist.step, dist.consumed_train_samples, dist.scheduler) == (5, 10, legacy.scheduler)
         for kind in MOMENTS:
-            assert legacy.moments[kind].keys() == mg.read_megatron(DATA / flavour / "torch").state.keys()
+            weights = mg.read_megatron(DATA / flavour / "torch").state.keys()
+            assert legacy.moments[kind].keys() == {n for n in weights if not n.endswith(".expert_bias")}
             for name, t in legacy.moments[kind].items():
                 assert torch.equal(t, dist.moments[kind][name]), (flavour, kind, name)
                 assert t.abs().sum() > 0, (flavour, kind, name)
@@ -314,8 +331,9 @@ def _continue_stored(cases):
 
 
 def test_stored_megatron_run_continues_after_conversion(tmp_path, capsys):
-    """convert --include-optimizer, then pretrain_gpt.py's --load and one step (tp=1, pp=1): the
-    weights megatron-core reached with its own next step (expected.pt "next", both formats)."""
+    """convert --include-optimizer, then pretrain_gpt.py's --load and one step (tp=1, pp=1; the MoE
+    fixture also at its own pp2 x ep2 and at tp2 x ep2 with SP, 4 ranks): the weights megatron-core
+    reached with its own next step at pp2 x ep2 (expected.pt "next", both formats)."""
     import megatron_core_run as mcr
 
     cases = []
@@ -343,6 +361,58 @@ def test_stored_megatron_run_continues_after_conversion(tmp_path, capsys):
             rows = _determined_rows(name, config)
             assert (t[rows] - before[name][rows]).abs().max() > 20 * step_atol, f"{path} {name}: no step"
             torch.testing.assert_close(got[name][rows], t[rows], rtol=0, atol=step_atol, msg=f"{path} {name}")
+    # The MoE fixture's own layout (pp2 x ep2, so dp2: each DP rank its own sequence, as megatron-core's
+    # next step ran) and another (tp2 x ep2 with sequence parallelism, dp2): 4 ranks, saved, read back.
+    moe = [(str(tmp_path / f"{f}-{fmt}"), str(tmp_path / f"{f}-{fmt}-{name}"), flags, mg.read_megatron(DATA / f / fmt).config)
+           for f in MOE_FLAVOURS for fmt in FORMATS for name, flags in MOE_CONTINUE_LAYOUTS.items()]  # fmt: skip
+    run_distributed(_continue_at_layouts, 4, moe, timeout=300)
+    for _, out, _, config in moe:
+        model, _ = load_model(out)
+        got = split_experts({n: p.detach()[: config.vocab_size] for n, p in model.named_parameters()}, config)
+        got.update(buffer_pieces([model]))
+        want = expected(Path(out).name.split("-")[0])["next"]
+        assert want.keys() == got.keys()
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=step_atol, msg=f"{out} {name}")
+
+
+# layouts of the MoE fixture's continued run (4 ranks): its own, and another
+MOE_CONTINUE_LAYOUTS = {
+    "pp2-ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+    "tp2-ep2-sp": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+    ],
+}
+
+
+def _continue_at_layouts(cases):
+    """Each rank: ``--load`` of a converted checkpoint at a layout, one step on its DP rows of
+    megatron_core_run's batch, then ``--save`` (megalite's layout-free checkpoint)."""
+    import megatron_core_run as mcr
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import load_checkpoint, save_checkpoint
+    from megalite.training import setup, train_step
+
+    for converted, out, flags, config in cases:
+        schedule = list(mcr.MEGALITE_SCHEDULE_FLAGS)
+        schedule[schedule.index("--micro-batch-size") + 1] = "1"  # dp 2: one sequence per DP rank
+        argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1),
+                "--seq-length", str(mcr.SEQ), "--train-iters", str(mcr.DECAY_ITERS), "--load", converted,
+                "--save", out, "--hidden-dropout", "0", "--attention-dropout", "0", *schedule, *flags,
+                *mg.model_flags(config)]  # fmt: skip
+        state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
+        assert load_checkpoint(state)
+        r = state.mesh.dp_rank
+        batch = {"tokens": mcr.tokens()[r : r + 1], "labels": mcr.labels()[r : r + 1],
+                 "loss_mask": torch.ones(1, mcr.SEQ), "position_ids": torch.arange(mcr.SEQ)[None]}  # fmt: skip
+        assert state.mesh.dp_size == 2 and state.mesh.cp_size == 1
+        train_step(state, iter([batch]))
+        save_checkpoint(state)
 
 
 def test_unreadable_megatron_optimizer_state_fails_in_one_line(tmp_path, capsys):
@@ -467,6 +537,8 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
                 "--save",
                 str(tmp_path / f"{flavour}-tuned"),
                 *mg.model_flags(ckpt.config),
+                # the expert bias moves by its own rate, not the LR: 0 too (what is read must not move)
+                *(["--moe-router-bias-update-rate", "0"] if flavour == "moe_bias" else []),
             ]  # fmt: skip
         )
     run_distributed(_continue_training, 2, runs, timeout=300)
@@ -478,7 +550,7 @@ def test_megatron_core_checkpoints_import_and_train_on_at_another_layout(written
         # and out again, from the checkpoint saved at tp=1 x pp=2, into Megatron-LM at tp=2 x pp=2
         # (the MoE model at its own tp1 x pp2 x ep2: megatron-core's MoE wants sequence parallelism
         # under TP, which its local spec's norms lack)
-        tp, ep = ("1", "2") if flavour == "moe" else ("2", "1")
+        tp, ep = ("1", "2") if flavour in MOE_FLAVOURS else ("2", "1")
         for fmt in FORMATS:
             out = tmp_path / f"{flavour}-back-{fmt}"
             assert convert_main("--input", str(tmp_path / f"{flavour}-tuned"), "--output", str(out),
@@ -655,6 +727,7 @@ def _megalite_continues(converted: str, config, flags: list[str]) -> dict:
     train_step(state, iter([batch]))
     model = state.model[0].module
     params = {n: p.detach()[: config.vocab_size].clone() for n, p in model.named_parameters()}
+    params.update({n: b.clone() for n, b in buffer_pieces([model]).items()})  # the routers' expert_bias
     return split_experts(params, config)  # a MoE model's experts: one tensor each, as read
 
 

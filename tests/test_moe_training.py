@@ -4,7 +4,9 @@ A Mixtral-style (8 experts, top-2, aux loss) and a DeepSeek-style (sigmoid route
 routing, expert bias, a shared expert, aux and seq aux losses in Megatron's list form, z-loss, first
 layer dense) tiny model, 10
 iterations, fp32, at ep4, ep2 x dp (edp 2, allgather), ep2 x pp2 interleaved (--moe-layer-recompute), tp2 x ep2 (SP),
-ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp); every loss, aux loss and grad norm equal one process's. A
+ep2 x cp2, etp1, ZeRO-1 / 2 / 3 (the experts sharded over edp), each ZeRO level also with cp2 (p2p) and
+with interleaved pp2; every loss, aux loss and grad norm equal one process's; in bf16, ZeRO-1 / 2 / 3 at
+ep2 (ZeRO-3 with cp2) against one bf16 process (within bf16 rounding). A
 checkpoint saved at ep 4 resumes bitwise at ep 4 and within fp32 tolerance at ep 2, at tp2 x pp2 x
 etp1 x ep2, and at ep 1. One spawn (4 ranks); the references run here.
 """
@@ -48,6 +50,14 @@ def ZERO(level: int) -> list[str]:
     return ["--data-parallel-sharding-strategy", ("optim", "optim_grads", "optim_grads_params")[level - 1]]
 
 
+CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+VPP = layout(1, 2) + ["--num-layers-per-virtual-pipeline-stage", "1"]
+BF16 = ["--bf16"]
+# bf16 against bf16: the same rounding of each op, other sums (expert grads over edp, the CP ring's
+# partial softmax). Seen: loss within 8e-5, grad norm 9e-4, aux loss 3e-4 (relative) of one bf16
+# process's, while one bf16 and one fp32 process differ by 2e-4 / 1.2e-3 / 2e-4
+BF16_TOL = dict(rtol=5e-3, atol=1e-5)
+
 # name -> (model, flags), all on 4 ranks
 LAYOUTS = {
     "mixtral-ep4": ("mixtral", ep(4)),
@@ -84,6 +94,22 @@ LAYOUTS = {
         "deepseek",
         ep(2, "allgather") + ZERO(3) + ["--overlap-grad-reduce", "--overlap-param-gather"],
     ),
+    # expert ZeRO crossed with context parallelism (p2p ring; dense dp 2 x cp 2, edp 2) and with
+    # interleaved pipelining (2 virtual stages per rank; dp 2, edp 1 x ep 2 per stage), each level
+    **{
+        f"{model}-ep2-cp2-zero{level}": (model, ep(2) + CP2 + ZERO(level))
+        for model, level in (("mixtral", 1), ("deepseek", 2), ("mixtral", 3))
+    },
+    **{
+        f"{model}-ep2-pp2-interleaved-zero{level}": (model, ep(2) + VPP + ZERO(level))
+        for model, level in (("deepseek", 1), ("mixtral", 2), ("deepseek", 3))
+    },
+}
+# bf16 (fp32 main params and grads), each ZeRO level at ep 2 (the last with cp 2), against one bf16 process
+BF16_LAYOUTS = {
+    "mixtral-bf16-ep2-zero1": ep(2) + ZERO(1),
+    "mixtral-bf16-ep2-zero2": ep(2) + ZERO(2),
+    "mixtral-bf16-ep2-cp2-zero3": ep(2) + CP2 + ZERO(3),
 }
 
 
@@ -133,6 +159,8 @@ def runs(tmp_path_factory):
     plan = []
     for name, (model, flags) in LAYOUTS.items():
         plan.append(BASE + MODELS[model] + flags + out(name))
+    for name, flags in BF16_LAYOUTS.items():
+        plan.append(BASE + MIXTRAL + BF16 + flags + out(name))
     for level in (1, 3):
         plan.append(("shards", BASE + MIXTRAL + ep(2) + ZERO(level), str(d / f"shards-zero{level}")))
     # Checkpoints: saved at ep 4 (iteration 5), resumed at ep 4, at ep 2 (ZeRO-1), at tp2 x pp2 with
@@ -144,6 +172,7 @@ def runs(tmp_path_factory):
     run_distributed(moe_runs, 4, plan, timeout=600)
     with one_thread():
         pretrain_runs([BASE + flags + out(f"{m}-reference") for m, flags in MODELS.items()])
+        pretrain_runs([BASE + MIXTRAL + BF16 + out("mixtral-bf16-reference")])
         pretrain_runs([BASE + DEEPSEEK + load + out("resumed-ep1")])
     return d
 
@@ -161,6 +190,22 @@ def test_matches_one_process(runs, name):
         )
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.05  # it trains
     assert all(r[k] > 0 for r in ref for k in AUX[model])  # the aux losses are there
+
+
+@pytest.mark.parametrize("name", BF16_LAYOUTS)
+def test_bf16_matches_one_bf16_process(runs, name):
+    """bf16 with expert ZeRO: every iteration's loss, aux loss and grad norm within bf16 rounding of
+    one bf16 process's (and nearer it than the fp32 run: the checker sees the dtype)."""
+    ref, got = rows(runs / "mixtral-bf16-reference.jsonl"), rows(runs / f"{name}.jsonl")
+    assert [r["iteration"] for r in got] == list(range(1, ITERS + 1))
+    for key in ("loss", "grad_norm", *AUX["mixtral"]):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]), **BF16_TOL, msg=key
+        )
+    # and it ran in bf16: its losses are nearer one bf16 process's than one fp32 process's
+    fp32 = rows(runs / "mixtral-reference.jsonl")
+    near, far = (sum(abs(a["loss"] - b["loss"]) for a, b in zip(got, r)) for r in (ref, fp32))
+    assert near < far, (near, far)
 
 
 @pytest.mark.parametrize("name", [*RESUMES, "resumed-ep1"])

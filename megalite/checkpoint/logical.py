@@ -76,6 +76,13 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def buffer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of ``config``'s persistent buffers (the routers' ``expert_bias``), which a
+    logical state dict may carry beside its weights (:func:`check_logical_state_dict`)."""
+    model = _ShapesOnly(config, ParallelContext(Mesh.single("meta")))
+    return {name: tuple(b.shape) for name, b in persistent_buffers([model])}
+
+
 def logical_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A single-process model's parameters under their logical names (each routed experts' weight
     as one tensor per expert; views)."""
@@ -105,9 +112,15 @@ def split_experts(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dic
 def check_logical_state_dict(
     state: Mapping[str, torch.Tensor], config: ModelConfig, error: type[Exception] = ValueError
 ) -> None:
-    """Raise ``error`` unless ``state`` has exactly the names and shapes of :func:`logical_shapes`."""
+    """Raise ``error`` unless ``state`` has exactly the names and shapes of :func:`logical_shapes`
+    (and, where it has them, of :func:`buffer_shapes`: a state without them leaves them as built)."""
     expected = logical_shapes(config)
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    buffers = {n: shape for n, shape in buffer_shapes(config).items() if n in state}
+    missing, unexpected = (
+        sorted(set(expected) - set(state)),
+        sorted(set(state) - set(expected) - set(buffers)),
+    )
+    expected.update(buffers)
     if missing or unexpected:
         raise error(
             f"state dict does not match the model of this config: missing {missing or 'none'}, "

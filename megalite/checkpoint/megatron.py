@@ -444,7 +444,7 @@ def finish_state(
 ) -> dict[str, torch.Tensor]:
     """Megatron-Core names + whole tensors -> megalite's logical state dict, checked against the config
     (``weights``: the model's weights, whose tied head must be the embedding; not optimizer state)."""
-    from megalite.checkpoint.logical import check_logical_state_dict
+    from megalite.checkpoint.logical import buffer_shapes, check_logical_state_dict
 
     def error(msg: str) -> MegatronCheckpointError:
         return MegatronCheckpointError(f"{where}: {msg}")
@@ -472,6 +472,11 @@ def finish_state(
             out[name] = out[name][: config.vocab_size]
 
     check_logical_state_dict(out, config, error=error)
+    lost = sorted(set(buffer_shapes(config)) - set(out)) if weights else []
+    if lost:  # Megatron saves expert_bias with --moe-router-enable-expert-bias: its absence is damage
+        raise error(
+            f"args.moe_router_enable_expert_bias is set but there is no {lost[0]}: not read without it"
+        )
     return out
 
 

@@ -10,7 +10,8 @@ local experts, or Transformer Engine's grouped experts, which store the same ten
   ``mlp.experts.local_experts.L.linear_fc1.weight`` ``[2 ffn, h]`` (SwiGLU: ``[gate; up]``) and
   ``linear_fc2.weight`` ``[h, ffn]`` (``nn.Linear``'s ``[out, in]``; megalite keeps ``x @ W``, so
   each is transposed), the shared experts ``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` and
-  ``gate_weight`` (``--moe-shared-expert-gate``);
+  ``gate_weight`` (``--moe-shared-expert-gate``); with ``--moe-router-enable-expert-bias`` the
+  router's persistent ``mlp.router.expert_bias`` ``[E]`` buffer (megalite's name too; no Adam state);
 * ``torch`` (legacy): one file per TP x PP x EP rank, ``mp_rank_TT[_PPP][_EEE]``, each holding
   its EP rank's ``num_experts / ep`` experts under LOCAL indices ``L``: expert ``ep_rank * E/ep + L``;
   Transformer Engine's grouped experts: ``mlp.experts.linear_fc1.weightL``;
@@ -38,6 +39,10 @@ LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _TE_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 # The legacy GroupedMLP (--moe-use-legacy-grouped-gemm): all local experts in one matrix
 _LEGACY_GROUPED = re.compile(r"\.mlp\.experts\.weight[12]$")
+# The routers' expert bias (--moe-router-enable-expert-bias): a persistent buffer, saved with the
+# weights under megalite's name, never a parameter of the optimizer (its local_tokens_per_expert
+# counts are not persistent: zero at every step's end, when a checkpoint is written)
+ROUTER_BUFFER = re.compile(r"\.mlp\.router\.expert_bias$")
 # A SwiGLU fc1 whose rows are [gate; up] (a TP shard of it: [gate shard; up shard])
 SWIGLU_FC1 = re.compile(r"\.mlp\.(shared_experts\.|experts\.local_experts\.\d+\.)?linear_fc1\.")
 
@@ -48,13 +53,10 @@ _READ = (
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_router_bias_update_rate",
+    "moe_router_enable_expert_bias",
 )  # fmt: skip
 # What the MoE args may not be for megalite to compute the same function: {arg: (off values, why)}.
 REFUSED_WITH_EXPERTS = {
-    "moe_router_enable_expert_bias": (
-        (None, False),
-        "the routers' expert_bias buffers (aux-loss-free balancing) are not carried by the conversion",
-    ),
     "squared_relu": ((None, False), "squared-ReLU experts (megalite's experts are SwiGLU or GELU)"),
     "openai_gelu": ((None, False), "tanh-GELU experts (megalite's experts use the exact GELU)"),
     "add_bias_linear": (
@@ -253,11 +255,6 @@ def check_export(config, fmt: str, ep: int) -> None:
     if m.num_experts % ep:
         raise MegatronCheckpointError(
             f"--target-expert-parallel-size {ep} does not divide --num-experts {m.num_experts}"
-        )
-    if m.moe_router_enable_expert_bias:
-        raise MegatronCheckpointError(
-            "--moe-router-enable-expert-bias: the routers' expert_bias buffers are not exported; export "
-            "to megalite or hf"
         )
     dense = not all(parse_moe_layer_freq(m.moe_layer_freq, config.num_layers))
     if dense and fmt == "torch_dist":

@@ -36,7 +36,7 @@ import torch
 
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint import storage
-from megalite.checkpoint.megatron_moe import is_routed_expert
+from megalite.checkpoint.megatron_moe import ROUTER_BUFFER, is_routed_expert
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DISTRIB_OPTIM_FILE = mg.DISTRIB_OPTIM_FILE
@@ -111,7 +111,12 @@ def _rank_moments(state: dict, chunks: list[dict[str, torch.Tensor]], where: Pat
     opt = state.get("optimizer")
     if opt is None:
         raise refuse(where, "torch", "no optimizer state in this file (saved with --no-save-optim)")
-    named = [(f"{v}/{n}", t) for v, chunk in enumerate(chunks) for n, t in chunk.items()]
+    named = [
+        (f"{v}/{n}", t)
+        for v, chunk in enumerate(chunks)
+        for n, t in chunk.items()
+        if not ROUTER_BUFFER.search(n)
+    ]
     per_chunk = [{kind: {} for kind in MOMENTS} for _ in chunks]
     steps: set[int] = set()
     for one in opt if isinstance(opt, list) else [opt]:
@@ -182,7 +187,7 @@ def _read_dist(ckpt: mg.MegatronCheckpoint) -> tuple[dict, int, dict | None]:
     """``optimizer.state.{kind}.NAME`` (a MoE model's chained optimizer: ``chained_I.optimizer...``,
     I = 0 the dense parameters', 1 the experts')."""
     shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
-    model = mg.model_names(shapes)
+    model = [n for n in mg.model_names(shapes) if not ROUTER_BUFFER.search(n)]  # buffers: no moments
     optim = [n for n in shapes if _CHAINED.sub("", n).startswith("optimizer.")]
     moments = {}
     for kind in MOMENTS:
@@ -263,7 +268,7 @@ def _read_distributed(ckpt: mg.MegatronCheckpoint) -> MegatronOptimizerState:
 def _dist_state(ckpt: mg.MegatronCheckpoint, kind: str) -> dict[str, torch.Tensor]:
     """``optimizer.state.KIND.*`` of a fully_reshardable save, under the model's own keys."""
     shapes = storage.stored_shapes(storage.read_dcp_metadata(ckpt.folder))
-    model = mg.model_names(shapes)
+    model = [n for n in mg.model_names(shapes) if not ROUTER_BUFFER.search(n)]
     prefix = f"optimizer.state.{kind}."
     missing = [n for n in model if prefix + n not in shapes]
     if missing:

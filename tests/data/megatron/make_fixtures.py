@@ -8,7 +8,8 @@ Writes, for ``gpt2`` (tp2 x pp2, 2 layers, tied) and ``llama`` (tp2 x pp2 x vp2,
 SwiGLU, untied) and ``qwen`` (tp2 x pp2, 2 layers: Megatron's dense features --squared-relu,
 --qk-layernorm, --rotary-interleaved, --add-qkv-bias without other biases, GQA, untied) and ``moe``
 (pp2 x ep2, so dp2: 4 SequentialMLP experts top-2, seq_aux_loss, a gated shared expert; each
-data-parallel rank trains on its own sequence), next to this script:
+data-parallel rank trains on its own sequence) and ``moe_bias`` (the same layout: sigmoid scores, a
+scaled top-2 and the routers' expert_bias, --moe-router-enable-expert-bias), next to this script:
 
   <flavour>/torch/        Megatron-LM's legacy format (iter_0000005/mp_rank_TT_PPP/model_optim_rng.pt)
   <flavour>/torch_dist/   megatron-core's dist_checkpointing.save (DCP files, metadata.json, common.pt)
