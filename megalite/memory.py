@@ -754,20 +754,25 @@ def layer_activation_terms(
     if config.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * mask * h * rows
     if moe:  # an MoE layer (--moe-layer-freq) in place of the MLP
-        m = config.moe
-        if m.moe_layer_recompute:  # the checkpoint keeps its input only: the norm's output, counted
-            return terms
-        terms.update(moe_activation_terms(m, layout, worst))
-        if (
-            m.moe_router_dtype in ("fp32", "fp64")
-            and dtype_bytes(layout.params_dtype) != {"fp32": 4}.get(m.moe_router_dtype, 8)
-            and not m.moe_shared_expert_intermediate_size
-        ):
-            terms["norm_outputs"] -= B * h * rows  # the router saves its cast copy, not the norm's output
-        return terms
+        return _with_moe_terms(config, layout, terms, B * h * rows, worst)
     f = config.ffn_size // t
     # GELU: fc1 out (gelu's input), gelu out (fc2's input). SwiGLU: gate, silu(gate), up, product.
     terms["mlp"] = (4 if config.swiglu else 2) * B * f * T
+    return terms
+
+
+def _with_moe_terms(
+    config: ModelConfig, layout: MemoryLayout, terms: dict[str, int], norm_output: int, worst: bool
+) -> dict[str, int]:
+    """``terms`` (a layer's, its MLP left out) with its MoE layer's; ``norm_output``: the bytes of
+    the pre-MLP norm's output, which ``terms["norm_outputs"]`` counts as the MLP's input."""
+    m = config.moe
+    if m.moe_layer_recompute:  # the checkpoint keeps its input only: that norm output, counted
+        return terms
+    terms.update(moe_activation_terms(m, layout, worst))
+    cast = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype)
+    if cast not in (None, dtype_bytes(layout.params_dtype)) and not m.moe_shared_expert_intermediate_size:
+        terms["norm_outputs"] -= norm_output  # the router saves its cast copy, not the norm's output
     return terms
 
 

@@ -487,7 +487,12 @@ def _moe_routing_model(name: str):
         moe_z_loss_coeff=1e-3, moe_token_dispatcher_type=dispatcher, **extra,
     )  # fmt: skip
     config = ModelConfig.llama(
-        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, max_position_embeddings=16, moe=moe
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=200,
+        max_position_embeddings=16,
+        moe=moe,
     )
     layout = MemoryLayout(
         tp=tp, dp=4 // tp, ep=ep, etp=etp, micro_batch_size=2, seq_length=16, params_dtype=dtype,
@@ -517,7 +522,7 @@ def _moe_routing_bytes() -> dict:
         for balanced in (False, True):
             meter = SavedTensorMeter(list(model.parameters()))
             # (the recompute in backward must route as the forward did: patched through backward)
-            with mock.patch("megalite.model.moe.router.routing_is_balanced", lambda: balanced):
+            with mock.patch("megalite.model.moe.router.routing_is_balanced", lambda b=balanced: b):
                 with meter.track():
                     loss = model(input_ids=ids, position_ids=torch.arange(16).repeat(2, 1), labels=ids)
                     loss = (loss * torch.ones(2, 16)).sum() / torch.tensor(32.0)
@@ -844,7 +849,9 @@ def test_moe_dropless_activations_lie_between_the_expectation_and_the_worst_case
             assert worst > predicted, name
         if name == "ep2 dp4 alltoall fp32":
             errs = [relative_error(p, predicted) for p, _ in natural]
-            print(f"{name}: natural routing {max(errs):.2%} off the expectation, worst case +{worst / predicted - 1:.1%}")
+            print(
+                f"{name}: natural routing {max(errs):.2%} off the expectation, worst case +{worst / predicted - 1:.1%}"
+            )
 
 
 def test_moe_layer_recompute_keeps_the_input_and_saves_the_predicted_bytes(spawned):
@@ -881,7 +888,11 @@ def test_moe_token_exchange_buffers_follow_the_dispatcher():
     from megalite.model.moe import MoEConfig
 
     moe = MoEConfig(
-        num_experts=8, hidden_size=32, moe_ffn_hidden_size=32, moe_router_topk=2, moe_token_dispatcher_type="alltoall"
+        num_experts=8,
+        hidden_size=32,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
     )
     config = ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, moe=moe)
     base = MemoryLayout(micro_batch_size=2, seq_length=16, dp=4)
@@ -894,7 +905,9 @@ def test_moe_token_exchange_buffers_follow_the_dispatcher():
     assert ex(ep=2) == 4 * h * (T * k + T * k)  # send n, receive N (balanced: n = N = T k)
     sp = dict(tp=2, dp=2, sequence_parallel=True, ep=2)
     assert ex(**sp) == 4 * h * 2 * (T // 2 * k * 2)  # etp 2: the gather's N sent (repeated), N received
-    allgather = dataclasses.replace(config, moe=dataclasses.replace(moe, moe_token_dispatcher_type="allgather"))
+    allgather = dataclasses.replace(
+        config, moe=dataclasses.replace(moe, moe_token_dispatcher_type="allgather")
+    )
     assert ex(allgather, ep=4) == 2 * 4 * T * (4 * h + 4 * 8)
     first_dense = dataclasses.replace(config, moe=dataclasses.replace(moe, moe_layer_freq=(0, 1)))
     assert ex(first_dense, ep=2, pp=2, dp=2) == 0 and extra_bytes(
