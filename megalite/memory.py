@@ -994,7 +994,7 @@ def recompute_transient_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
     """
     kinds = set(moe_layers(config))  # an MoE model's largest layer decides (a dense one's: dense)
     moe = 0
-    if config.moe is not None and config.moe.moe_layer_recompute and True in kinds:
+    if config.moe is not None and config.moe.moe_layer_recompute and any(kinds):
         moe = sum(moe_activation_terms(config.moe, layout).values())
     return max(moe, _layer_recompute_transient(config, layout, kinds))
 
