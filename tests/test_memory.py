@@ -2,7 +2,9 @@
 
 Tolerances: params, grads and optimizer state are predicted EXACTLY (to the byte); the peak
 bytes saved for backward (activations) within ACTIVATION_RTOL = 5% on every rank. (The model
-is exact on today's kernels; the 5% is the issue's contract, room for kernel changes.)
+is exact on today's kernels; the 5% is the issue's contract, room for kernel changes.) MoE padded
+to capacity: to the byte; dropless: between the balanced expectation and the worst case, exact at
+the realised rows (MOE_ROUTING_CASES).
 """
 
 from __future__ import annotations
