@@ -712,7 +712,7 @@ def _qk_norm_bytes(config: ModelConfig, rows: int, B: int, device_type: str) -> 
 
 
 def layer_activation_terms(
-    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False
+    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False, worst: bool = False
 ) -> dict[str, int]:
     """Bytes one transformer layer saves for one microbatch on one rank, by what saves them.
 
@@ -722,6 +722,7 @@ def layer_activation_terms(
     the column-parallel inputs hold T/t rows (Megatron's column-parallel layer saves its
     sequence-sharded input and gathers it again in backward); attention, the MLP's inner
     activations and the row-parallel inputs still see all T tokens, their features split over TP.
+    ``moe``: an MoE layer in place of the MLP (``worst``: its dropless worst case, :func:`moe_rows`).
     """
     B = dtype_bytes(layout.params_dtype)
     cuda = layout.device_type == "cuda"
@@ -776,25 +777,32 @@ def layer_activation_terms(
     if config.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * mask * h * rows
     if moe:  # an MoE layer (--moe-layer-freq) in place of the MLP
-        terms.update(moe_activation_terms(config.moe, layout))
-        m = config.moe
-        if (
-            m.moe_router_dtype in ("fp32", "fp64")
-            and dtype_bytes(layout.params_dtype) != {"fp32": 4}.get(m.moe_router_dtype, 8)
-            and not m.moe_shared_expert_intermediate_size
-        ):
-            terms["norm_outputs"] -= B * h * rows  # the router saves its cast copy, not the norm's output
-        return terms
+        return _with_moe_terms(config, layout, terms, B * h * rows, worst)
     f = config.ffn_size // t
     # GELU: fc1 out (gelu's input), gelu out (fc2's input). SwiGLU: gate, silu(gate), up, product.
     terms["mlp"] = (4 if config.swiglu else 2) * B * f * T
     return terms
 
 
+def _with_moe_terms(
+    config: ModelConfig, layout: MemoryLayout, terms: dict[str, int], norm_output: int, worst: bool
+) -> dict[str, int]:
+    """``terms`` (a layer's, its MLP left out) with its MoE layer's; ``norm_output``: the bytes of
+    the pre-MLP norm's output, which ``terms["norm_outputs"]`` counts as the MLP's input."""
+    m = config.moe
+    if m.moe_layer_recompute:  # the checkpoint keeps its input only: that norm output, counted
+        return terms
+    terms.update(moe_activation_terms(m, layout, worst))
+    cast = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype)
+    if cast not in (None, dtype_bytes(layout.params_dtype)) and not m.moe_shared_expert_intermediate_size:
+        terms["norm_outputs"] -= norm_output  # the router saves its cast copy, not the norm's output
+    return terms
+
+
 def layer_activation_bytes(
-    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False
+    config: ModelConfig, layout: MemoryLayout, mode: str = "none", moe: bool = False, worst: bool = False
 ) -> int:
-    return sum(layer_activation_terms(config, layout, mode, moe).values())
+    return sum(layer_activation_terms(config, layout, mode, moe, worst).values())
 
 
 def moe_rows(moe: MoEConfig, layout: MemoryLayout, worst: bool = False) -> tuple[int, int]:
@@ -820,7 +828,9 @@ def moe_rows(moe: MoEConfig, layout: MemoryLayout, worst: bool = False) -> tuple
     return sent, sent * etp
 
 
-def moe_activation_terms(moe: MoEConfig, layout: MemoryLayout, worst: bool = False) -> dict[str, int]:
+def moe_activation_terms(
+    moe: MoEConfig, layout: MemoryLayout, worst: bool = False, computed: int | None = None
+) -> dict[str, int]:
     """Bytes one MoE layer saves for backward (one microbatch, one rank), beyond the attention half
     and the norm output it reads (counted by :func:`layer_activation_terms`). T: this rank's routed
     tokens, B: the params' bytes, Bp: the router's (``--moe-router-dtype``, else B); N, n: rows
@@ -838,12 +848,18 @@ def moe_activation_terms(moe: MoEConfig, layout: MemoryLayout, worst: bool = Fal
       and its prob-weighted copy (fc2's input), 5 [N, f/etp] (GELU: 3); the row probs [N] (Bp).
     * ``moe_shared``: the shared experts as the dense MLP (SwiGLU 4, GELU 2 x [T, fs/t]) and the
       gate's ``sigmoid(x g)`` [T, 1] and the output it scales [T/t, h].
+
+    Only N depends on the routing, and the bytes are affine in it: ``computed`` (the rows a realised
+    routing gave this rank's experts, the sum of the dispatcher's tokens per local expert) in place
+    of :func:`moe_rows`'s N gives that routing's bytes exactly; the balanced expectation's N is the
+    mean over the etp x ep group, so the group's largest rank holds at least the prediction.
     """
     B = dtype_bytes(layout.params_dtype)
     Bp = {"fp32": 4, "fp64": 8}.get(moe.moe_router_dtype, B)
     T = layout.tokens // layout.tp if layout.sp else layout.tokens
     e, h, k = moe.num_experts, moe.hidden_size, moe.moe_router_topk
     n, N = moe_rows(moe, layout, worst)
+    N = N if computed is None else computed
     router = 8 * T * k
     if Bp != B:  # gating's input and gate cast to the router dtype
         router += Bp * T * h + Bp * e * h
@@ -923,8 +939,11 @@ def chunk_layer_kinds(
     return out
 
 
-def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> dict[str, int]:
-    """Bytes one microbatch leaves saved on one chunk: embedding, layers, head and loss."""
+def chunk_activation_terms(
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec, worst: bool = False
+) -> dict[str, int]:
+    """Bytes one microbatch leaves saved on one chunk: embedding, layers, head and loss (``worst``:
+    its MoE layers' dropless worst case)."""
     B = dtype_bytes(layout.params_dtype)
     cuda = layout.device_type == "cuda"
     t, h = layout.tp, config.hidden_size
@@ -944,7 +963,7 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
     for (mode, moe), n in chunk_layer_kinds(config, layout, chunk).items():
         if n:
             key = f"layers_{mode}"
-            terms[key] = terms.get(key, 0) + n * layer_activation_bytes(config, layout, mode, moe)
+            terms[key] = terms.get(key, 0) + n * layer_activation_bytes(config, layout, mode, moe, worst)
     if config.position_embedding_type == "rope" and counts.get("none", 0) + counts.get("selective", 0):
         # cos, sin [b, 1, s, d], computed once per chunk forward and saved by every layer's RoPE
         # (recomputed units get them from the closure, not as saved inputs).
@@ -961,8 +980,10 @@ def chunk_activation_terms(config: ModelConfig, layout: MemoryLayout, chunk: Chu
     return terms
 
 
-def chunk_activation_bytes(config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec) -> int:
-    return sum(chunk_activation_terms(config, layout, chunk).values())
+def chunk_activation_bytes(
+    config: ModelConfig, layout: MemoryLayout, chunk: ChunkSpec, worst: bool = False
+) -> int:
+    return sum(chunk_activation_terms(config, layout, chunk, worst).values())
 
 
 def peak_in_flight(layout: MemoryLayout, pp_rank: int, per_chunk: list[int]) -> int:
@@ -979,14 +1000,29 @@ def peak_in_flight(layout: MemoryLayout, pp_rank: int, per_chunk: list[int]) -> 
     return peak
 
 
-def activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+def activation_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int, worst: bool = False) -> int:
+    """The most bytes saved for backward at once on this stage (``worst``: every MoE layer at its
+    dropless worst case, :func:`moe_rows`; else the balanced expectation)."""
     chunks = stage_chunks(config, layout)[pp_rank]
-    return peak_in_flight(layout, pp_rank, [chunk_activation_bytes(config, layout, c) for c in chunks])
+    per_chunk = [chunk_activation_bytes(config, layout, c, worst) for c in chunks]
+    return peak_in_flight(layout, pp_rank, per_chunk)
 
 
 def recompute_transient_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
-    """Extra bytes alive while one recomputed unit runs its backward (not a saved tensor)."""
+    """Extra bytes alive while one recomputed unit runs its backward (not a saved tensor).
+
+    ``--moe-layer-recompute``: the MoE part of one layer saved again (everything
+    :func:`moe_activation_terms` counts; the norm's output is held by the checkpoint already),
+    from its backward's start to its end; an attention core's selective recompute runs after it.
+    """
     kinds = set(moe_layers(config))  # an MoE model's largest layer decides (a dense one's: dense)
+    moe = 0
+    if config.moe is not None and config.moe.moe_layer_recompute and any(kinds):
+        moe = sum(moe_activation_terms(config.moe, layout).values())
+    return max(moe, _layer_recompute_transient(config, layout, kinds))
+
+
+def _layer_recompute_transient(config: ModelConfig, layout: MemoryLayout, kinds: set[bool]) -> int:
     if layout.recompute_granularity == "full":
         n = layout.recompute_num_layers if layout.recompute_method == "uniform" else 1
         return n * max(layer_activation_bytes(config, layout, "none", m) for m in kinds)
@@ -1057,7 +1093,37 @@ def extra_bytes(
         "recompute_transient": recompute_transient_bytes(config, layout),
         "params_gathered": params_gathered,
         "cp_kv_buffers": cp_kv_buffer_bytes(config, layout),
+        "moe_token_exchange": moe_token_exchange_bytes(config, layout, pp_rank),
     }
+
+
+def moe_token_exchange_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int = 0) -> int:
+    """The token exchange's send and receive buffers at its largest step (transient, one MoE layer
+    at a time, beyond the saved rows :func:`moe_activation_terms` counts; 0 without an exchange or
+    an MoE layer on this stage). n, N: :func:`moe_rows` (the balanced expectation), rows of h, B:
+
+    * ``alltoall``: the all-to-all over ep, n rows sent and N / etp received; with etp > 1 the
+      gather over etp sends its N / etp rows repeated etp times (``all_to_all_single``) and receives
+      N, and the combine's reduce-scatter sends N and receives N: ``B h max(n + N / etp, 2 N)``.
+    * ``allgather``: the tokens gathered over g = etp x ep (sent repeated g times, received g T)
+      with their probs ``[g T, E]`` (Bp), and the combine's reduce-scatter of ``[g T, h]``:
+      ``2 g T (B h + Bp E)``.
+    """
+    moe = config.moe
+    chunks = stage_chunks(config, layout)[pp_rank]
+    if moe is None or not any(m for c in chunks for m in moe_layers(config)[slice(*c.layer_range)]):
+        return 0
+    g = layout.expert_tp * layout.ep
+    if g == 1:
+        return 0
+    B, h = dtype_bytes(layout.params_dtype), moe.hidden_size
+    if moe.moe_token_dispatcher_type == "allgather":
+        T = layout.tokens // layout.tp if layout.sp else layout.tokens
+        Bp = {"fp32": 4, "fp64": 8}.get(moe.moe_router_dtype, B)
+        return 2 * g * T * (B * h + Bp * moe.num_experts)
+    n, N = moe_rows(moe, layout)
+    etp = layout.expert_tp
+    return B * h * max(n + N // etp if layout.ep > 1 else 0, 2 * N if etp > 1 else 0)
 
 
 def cp_kv_buffer_bytes(config: ModelConfig, layout: MemoryLayout) -> int:
@@ -1302,6 +1368,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         "nvme": {"measured": state.optimizer.nvme_bytes() + offloaded["nvme"], "predicted": predicted.nvme},
         **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
+        **moe_worst_record(state.config, layout, mesh.pp_rank),
         "layout": layout.as_record(),
     }
 
@@ -1318,6 +1385,16 @@ def nvme_working_set_record(state, layout: MemoryLayout) -> dict:
         state.config, layout, mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank
     )
     return {"nvme_working_set": {"measured": tier.peak_bytes, "predicted": predicted}}
+
+
+def moe_worst_record(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> dict:
+    """``{"activations_worst": bytes}`` for a dropless MoE model (else empty): the activations with
+    every MoE layer at its worst case (:func:`moe_rows`); the measurement lies between the group's
+    balanced expectation (``predicted``) and this."""
+    moe = config.moe
+    if moe is None or (moe.capacity_factor is not None and moe.moe_pad_expert_input_to_capacity):
+        return {}
+    return {"activations_worst": activation_bytes(config, layout, pp_rank, worst=True)}
 
 
 def async_save_record(state, layout: MemoryLayout) -> dict:
@@ -1402,6 +1479,12 @@ def format_memory_table(records: list[dict]) -> str:
     if nvme:  # --offload-*-device nvme
         pred, meas = (max(h[k] for h in nvme) / mib for k in ("predicted", "measured"))
         lines.append(f"nvme swap files (offloaded state, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
+    worst = [r["activations_worst"] for r in records if "activations_worst" in r]
+    if worst:  # dropless MoE: the prediction is the balanced expectation
+        lines.append(
+            "activations: dropless MoE layers predicted at the balanced routing's expectation; the "
+            f"worst case (every token of the expert group on one rank's experts) MiB: {max(worst) / mib:.3f}"
+        )
     staging = [r["async_save_staging_bytes"] for r in records if "async_save_staging_bytes" in r]
     if staging:
         lines.append(

@@ -84,8 +84,11 @@ def test_fake_tensors_measure_what_real_tensors_measure(rank, monkeypatch):
             0,
             lambda r: r["measured_extra"]["params_gathered"],
         ),
+        # The MoE token exchange's send / receive buffers (memory.moe_token_exchange_bytes, the
+        # balanced rows): etp 2's gather sends its rows repeated and receives N, neither saved.
+        (["--sequence-parallel", *_MOE], 0, lambda r: r["predicted_extra"]["moe_token_exchange"]),
     ],
-    ids=["last stage logits", "zero-3 gathered params"],
+    ids=["last stage logits", "zero-3 gathered params", "moe token exchange"],
 )
 def test_the_live_peak_holds_the_categories_and_the_temporaries(flags, rank, transient, monkeypatch):
     """The peak of all live storage is at least the categories' sum, and the temporaries (what is
