@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from megalite.errors import MegaliteError
 
@@ -358,6 +359,17 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             entry[3] = _buffer(_span_shape(root, spec))
         return _view_of(entry[3], t, spec[2])
 
+    def read_groups(self, items: list) -> list[list]:
+        """``items`` in the order :class:`SafeFileSystemReader` reads them: the plain ones first, then each
+        deferred tensor's pieces together, so that one is complete (and let go) before the next starts.
+        DCP's reader goes file by file, which at another layout (pieces of one tensor in several ranks'
+        files) would keep every deferred tensor's buffer alive until the last file."""
+        groups: dict = {None: []}
+        for item in items:
+            root, _ = _deferred_root(self._dest(item.dest_index))
+            groups.setdefault(None if root is None else id(root), []).append(item)
+        return [g for g in groups.values() if g]
+
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         root, _ = _deferred_root(self._dest(read_item.dest_index))
         if root is None:
@@ -445,7 +457,18 @@ def read_dcp_metadata(path: str | pathlib.Path) -> Metadata:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` unpickling resolves DCP's own classes only."""
+    """``FileSystemReader`` whose ``.metadata`` unpickling resolves DCP's own classes only, and which reads
+    a :class:`ShardLoadPlanner`'s items one deferred tensor at a time (:meth:`ShardLoadPlanner.read_groups`)."""
+
+    def read_data(self, plan: LoadPlan, planner):
+        groups = getattr(planner, "read_groups", None)
+        if groups is None:
+            return super().read_data(plan, planner)
+        for items in groups(plan.items):
+            super().read_data(LoadPlan(items), planner).wait()
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:
