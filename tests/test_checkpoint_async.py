@@ -322,10 +322,15 @@ def _check_nvme(out) -> None:
     for r in out:
         n = r["nvme"]
         largest, state = n["largest"], n["state"]
-        for name in ("nv", "nva", "nv_same", "nv_from_tp2"):  # saves and loads of the rank's ZeRO pieces
-            assert 0 < n["peak"][name] <= 3 * largest < state / 2, (name, n["peak"], largest, state)
+        for name in ("nv", "nva", "nv_same", "nv_from_tp2"):  # saves and loads of the rank's ZeRO pieces:
+            assert 0 < n["peak"][name] <= largest < state / 8, (
+                name,
+                n["peak"],
+                largest,
+                state,
+            )  # one at a time
         # the fp32 weights read as main params: a whole param at a time (dp x a piece at most)
-        assert 0 < n["peak"]["nv_from_dev"] <= 2 * 3 * largest < state, (n["peak"], largest, state)
+        assert 0 < n["peak"]["nv_from_dev"] <= 2 * largest < state / 4, (n["peak"], largest, state)
         (host, disk), (host_predicted, disk_predicted) = n["staged"], n["staged_predicted"]
         assert disk == disk_predicted > 0 and 0.95 * host_predicted < host < 1.05 * host_predicted, n
         assert n["swap_left"] == []
