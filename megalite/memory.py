@@ -499,18 +499,28 @@ def param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
 RNG_STATE_BYTES = 626 * 8 + 16 + 626 * 8 + 8 + 3 * 5056
 
 
-def async_save_staging_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
+def async_save_staging_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> int:
     """``--async-save``: host bytes of one rank's staging buffers, allocated at the first save and reused:
     what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded, gathered under ZeRO)
     at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16 params, the fp32 main copy
     (the tied output copy and the vocab padding, not stored, are counted: an upper bound by a few rows),
-    and its RNG states."""
+    and its RNG states.
+
+    The nvme optimizer tier stages its state as files (``async_save.DiskStaging``:
+    :func:`optimizer_nvme_bytes` on the disk, none of it in host memory); only the main params it keeps on
+    the device (``--optimizer-offload-fraction`` < 1: this rank's ``(dp_rank, edp_rank)`` pieces under
+    the distributed optimizer) are copied to the host, 12 bytes per element (main param and moments)."""
     b = dtype_bytes(layout.params_dtype)
     numel = sum(
         s.numel
         for c in stage_chunks(config, layout)[pp_rank]
         for s in chunk_param_shapes(config, layout.tp, c)
     )
+    if layout.offload_optimizer_device == "nvme":
+        kept = sum(n for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if not host)
+        return numel * b + 12 * kept + RNG_STATE_BYTES
     return numel * (b + 8 + (4 if b != 4 else 0)) + RNG_STATE_BYTES
 
 
@@ -1402,7 +1412,9 @@ def async_save_record(state, layout: MemoryLayout) -> dict:
     ckpt = state.configs.checkpoint
     if not (ckpt.async_save and ckpt.save):
         return {}
-    return {"async_save_staging_bytes": async_save_staging_bytes(state.config, layout, state.mesh.pp_rank)}
+    mesh = state.mesh
+    ranks = (mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
+    return {"async_save_staging_bytes": async_save_staging_bytes(state.config, layout, *ranks)}
 
 
 def stage_summary(records: list[dict]) -> dict[str, int]:

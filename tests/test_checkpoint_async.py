@@ -5,6 +5,7 @@ hands its copy) checked on the CPU. One spawn of 2 gloo ranks, tiny models."""
 
 import errno
 import logging
+import os
 import re
 import time
 import types
@@ -161,6 +162,126 @@ def _async_cases(tmp) -> dict:
     staged = sum(getattr(v, "tensor", v).nbytes for v in pieces.values())
     layout = MemoryLayout.from_configs(run)
     out["staging_bytes"] = (staged, async_save_staging_bytes(state.config, layout, state.mesh.pp_rank))
+    out["nvme"] = _nvme_cases(tmp)
+    return out
+
+
+NVME = ["--offload-optimizer-device", "nvme", "--offload-sub-group-size", 3000, "--offload-buffer-count", 2]
+DO = ["--use-distributed-optimizer"]
+
+
+def _counting(monkeypatch_targets, live, peak):
+    """Wrap each ``(owner, attribute)`` making a state copy so the bytes alive at once are counted."""
+    import weakref
+
+    def counted(t):
+        live[0] += t.nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(t, lambda n=t.nbytes: live.__setitem__(0, live[0] - n))
+        return t
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in monkeypatch_targets]
+    for owner, name, real in saved:
+        setattr(owner, name, lambda *a, _real=real: counted(_real(*a)))
+    return saved
+
+
+def _nvme_cases(tmp) -> dict:
+    """dp2 ZeRO-1 with the optimizer on nvme (docs/offload.md, streamed checkpoints): the sync save
+    streams each rank's own ZeRO pieces, the async save stages them as files; both checkpoints hold the
+    on-device run's tensors; resumes bitwise at dp2 and, at tp2 on the cpu tier, like the on-device
+    checkpoint does; and the reverse. The state copies alive at once are counted on every rank."""
+
+    import torch.distributed as dist
+
+    from megalite.arguments import RunConfig
+    from megalite.checkpoint import async_save, files, storage
+    from megalite.memory import MemoryLayout, async_save_staging_bytes, optimizer_nvme_bytes
+    from megalite.optim.step import NvmeTier
+
+    swap = tmp / "swap"
+    swap.mkdir(exist_ok=True)
+    nv = [*NVME, "--offload-nvme-path", swap]
+    base, out = [*BASE, *DO], {}
+    live, peak, pieces = [0], [0], {}
+    real_close = async_save.AsyncSaver.close
+
+    def close(saver):  # what the last save staged, before the files go
+        out["staged"] = (saver.staging_bytes, saver.disk.disk_bytes if saver.disk else None)
+        real_close(saver)
+
+    def tier_close(tier):  # this rank's largest main piece and whole state in the swap files
+        pieces.update(largest=max(4 * m.main.numel() for m in tier.step.mains), state=tier.swapped_bytes())
+        real_tier_close(tier)
+
+    real_tier_close = NvmeTier.close
+    async_save.AsyncSaver.close, NvmeTier.close = close, tier_close
+    targets = [(NvmeTier, "read_copy"), (storage, "_buffer"), (async_save, "_read_file")]
+    saved = _counting(targets, live, peak)
+
+    def run(name, argv):
+        peak[0] = 0
+        _pretrain([*argv, "--save", tmp / name, "--metrics-file", tmp / f"{name}.jsonl"])
+        out.setdefault("peak", {})[name] = peak[0]
+
+    try:
+        run("dev", base)
+        run("nv", [*base, *nv])
+        # async, a quarter of the state kept on the device (copied to host memory by the staging)
+        half = ["--optimizer-offload-fraction", 0.75]
+        run("nva", [*base, *nv, *half, "--async-save"])
+        load = ["--ckpt-step", 2, "--train-iters", 4]
+        run("nv_same", [*base, *nv, "--load", tmp / "nv", *load])
+        run("nv_from_dev", [*base, *nv, "--load", tmp / "dev", *load])  # fp32 weights as main params
+        tp2 = [*BASE, "--tensor-model-parallel-size", 2, "--optimizer-cpu-offload"]
+        run("tp2_from_nv", [*tp2, "--load", tmp / "nv", *load])
+        run("tp2_from_dev", [*tp2, "--load", tmp / "dev", *load])
+        later = [
+            "--load",
+            tmp / "tp2_from_dev",
+            "--ckpt-step",
+            4,
+            "--train-iters",
+            6,
+        ]  # saved at tp2, cpu tier
+        later.append("--use-checkpoint-opt_param-scheduler")
+        run("nv_from_tp2", [*base, *nv, *later])
+        run("dev_from_tp2", [*base, *later])
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+        async_save.AsyncSaver.close, NvmeTier.close = real_close, real_tier_close
+    out.update(pieces)
+    out["losses"] = {n: _losses(tmp / f"{n}.jsonl") for n in out["peak"]}
+    if dist.get_rank() == 0:
+        for it in (2, 4):
+            dev, nvt = (
+                _tensors(files.iteration_dir(tmp / "dev", it)),
+                _tensors(files.iteration_dir(tmp / "nv", it)),
+            )
+            nva = _tensors(files.iteration_dir(tmp / "nva", it))
+            extra = {k: k.replace("optimizer.main.", "") for k in set(nvt) - set(dev)}
+            out[f"same_{it}"] = (
+                sorted(nvt) == sorted(nva)
+                and all(torch.equal(nvt[k], nva[k]) for k in nvt)
+                and all(torch.equal(dev[k], nvt[k]) for k in dev)
+                and all(
+                    k.startswith("optimizer.main.") and torch.equal(nvt[k], nvt[w]) for k, w in extra.items()
+                )
+                and bool(extra)
+            )
+        dev, resumed = (_tensors(files.iteration_dir(tmp / n, 4)) for n in ("dev", "nv_same"))
+        out["weights_4"] = all(torch.equal(dev[k], resumed[k]) for k in dev)
+    run_config = RunConfig.from_flags(
+        [str(a) for a in [*base, *nv, *half, "--save", tmp / "m", "--async-save"]]
+    )
+    layout = MemoryLayout.from_configs(run_config)
+    rank = dist.get_rank()  # dp2: the DP rank
+    out["staged_predicted"] = (
+        async_save_staging_bytes(run_config.model, layout, 0, rank),
+        optimizer_nvme_bytes(run_config.model, layout, 0, rank),
+    )
+    out["swap_left"] = sorted(os.listdir(swap))
     return out
 
 
@@ -185,6 +306,34 @@ def test_async_saves_equal_sync_resume_bitwise_and_fail_in_one_line(tmp_path):
     for r in out:  # predicted: every param of the rank once (padding rows too), within 5% of what it stages
         staged, predicted = r["staging_bytes"]
         assert 0.95 * predicted < staged < 1.05 * predicted, r["staging_bytes"]
+    _check_nvme(out)
+
+
+def _check_nvme(out) -> None:
+    """The nvme tier's streamed checkpoints under the distributed optimizer (:func:`_nvme_cases`)."""
+    n0 = out[0]["nvme"]
+    assert n0["same_2"] and n0["same_4"] and n0["weights_4"], n0
+    losses = n0["losses"]
+    dev = losses["dev"]
+    assert losses["nv"] == losses["nva"] == dev and len(dev) == 4  # bitwise: == on floats
+    assert losses["nv_same"] == losses["nv_from_dev"] == {3: dev[3], 4: dev[4]}
+    assert losses["tp2_from_nv"] == losses["tp2_from_dev"] and set(losses["tp2_from_dev"]) == {3, 4}
+    assert losses["nv_from_tp2"] == losses["dev_from_tp2"] and set(losses["dev_from_tp2"]) == {5, 6}
+    for r in out:
+        n = r["nvme"]
+        largest, state = n["largest"], n["state"]
+        for name in ("nv", "nva", "nv_same", "nv_from_tp2"):  # saves and loads of the rank's ZeRO pieces:
+            assert 0 < n["peak"][name] <= largest < state / 8, (
+                name,
+                n["peak"],
+                largest,
+                state,
+            )  # one at a time
+        # the fp32 weights read as main params: a whole param at a time (dp x a piece at most)
+        assert 0 < n["peak"]["nv_from_dev"] <= 2 * largest < state / 4, (n["peak"], largest, state)
+        (host, disk), (host_predicted, disk_predicted) = n["staged"], n["staged_predicted"]
+        assert disk == disk_predicted > 0 and 0.95 * host_predicted < host < 1.05 * host_predicted, n
+        assert n["swap_left"] == []
 
 
 # ------------------------------------------------------------------------------- staging (no spawn)

@@ -213,3 +213,48 @@ def test_metadata_unpickler_reads_enum_members_pickled_by_getattr_and_nothing_el
     for owner, name in ((pathlib.Path, "home"), (dcp_md._MEM_FORMAT_ENCODING, "mro")):
         with pytest.raises(CheckpointFormatError, match="only members of DCP's own enums"):
             _MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(owner, name)))).load()
+
+
+def test_a_zero_piece_is_cut_into_rectangles_and_streams_back_at_any_split(tmp_path):
+    """storage.within_span (the nvme tier's ZeRO pieces, docs/offload.md): a view of a deferred tensor
+    whose span is flat elements [lo, hi) is cut into at most 2 x dims - 1 rectangles holding exactly
+    those elements of the view, for every span; a view that is not row-major nested is refused. Two
+    "DP ranks'" pieces saved as lists of rectangles (their sources read when written) read back whole
+    into a plain tensor, and into two other spans (each sink given exactly its elements, once)."""
+    full = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)
+    experts = torch.arange(3 * 4 * 5, dtype=torch.float32).view(3, 4, 5)
+    for whole, view_of in ((full, lambda t: t[1:6]), (experts, lambda t: t[1])):
+        for lo in range(whole.numel() + 1):
+            for hi in range(lo, whole.numel() + 1):
+                root = storage.deferred(tuple(whole.shape), span=(lo, hi))
+                view = view_of(root)
+                piece = storage.Shard(view, (2,) + (0,) * (view.dim() - 1), (9, *view.shape[1:]))
+                rects = storage.within_span(piece)
+                rects = rects if isinstance(rects, list) else [rects]  # the whole root: the piece itself
+                assert len(rects) <= 2 * view.dim() - 1
+                got = sorted(
+                    int(x) for r in rects for x in storage._view_of(whole.view(-1), r.tensor).reshape(-1)
+                )
+                flat = view_of(torch.arange(whole.numel()).view(whole.shape)).reshape(-1).tolist()
+                assert got == [i for i in flat if lo <= i < hi], (lo, hi)
+                assert all(r.offsets[0] >= 2 for r in rects)  # at their place in the logical tensor
+    with pytest.raises(ValueError, match="not row-major nested"):
+        storage.within_span(storage.deferred((4, 5), span=(3, 9)).t())
+    assert isinstance(storage.within_span(storage.deferred((4, 5), span=(0, 20))[1:]), torch.Tensor)
+
+    def pieces(spans, **ends):
+        roots = [storage.deferred((7, 5), span=s, **{k: f(s) for k, f in ends.items()}) for s in spans]
+        return [r for root in roots for r in storage.within_span(root)], roots
+
+    saved, _ = pieces([(0, 13), (13, 35)], source=lambda s: lambda: full.view(-1)[s[0] : s[1]].clone())
+    storage.write({"w": saved}, tmp_path, no_dist=True)
+    whole = torch.zeros(7, 5)
+    storage.read({"w": whole}, tmp_path, no_dist=True)
+    assert torch.equal(whole, full)
+    landed = []
+    targets, _ = pieces([(0, 21), (21, 35)], sink=lambda s: lambda v: landed.append((s, v.clone())))
+    storage.read({"w": targets}, tmp_path, no_dist=True)
+    assert sorted((s, v.tolist()) for s, v in landed) == [
+        ((0, 21), full.view(-1)[:21].tolist()),
+        ((21, 35), full.view(-1)[21:].tolist()),
+    ]

@@ -53,10 +53,13 @@ CORE_BUDGET = {  # area: (its files, budget); at 18e38cb: 3561, 1122, 1473, 3099
     # as an Exception: storage.StorageFailure; EFBIG / EDQUOT named; the partial outputs of killed
     # converter runs removed); 2550 -> 2600: a --bf16 run resuming an fp32 checkpoint's weights as its
     # main params loads its model params too (optimizer_state.fill_model), and TrainingProgress
-    # carries fp16's loss scaler (issue 39, Megatron's distributed optimizer import)
+    # carries fp16's loss scaler (issue 39, Megatron's distributed optimizer import); 2600 -> 2850:
+    # issue 38's streamed nvme checkpoint under the distributed optimizer (each DP rank's ZeRO pieces cut
+    # into rectangles, storage.within_span; lists of pieces in the planners; the reader's one deferred
+    # tensor at a time, read_groups) and --async-save's staging of the nvme state as files (DiskStaging)
     "checkpoint core": (
         tuple(f"megalite/checkpoint/{m}.py" for m in CHECKPOINT_CORE + ("async_save",)),
-        2600,
+        2850,
     ),
     # 700 -> 760: MoE's step (issue 35): the aux-loss scale, the expert-bias update, aux-loss logging
     "training": ("megalite/training.py", 760),

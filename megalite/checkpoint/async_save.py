@@ -29,20 +29,28 @@ writing waits for it (logged with the wait's length): at most one save is in fli
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
+import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megalite import log
 from megalite.checkpoint.checkpointing import SaveJob, capture_save, save_failed, write_save
-from megalite.checkpoint.storage import Shard
+from megalite.checkpoint.storage import Shard, is_deferred
 from megalite.configs import CheckpointConfig
 from megalite.parallel.data_parallel import gathered_params
+from megalite.parallel.offload import FLAG as NVME_FLAG
+from megalite.parallel.offload import OffloadIOError, check_nvme_path
 
 logger = log.get_logger(__name__)
 
@@ -92,7 +100,13 @@ class HostStaging:
 
     def stage(self, pieces: dict) -> tuple[dict, torch.cuda.Event | None]:
         """Copies of ``pieces`` in the buffers (same names, same Shard offsets), and the CUDA event
-        the writer waits on before reading them (None: the copies are done on return)."""
+        the writer waits on before reading them (None: the copies are done on return). Deferred pieces
+        (the nvme tier's state, already staged by :class:`DiskStaging`) pass through as they are."""
+        passed = {name: value for name, value in pieces.items() if is_deferred(value)}
+        staged, event = self._stage({name: v for name, v in pieces.items() if name not in passed})
+        return {**staged, **passed}, event
+
+    def _stage(self, pieces: dict) -> tuple[dict, torch.cuda.Event | None]:
         plan = copy_plan(pieces)
         for spec in plan:
             buf = self.buffers.get(spec.name)
@@ -130,6 +144,66 @@ class HostStaging:
         return event
 
 
+class DiskStaging:
+    """``--async-save`` with the nvme optimizer tier: its state staged as files, not in host memory.
+
+    The swap files are rewritten in place by the next step, so the writer cannot read them later, and
+    staging them into host buffers would hold the whole state in RAM, which the tier exists to avoid.
+    So each tensor of the state (:meth:`stager`, asked per main param and kind by
+    ``optimizer_state.save_pieces``) is read from its swap file and written to a file of its own in a
+    directory beside the swap directory (``--offload-nvme-path``; reused from save to save, removed at
+    exit), one tensor in memory at a time; the checkpoint's deferred pieces read those files while the
+    writer thread writes. The main params the tier keeps on the device (``--optimizer-offload-fraction``
+    < 1) are copied to host memory instead (:attr:`host_bytes`). The loop waits for the copy, about one
+    read and one write of the state at the disk's speed; a copy of the swap files inside the kernel
+    (``copy_file_range``, or a reflink) would be faster, but depends on how the tier lays out its files."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.dir: str | None = None
+        self.disk_bytes = self.host_bytes = 0
+
+    def stager(self, nvme):
+        """``stage(i, kind)`` for ``optimizer_state.save_pieces``: stages main param ``i``'s ``kind`` now and
+        returns the source its deferred piece reads when the writer gets to it."""
+        if self.dir is None:
+            check_nvme_path(self.root, nvme.swapped_bytes())
+            self.dir = tempfile.mkdtemp(prefix=f"megalite-async-stage-{os.getpid()}-", dir=self.root)
+            weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.disk_bytes = self.host_bytes = 0
+
+        def stage(i: int, kind: str):
+            value = nvme.read_copy(i, kind)
+            if not nvme.step.mains[i].on_disk:
+                value = value.to("cpu", copy=True)
+                self.host_bytes += value.nbytes
+                return functools.partial(_held, value)
+            path = os.path.join(self.dir, f"{i}.{kind}")
+            try:
+                value.numpy().tofile(path)
+            except OSError as e:
+                msg = f"{NVME_FLAG}: staging the optimizer state for --async-save failed ({e.strerror or e})"
+                raise OffloadIOError(msg) from None
+            self.disk_bytes += value.nbytes
+            return functools.partial(_read_file, path, tuple(value.shape))
+
+        return stage
+
+    def close(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+def _held(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def _read_file(path: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A staged tensor back from its file (fp32)."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.float32)).view(shape)
+
+
 # ---------------------------------------------------------------------------------- the writer
 @dataclass
 class _Pending:
@@ -149,6 +223,7 @@ class AsyncSaver:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None  # the writer's
         self.poll_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None  # the loop's
         self.staging = HostStaging()
+        self.disk: DiskStaging | None = None  # the nvme optimizer tier's state, staged as files
         self.pending: _Pending | None = None
         self._poll = None  # (work, flag) posted at the last step boundary
         self._jobs: queue.Queue = queue.Queue()
@@ -164,8 +239,13 @@ class AsyncSaver:
         start = time.perf_counter()
         self.wait()  # at most one save in flight
         staged = time.perf_counter()
+        nvme = state.optimizer.adamw.nvme
+        if nvme is not None and self.disk is None:
+            self.disk = DiskStaging(state.configs.optimizer.offload.nvme_path)
         with gathered_params(state.model):  # ZeRO-3: whole params while they are copied (collective)
-            job = capture_save(state, config, stream=False)  # staged at once: no deferred pieces
+            # staged at once; the nvme tier's state as files (DiskStaging), read back while it is written
+            stage = self.disk.stager(nvme) if nvme is not None else None
+            job = capture_save(state, config, stream=stage is not None, stage=stage)
             job.pieces, ready = self.staging.stage(job.pieces)
         pending = _Pending(job, ready, threading.Event())
         if self._thread is None:
@@ -177,8 +257,16 @@ class AsyncSaver:
         self.blocked_s.append(now - start)
         self._log(
             f" async save of iteration {job.iteration}: staged in {now - staged:.3f} s "
-            f"({self.staging.nbytes / 2**20:.1f} MiB of host buffers); writing in the background"
+            f"({self.staging_bytes / 2**20:.1f} MiB of host buffers{self._disk_note()}); writing in the background"
         )
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes the staged checkpoint holds: the buffers, and the nvme tier's device part's copies."""
+        return self.staging.nbytes + (self.disk.host_bytes if self.disk is not None else 0)
+
+    def _disk_note(self) -> str:
+        return f", {self.disk.disk_bytes / 2**20:.1f} MiB staged as files" if self.disk is not None else ""
 
     def _run(self) -> None:
         while (pending := self._jobs.get()) is not None:
@@ -252,3 +340,5 @@ class AsyncSaver:
             self._jobs.put(None)
             self._thread.join(timeout=60)
             self._thread = None
+        if self.disk is not None:
+            self.disk.close()

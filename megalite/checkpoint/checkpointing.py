@@ -284,14 +284,14 @@ class SaveJob:
     started: float = field(default_factory=time.perf_counter)
 
 
-def capture_save(state, config: CheckpointConfig, stream: bool = True) -> SaveJob:
-    """Collective (ZeRO: the optimizer state is gathered over DP): this rank's :class:`SaveJob` for
-    ``state.iteration``. Under ZeRO-3 call it inside ``gathered_params(state.model)``: the model pieces
-    are views of the whole params. ``stream``: the nvme tier's state is read as it is written
-    (``optimizer_state.save_pieces``); ``--async-save`` copies every piece at once instead."""
+def capture_save(state, config: CheckpointConfig, stream: bool = True, stage=None) -> SaveJob:
+    """Collective (ZeRO: the optimizer state is gathered over DP, but the nvme tier's): this rank's
+    :class:`SaveJob` for ``state.iteration``. Under ZeRO-3 call it inside ``gathered_params(state.model)``:
+    the model pieces are views of the whole params. ``stream``: the nvme tier's state is read as it is
+    written (``optimizer_state.save_pieces``; ``stage``: from what ``--async-save`` staged of it)."""
     mesh, optimizer = state.mesh, state.optimizer
     pieces = model_pieces(state.model, state.config, mesh)
-    pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh, stream))
+    pieces.update(optimizer_state.save_pieces(optimizer, state.model, state.config, mesh, stream, stage))
     pieces.update(rng_state.capture(mesh, state.rng))
     scaler = optimizer.grad_scaler
     metadata = {

@@ -62,35 +62,52 @@ def adam_step(optimizer) -> int:
 
 def streams(optimizer) -> bool:
     """Whether a checkpoint streams the optimizer state through memory one tensor at a time: the nvme
-    tier's state, whose main params are whole model params (no DP shards to gather first)."""
-    return optimizer.adamw.nvme is not None and not optimizer.dp_sharded
+    tier's state, replicated or under the distributed optimizer (each DP rank its own ZeRO pieces)."""
+    return optimizer.adamw.nvme is not None
 
 
-def _deferred(optimizer, kinds: list[str], **ends) -> dict[tuple[str, nn.Parameter], torch.Tensor]:
-    """``{(kind, model param): storage.deferred}`` of the nvme tier's state; ``ends``: ``source`` and / or
-    ``sink`` names of its methods (``read_copy``, ``store``), bound to each main param and kind."""
-    nvme = optimizer.adamw.nvme
-    out = {}
-    for i, m in enumerate(optimizer.adamw.mains):
-        for kind in kinds:
-            bound = {end: functools.partial(getattr(nvme, name), i, kind) for end, name in ends.items()}
-            out[(kind, m.model)] = storage.deferred(tuple(m.model.shape), **bound)
-    return out
+def _root(m, **ends) -> torch.Tensor:
+    """A :func:`storage.deferred` stand-in for main param ``m``'s state, shaped like its model param (its
+    TP shard), spanning the elements ``m`` covers (all of them, or its ZeRO piece)."""
+    return storage.deferred(tuple(m.model.shape), span=m.model_range, **ends)
+
+
+def _cut(pieces: dict) -> dict:
+    """``{logical name: piece}`` with each piece cut to its deferred root's span (several rectangles of a
+    ZeRO piece; a name none of whose elements are this rank's left out)."""
+    cut = {name: storage.within_span(piece) for name, piece in pieces.items()}
+    return {name: piece for name, piece in cut.items() if not isinstance(piece, list) or piece}
+
+
+def _kinds(optimizer) -> list[str]:
+    return list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
 
 
 def save_pieces(
-    optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh, stream: bool = True
+    optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh, stream: bool = True, stage=None
 ) -> dict:
-    """Collective over DP under ZeRO-1: this rank's optimizer pieces, ``{key: Shard | Tensor}``.
-    ``stream`` (not under ``--async-save``, which copies every piece at once): the nvme tier's state as
-    deferred tensors, read from the swap files one at a time while the checkpoint is written."""
-    kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
-    if stream and streams(optimizer):
-        tensors = _deferred(optimizer, kinds, source="read_copy")
-    else:
-        tensors = optimizer.gather_state_dp_zero(kinds)  # {(kind, model param): tensor shaped like it}
+    """Collective over DP under ZeRO-1 (but streamed): this rank's optimizer pieces, ``{key: Shard | Tensor
+    | [Shard]}``. ``stream``: the nvme tier's state as deferred tensors read one at a time while the
+    checkpoint is written: from the swap files (``NvmeTier.read_copy``), or, given ``stage(i, kind)``
+    (``--async-save``, which must not read the live state later), from what it staged. Each DP rank then
+    writes its own ZeRO pieces of each tensor as rectangles (:func:`storage.within_span`): no gather.
+    Otherwise every piece at once (gathered over DP under ZeRO)."""
+    kinds = _kinds(optimizer)
     names = _param_names(chunks)
     pieces = {}
+    if stream and streams(optimizer):
+        nvme = optimizer.adamw.nvme
+        for i, m in enumerate(optimizer.adamw.mains):
+            name, model = names[m.model]
+            if storage_name(model, name) != name:
+                continue  # the tied output copy: its state equals the embedding's, stored once
+            for kind in kinds:
+                source = stage(i, kind) if stage is not None else functools.partial(nvme.read_copy, i, kind)
+                local = _root(m, source=source)
+                for logical, piece in _cut(logical_pieces(name, local, m.model, config, mesh)).items():
+                    pieces[key(kind, logical)] = piece
+        return pieces
+    tensors = optimizer.gather_state_dp_zero(kinds)  # {(kind, model param): tensor shaped like it}
     for (kind, param), local in tensors.items():
         name, model = names[param]
         if storage_name(model, name) != name:
@@ -104,7 +121,9 @@ class OptimizerLoad:
     """Load targets for the optimizer state, then :meth:`apply` them to the optimizer.
 
     Every DP rank reads the full local TP shard of each state tensor into a
-    temporary buffer; :meth:`apply` gives each main param its range.
+    temporary buffer; :meth:`apply` gives each main param its range. The nvme tier streams instead
+    (:meth:`_streamed`): each DP rank reads only its own ZeRO pieces, each written to the swap files as
+    it lands.
     """
 
     def __init__(self, optimizer, chunks: list[nn.Module], config: ModelConfig, mesh: Mesh, stored: set[str]):
@@ -112,18 +131,19 @@ class OptimizerLoad:
         self.buffers: dict[tuple[str, nn.Parameter], torch.Tensor] = {}
         self.pieces: dict = {}
         self.from_weights: list[nn.Parameter] = []  # main params read from the stored fp32 weights
+        self.streamed = streams(optimizer)
+        self.unread: list = []  # streamed: sinks of state none of whose elements is stored (zeros)
         names = _param_names(chunks)
+        if self.streamed:
+            self._streamed(names, config, mesh, stored)
+            return
         wanted = {m.model for m in optimizer.main_params}
-        kinds = list(MOMENTS) + (["main"] if stores_main_params(optimizer) else [])
-        # The nvme tier's state streams: each buffer is made as it is read and written to the swap files.
-        self.streamed = _deferred(optimizer, kinds, sink="store") if streams(optimizer) else {}
+        kinds = _kinds(optimizer)
         for param in wanted:
             name, model = names[param]
             source = storage_name(model, name)
             for kind in kinds:
-                buf = self.streamed.get((kind, param))
-                if buf is None:
-                    buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 self.buffers[(kind, param)] = buf
                 for logical, piece in logical_pieces(source, buf, param, config, mesh).items():
                     # fp32 main params: the stored ones, or (checkpoint of an fp32 model) its weights,
@@ -133,6 +153,30 @@ class OptimizerLoad:
                         entry = logical
                         self.from_weights.append(param)
                     self.pieces[entry] = piece
+
+    def _streamed(self, names: dict, config: ModelConfig, mesh: Mesh, stored: set[str]) -> None:
+        """The nvme tier's targets: per main param and kind a deferred tensor spanning its elements, whose
+        rectangles are read and written to the swap files (``NvmeTier.store``) once all have landed.
+        fp32 main params read from the stored weights (no ``optimizer.main`` entry) share the weights'
+        entry with the model param: that target is the whole param, which takes it too (:func:`_tee`)."""
+        nvme = self.optimizer.adamw.nvme
+        for i, m in enumerate(self.optimizer.adamw.mains):
+            name, model = names[m.model]
+            source = storage_name(model, name)
+            for kind in _kinds(self.optimizer):
+                sink = functools.partial(nvme.store, i, kind)
+                entries = {logical: key(kind, logical) for logical in logical_pieces(
+                    source, _root(m), m.model, config, mesh)}  # fmt: skip
+                if kind == "main" and any(e not in stored for e in entries.values()):
+                    entries = {logical: logical for logical in entries}
+                    local = storage.deferred(tuple(m.model.shape), sink=functools.partial(_tee, m, sink))
+                    pieces = logical_pieces(source, local, m.model, config, mesh)
+                else:
+                    pieces = _cut(logical_pieces(source, _root(m, sink=sink), m.model, config, mesh))
+                if not pieces:
+                    self.unread.append((sink, m.main.shape))
+                for logical, piece in pieces.items():
+                    self.pieces[entries[logical]] = piece
 
     @torch.no_grad()
     def fill_model(self) -> None:
@@ -145,6 +189,8 @@ class OptimizerLoad:
     def apply(self, step: int) -> None:
         """Install the loaded moments (and fp32 main params) and AdamW's ``step``."""
         if self.streamed:  # already in the swap files: AdamW takes the released tensors that stand for them
+            for sink, shape in self.unread:
+                sink(torch.zeros(shape, dtype=torch.float32))
             adamw = self.optimizer.adamw
             state = {
                 m.main: {"step": _step(step), **{k: adamw.state_of(m)[k] for k in MOMENTS}}
@@ -164,6 +210,14 @@ class OptimizerLoad:
                 if ("main", m.model) in self.buffers:
                     m.main.copy_(self.buffers[("main", m.model)].view(-1)[lo:hi].view(m.main.shape))
             self.optimizer.state.load_adamw_state(state)  # this run's hyper-parameters
+
+
+@torch.no_grad()
+def _tee(m, sink, value: torch.Tensor) -> None:
+    """A streamed load's fp32 weights read for main param ``m`` (an fp32 checkpoint without main params):
+    the model param takes them whole (rounded to its dtype), ``m`` its elements (``sink``)."""
+    m.model.copy_(value.view(m.model.shape))
+    sink(value.view(-1)[slice(*m.model_range)])
 
 
 def _step(step: int) -> torch.Tensor:

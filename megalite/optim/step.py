@@ -249,6 +249,9 @@ class NvmeTier:
         self.finish()
         if kind != "main" and kind not in self.step.state_of(m):
             part = self.step._part_of[m.main]
+            if not m.on_disk:  # on the device (--optimizer-offload-fraction < 1): a copy of the value
+                part.state[m.main][kind] = value.reshape(m.main.shape).to(m.main.device, copy=True)
+                return
             part.state[m.main][kind] = released(m.main.shape)
         live = m.main.data if kind == "main" else self.step.state_of(m)[kind]
         if live.untyped_storage().nbytes():  # in memory (inside resident()): the copy is what counts
