@@ -365,11 +365,22 @@ def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
 
 def test_rank_memory_is_predict_rank_with_cached_state_bytes():
     p = _small()
-    for c in list(planner.layouts(p))[::53]:
+    cands = list(planner.layouts(p))
+    tiered = [  # each offload tier the planner proposes, on ZeRO-3 layouts (the param tiers need it)
+        dataclasses.replace(c, offload_optimizer=o, offload_param=w)
+        for c in cands[::97]
+        if c.sharding.shards_params
+        for o, w in planner.TIER_LEVELS
+    ]
+    assert {(c.offload_optimizer, c.offload_param) for c in tiered} == set(planner.TIER_LEVELS)
+    for c in cands[::53] + tiered:
         layout = planner.memory_layout(p, c)
         for r in range(c.pp):
-            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)
-            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)  # cached
+            want = predict_rank(SMALL, layout, r)
+            assert planner.rank_memory(SMALL, layout, r) == dataclasses.replace(want, host=0, nvme=0)
+            assert planner.rank_memory(SMALL, layout, r) == dataclasses.replace(
+                want, host=0, nvme=0
+            )  # cached
 
 
 # ---- pretrain_gpt.py's start-up check (issue #15) -----------------------------------------------
@@ -737,8 +748,8 @@ def test_top_candidates_are_the_ones_before_the_refactor():
 
 
 def _delta(c: planner.Candidate) -> tuple:
-    """The fields a candidate replaces in its base run (not its predictions)."""
-    return dataclasses.astuple(c)[:12]
+    """The fields a candidate replaces in its base run (not its predictions), its tiers included."""
+    return dataclasses.astuple(c)[:12] + (c.offload_optimizer, c.offload_param)
 
 
 def test_launch_lines_are_the_proposed_runs():
@@ -790,3 +801,127 @@ def test_tool_prints_a_launch_line_from_flags_resolves(capsys):
     got += (par.virtual_pipeline_model_parallel_size, par.data_parallel_size, run.training.micro_batch_size)
     assert got == tuple(map(int, best.groups()))
     assert (run.model.num_layers, run.model.hidden_size, run.training.global_batch_size) == (8, 256, 64)
+
+
+# ---- host memory and the offload tiers (issues 37, 38) ---------------------------------------------
+GPT2_124M = ModelConfig.gpt2(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
+                             max_position_embeddings=128)  # fmt: skip
+# GPT-2 124M, bf16, one GPU: 2.0 GB of state + 2 GB of context does not fit 3.5 GB; on 8 GB it fits
+TIER_FLAGS = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "128",
+              "--max-position-embeddings", "128", "--vocab-size", "50257", "--bf16", "--num-gpus", "1",
+              "--global-batch-size", "8"]  # fmt: skip
+
+
+def _gpt2(memory: float, host: float = 2048.0, **kw) -> planner.Problem:
+    gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=memory)
+    return planner.Problem(GPT2_124M, planner.Cluster(1, 8, gpu, host_memory_gb=host), 128, 8, **kw)
+
+
+def _with_base(p: planner.Problem, **fields) -> planner.Problem:
+    """``p`` on its base run with ``fields`` replaced: ``checkpoint`` / ``offload`` dicts of their fields."""
+    run = p.base_run
+    if "checkpoint" in fields:
+        run = dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, **fields["checkpoint"]))
+    if "offload" in fields:
+        off = dataclasses.replace(run.optimizer.offload, **fields["offload"])
+        run = dataclasses.replace(
+            run,
+            optimizer=dataclasses.replace(run.optimizer, offload=off),
+            data_parallel=dataclasses.replace(run.data_parallel, offload=off),
+        )
+    return dataclasses.replace(p, base=run)
+
+
+def test_nothing_fits_on_the_device_so_the_pick_offloads_the_optimizer_and_says_so():
+    """3.5 GB: no layout fits on the device, so every candidate offloads the optimizer to cpu (the first
+    tier level that fits), the output's first line says so and the pick's step time is its table time
+    plus the tier's traffic at the recorded bandwidths; 8 GB: something fits, no tier is proposed; with
+    offload off, the old one-line refusal."""
+    from megalite.memory import param_bytes
+
+    p = _gpt2(3.5)
+    cands = planner.plan(p)
+    assert cands and all((c.offload_optimizer, c.offload_param) == ("cpu", "none") for c in cands)
+    assert planner.explain(p, cands)[0] == "nothing fits on the device; offloading the optimizer to cpu"
+    assert "offload" in planner.format_table(cands).splitlines()[0]
+    best = cands[0]
+    assert all(planner.fits(p, c) and planner.peak_rank_memory(p, c).optimizer == 0 for c in cands)
+    elements = param_bytes(GPT2_124M, planner.memory_layout(p, best), 0) // 2  # bf16 params: every main
+    assert planner.tier_traffic(p, best) == {
+        "host_link": elements * (4 + 2),
+        "disk_read": 0.0,
+        "disk_write": 0.0,
+    }
+    untiered = planner._table_time(p, dataclasses.replace(best, offload_optimizer="none"))
+    extra = elements * 6 / (p.cluster.host_link_gbps * 1e9)
+    assert best.step_time_s == pytest.approx(untiered.step_time_s + extra, rel=1e-12)
+    assert dict(best.parts)["offload"] == pytest.approx(extra, rel=1e-12)
+    # the checker's case where no tier may be proposed: something fits on the device
+    fitted = planner.plan(_gpt2(8.0))
+    assert fitted and not any(c.tiered for c in fitted)
+    assert "nothing fits" not in "\n".join(planner.explain(_gpt2(8.0), fitted))
+    with pytest.raises(
+        planner.PlanError, match=r"^the model fits on no layout of --num-gpus 1 with 3.5 GB per GPU"
+    ):
+        planner.plan(_gpt2(3.5, offload=False))
+
+
+def test_host_memory_refuses_a_tier_then_nvme_is_proposed_with_its_disk_traffic():
+    """1 GB of host RAM: the cpu tier (1.8 GB: 12 bytes of state + 4 of pinned grads per element) is
+    refused; the nvme tier in sub-groups of 10M elements holds its working set in host memory and is the
+    pick, its disk traffic 12 bytes each way per element; with the default sub-group (all of the state
+    in memory at once) nothing is left and the refusal names the host memory and its categories."""
+    with pytest.raises(planner.PlanError) as e:
+        planner.plan(_gpt2(3.5, host=1.0))
+    msg = str(e.value)
+    assert "fit the device but not the node" in msg and "--host-memory-gb is 1" in msg and "\n" not in msg, (
+        msg
+    )
+    assert re.search(r"needs [\d.]+ GB of host memory per node \(1 ranks x \[optimizer [\d.]+, ", msg), msg
+    p = _with_base(_gpt2(3.5, host=1.0), offload={"sub_group_size": 10_000_000, "buffer_count": 2})
+    cands = planner.plan(p)
+    best = cands[0]
+    assert (best.offload_optimizer, best.offload_param) == ("nvme", "none")
+    assert planner.explain(p, cands)[0] == "nothing fits on the device; offloading the optimizer to nvme"
+    assert 0 < best.host_per_node_gb <= 1.0
+    t = planner.tier_traffic(p, best)
+    assert t["disk_read"] == t["disk_write"] == 2 * t["host_link"] == 12 * t["host_link"] / 6
+    run = planner.proposed_run(p, best)
+    assert run.optimizer.offload.nvme_path is not None and run.optimizer.offload.sub_group_size == 10_000_000
+
+
+def test_async_save_staging_is_counted_in_the_host_check():
+    """--async-save: the staging buffers (memory.async_save_staging_bytes) are the node's host bytes of
+    a layout without a tier; a node without room for them refuses every layout, naming --async-save."""
+    from megalite.memory import async_save_staging_bytes
+
+    p = _with_base(_gpt2(8.0), checkpoint={"async_save": True})
+    best = planner.plan(p)[0]
+    staging = async_save_staging_bytes(GPT2_124M, planner.memory_layout(p, best), 0)
+    assert best.host_per_node_gb * planner.GIB == pytest.approx(staging, rel=1e-12) and not best.tiered
+    assert planner.plan(_gpt2(8.0))[0].host_per_node_gb == 0  # no staging without --async-save
+    with pytest.raises(
+        planner.PlanError, match=r"async_save_staging 1\.6\] GB\) but --host-memory-gb is 1;.*--async-save"
+    ):
+        planner.plan(_with_base(_gpt2(8.0, host=1.0), checkpoint={"async_save": True}))
+
+
+def test_tiered_candidates_are_launches_validation_accepts():
+    """Every layout of a small problem at every tier level the planner may propose (param tiers on ZeRO-3):
+    its launch flags pass parse_args + validate_args and mean the same tiers."""
+    base = VALIDATION_BASE + VALIDATION_CASES[1][0] + ["--seq-length", "20", "--global-batch-size", "12"]
+    cfg = model_config(parse_args(base), vocab_size=300)
+    p = planner.Problem(cfg, planner.Cluster(6, 6, planner.GPUS["H100-SXM"]), 20, 12)
+    parser, seen = build_parser(), set()
+    for i, c in enumerate(planner.layouts(p)):
+        for o, w in planner.TIER_LEVELS[i % len(planner.TIER_LEVELS) :][:2]:  # each level, over the layouts
+            if w != "none" and not c.sharding.shards_params:
+                continue
+            t = dataclasses.replace(c, offload_optimizer=o, offload_param=w)
+            got = validate_args(parser.parse_args(base + planner.launch_flags(p, t).split()), 6)
+            assert (got.offload_optimizer_device, got.offload_param_device) == (o, w), planner.launch_flags(
+                p, t
+            )
+            assert got.optimizer_cpu_offload and got.tensor_model_parallel_size == c.tp
+            seen.add((o, w))
+    assert seen == set(planner.TIER_LEVELS)
