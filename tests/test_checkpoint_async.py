@@ -149,8 +149,8 @@ def _async_cases(tmp) -> dict:
     import dataclasses
 
     from megalite.arguments import RunConfig
-    from megalite.checkpoint.checkpointing import capture_save
     from megalite.checkpoint.async_save import HostStaging
+    from megalite.checkpoint.checkpointing import capture_save
     from megalite.memory import MemoryLayout, async_save_staging_bytes, host_bytes
     from megalite.training import setup
 
@@ -165,7 +165,9 @@ def _async_cases(tmp) -> dict:
     predicted = async_save_staging_bytes(state.config, layout, mesh.pp_rank, mesh.tp_rank)
     out["staging_bytes"] = (staging.nbytes, predicted)
     # and the memory report's host row of it (host_bytes' async_save_staging, this rank's TP share)
-    out["host_staging"] = host_bytes(state.config, layout, mesh.pp_rank, tp_rank=mesh.tp_rank, async_save=True)
+    out["host_staging"] = host_bytes(
+        state.config, layout, mesh.pp_rank, tp_rank=mesh.tp_rank, async_save=True
+    )
     return out
 
 

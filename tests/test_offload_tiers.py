@@ -104,10 +104,16 @@ def test_host_and_nvme_bytes_match_the_memory_model_and_swap_files_are_removed(r
             # (the most sub-groups the step may hold at once; measured: the most it held so far)
             host, nvme = r["host_bytes"], r["nvme_bytes"]
             exact = ("optimizer", "pinned_grads", "params")
-            assert {c: host["measured"][c] for c in exact} == {c: host["predicted"][c] for c in exact}, (name, host)
+            assert {c: host["measured"][c] for c in exact} == {c: host["predicted"][c] for c in exact}, (
+                name,
+                host,
+            )
             ws = host["measured"]["nvme_working_set"], host["predicted"]["nvme_working_set"]
             assert ws[0] <= ws[1] and (ws[0] > 0) == (name in ("opt-nvme", "both-nvme")), (name, ws)
-            assert host["measured"]["async_save_staging"] is None and host["predicted"]["async_save_staging"] == 0
+            assert (
+                host["measured"]["async_save_staging"] is None
+                and host["predicted"]["async_save_staging"] == 0
+            )
             assert nvme["measured"] == nvme["predicted"], (name, nvme)
             assert sum(host["predicted"][c] for c in exact) == r["host"]["predicted"]
             assert (r["nvme"]["predicted"] > 0) == (name in NVME), name

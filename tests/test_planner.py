@@ -801,6 +801,15 @@ def test_tool_prints_a_launch_line_from_flags_resolves(capsys):
     got += (par.virtual_pipeline_model_parallel_size, par.data_parallel_size, run.training.micro_batch_size)
     assert got == tuple(map(int, best.groups()))
     assert (run.model.num_layers, run.model.hidden_size, run.training.global_batch_size) == (8, 256, 64)
+    # nothing fits on the device: the pick offloads the optimizer, says so, and its line resolves to that
+    assert tool.plan([*TIER_FLAGS, "--gpu-memory-gb", "3.5", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "nothing fits on the device; offloading the optimizer to cpu" in out
+    line = shlex.split(out[out.index(next(x for x in out if x.startswith("the whole run"))) + 1])
+    assert line[0] == "pretrain_gpt.py"
+    run = RunConfig.from_flags(line[1:], world_size=1)
+    assert run.optimizer.offload.optimizer_device == "cpu" and run.optimizer.optimizer_cpu_offload
+    assert planner.Candidate.of(run).tiered and (run.model.num_layers, run.model.hidden_size) == (12, 768)
 
 
 # ---- host memory and the offload tiers (issues 37, 38) ---------------------------------------------
