@@ -521,22 +521,31 @@ def may_fit(p: Problem, c: Candidate) -> bool:
 
 def peak_rank_memory(p: Problem, c: Candidate, known: dict | None = None) -> RankMemory:
     """predict_rank on the first and last stage (the peak stages, see the module doc). ``known``: the
-    stages' predictions by delta, filled for candidates without a tier and read for those with one (a
-    tier changes only the params and optimizer bytes: the activations and extras are the untiered's)."""
+    stages' activations and extras (but ZeRO-3's gathered units) by the fields they depend on, filled
+    and read by one search: the ZeRO level and the offload tiers change only the state bytes (cached
+    per split) and the gathered units (cached), so the layouts differing in those alone share them."""
     layout = memory_layout(p, c)
     stages = sorted({0, c.pp - 1})
-    untiered = known.get(dataclasses.replace(c, offload_optimizer="none", offload_param="none").delta) if (
-        known is not None and c.tiered
-    ) else None  # fmt: skip
-    if untiered is not None:
-        states = [_rank_state(p.config, layout, r) for r in stages]
-        ranks = [
-            dataclasses.replace(m, params=a, grads=b, optimizer=o) for m, (a, b, o) in zip(untiered, states)
+    if known is None:
+        ranks = [rank_memory(p.config, layout, r) for r in stages]
+        return max(ranks, key=lambda m: sum(m.categories().values()))
+    key = (c.tp, c.pp, c.vp, c.dp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.cp, c.cp_comm_type,
+           c.cp_a2a, c.ep, c.etp)  # fmt: skip
+    hit = known.get(key)
+    if hit is None:
+        ranks = [rank_memory(p.config, layout, r) for r in stages]
+        known[key] = [
+            (m.activations, {k: v for k, v in m.extra.items() if k != "params_gathered"}) for m in ranks
         ]
     else:
-        ranks = [rank_memory(p.config, layout, r) for r in stages]
-        if known is not None and not c.tiered:
-            known[c.delta] = ranks
+        ranks = [
+            RankMemory(
+                *_rank_state(p.config, layout, r),
+                act,
+                {**extra, "params_gathered": _gathered_bytes(p.config, layout, r)},
+            )
+            for r, (act, extra) in zip(stages, hit)
+        ]
     return max(ranks, key=lambda m: sum(m.categories().values()))
 
 
