@@ -163,19 +163,21 @@ def test_ranking_keeps_tp_inside_a_node_unless_nothing_else_fits():
 
 
 def test_too_big_names_the_smallest_gpu_count():
+    """On the device alone (no offload tier: with one, the optimizer on the host makes it fit)."""
     with pytest.raises(planner.PlanError, match=r"--num-gpus 1 .*the smallest that fits is --num-gpus \d+"):
-        planner.plan(_small(gpus=1, memory=2.05, gbs=8))
+        planner.plan(_small(gpus=1, memory=2.05, gbs=8, offload=False))
     # ... and that count does fit, the one below it does not
     n = planner.smallest_gpu_count(_small(gpus=1, memory=2.05, gbs=8))
-    assert planner.plan(_small(gpus=n, memory=2.05, gbs=8))
+    assert planner.plan(_small(gpus=n, memory=2.05, gbs=8, offload=False))
     below = max(k for k in (1, 2, 4, 8) if k < n) if n <= 8 else n - 8
     with pytest.raises(planner.PlanError):
-        planner.plan(_small(gpus=below, memory=2.05, gbs=8))
+        planner.plan(_small(gpus=below, memory=2.05, gbs=8, offload=False))
+    assert planner.plan(_small(gpus=1, memory=2.05, gbs=8))[0].tiered
 
 
 def test_tool_prints_the_smallest_gpu_count_and_names_impossible_flags():
     out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "2.05",
-                "--global-batch-size", "8")  # fmt: skip
+                "--global-batch-size", "8", "--no-offload")  # fmt: skip
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert re.search(r"the smallest that fits is --num-gpus \d+", out.stderr), out.stderr
     # 3 layers, a batch of 1 on 16 GPUs: dp = 1, tp <= 8, so pp would have to be 2+ and divide 3
@@ -531,7 +533,7 @@ def test_big_models_on_8_gpus_are_answered_with_what_does_not_fit():
     answer names the category and its bytes per GPU, which the state floor gives by hand."""
     h100 = planner.Cluster(8, 8, planner.GPUS["H100-SXM"])
     with pytest.raises(planner.PlanError) as e:
-        planner.plan(planner.Problem(LLAMA_70B, h100, 4096, 1024))
+        planner.plan(planner.Problem(LLAMA_70B, h100, 4096, 1024, offload=False))
     msg = str(e.value)
     n = planner.model_numel(LLAMA_70B)
     assert 68.9e9 < n < 69.1e9  # Llama-2 70B's parameter count
@@ -555,7 +557,9 @@ def test_overhead_and_activations_are_named_when_they_are_what_does_not_fit():
     # a sequence of 64k tokens on 2.3 GB: the state fits, the activations of the leanest layout do not
     long = dataclasses.replace(SMALL, max_position_embeddings=1 << 16)
     gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=2.3)
-    p = planner.Problem(long, planner.Cluster(8, 8, gpu), 1 << 16, 8, context_parallel_choices=(1,))
+    p = planner.Problem(
+        long, planner.Cluster(8, 8, gpu), 1 << 16, 8, context_parallel_choices=(1,), offload=False
+    )
     with pytest.raises(
         planner.PlanError, match=r"the state fits .* but the activations do not: .*recompute full"
     ):

@@ -519,6 +519,22 @@ def may_fit(p: Problem, c: Candidate) -> bool:
     return CONTEXT_GB + (1 + FRAGMENTATION) * state / GIB <= gpu_gb
 
 
+def _activation_key(c: Candidate) -> tuple:
+    """The fields a layout's activations and extras (but the gathered units) depend on."""
+    return (c.tp, c.pp, c.vp, c.dp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.cp, c.cp_comm_type,
+            c.cp_a2a, c.ep, c.etp)  # fmt: skip
+
+
+def _activations_too_big(p: Problem, c: Candidate, known: dict) -> bool:
+    """True when the activations ``known`` for ``c``'s key alone (a lower bound of any stage's need: its
+    fragmentation and the CUDA context on top) do not fit: no ZeRO level or tier can fit it."""
+    hit = known.get(_activation_key(c))
+    return (
+        hit is not None
+        and CONTEXT_GB + (1 + FRAGMENTATION) * max(a for a, _ in hit) / GIB > p.cluster.gpu.memory_gb
+    )
+
+
 def peak_rank_memory(p: Problem, c: Candidate, known: dict | None = None) -> RankMemory:
     """predict_rank on the first and last stage (the peak stages, see the module doc). ``known``: the
     stages' activations and extras (but ZeRO-3's gathered units) by the fields they depend on, filled
@@ -529,8 +545,7 @@ def peak_rank_memory(p: Problem, c: Candidate, known: dict | None = None) -> Ran
     if known is None:
         ranks = [rank_memory(p.config, layout, r) for r in stages]
         return max(ranks, key=lambda m: sum(m.categories().values()))
-    key = (c.tp, c.pp, c.vp, c.dp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.cp, c.cp_comm_type,
-           c.cp_a2a, c.ep, c.etp)  # fmt: skip
+    key = _activation_key(c)
     hit = known.get(key)
     if hit is None:
         ranks = [rank_memory(p.config, layout, r) for r in stages]
@@ -1132,6 +1147,8 @@ def _fitting(
         if tier[1] != "none" and not c.sharding.shards_params:
             continue  # validation's rule: a param tier offloads ZeRO-3's shards
         if tier != ("none", "none"):
+            if known is not None and _activations_too_big(q, c, known):
+                continue
             c = dataclasses.replace(c, offload_optimizer=tier[0], offload_param=tier[1])
         if not may_fit(q, c):
             continue
@@ -1178,7 +1195,7 @@ def plan(p: Problem) -> list[Candidate]:
             )
         )
     if not found:
-        raise PlanError(no_fit_message(p, tiers=device_refused and p.offload))
+        raise PlanError(no_fit_message(p, tiers=device_refused and p.offload, known=known))
     ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
     return [dataclasses.replace(c, flags=launch_flags(p, c)) for c in ranked]
 
@@ -1242,7 +1259,7 @@ def no_layout_message(p: Problem) -> str:
     )
 
 
-def what_does_not_fit(p: Problem) -> str:
+def what_does_not_fit(p: Problem, known: dict | None = None) -> str:
     """Why nothing fits on the job's GPUs, with the numbers: the leanest layout's floor of
     parameters, gradients and optimizer state per GPU, and the planner's overhead on top; or,
     when the state fits, the activations of the leanest layout the prediction tried."""
@@ -1264,7 +1281,7 @@ def what_does_not_fit(p: Problem) -> str:
         return f"the model's state needs {state} = {f.total / GIB:.1f} GB per GPU on {where}"
     if floor_gb(f) > gpu_gb:
         return f"{where} holds {state} per GPU; {overhead} makes it {floor_gb(f):.1f} GB"
-    tried = [with_memory(p, c) for c in cands if may_fit(p, c)]
+    tried = [with_memory(p, c, known) for c in cands if may_fit(p, c)]
     best = min(tried, key=lambda c: c.memory_per_rank_gb + c.overhead_gb)
     return (
         f"the state fits ({state} on {where}) but the activations do not: the leanest prediction "
@@ -1273,8 +1290,9 @@ def what_does_not_fit(p: Problem) -> str:
     )
 
 
-def no_fit_message(p: Problem, tiers: bool = False) -> str:
-    """Why no layout fits, and the fewest GPUs that would; ``tiers``: the offload tiers were tried too."""
+def no_fit_message(p: Problem, tiers: bool = False, known: dict | None = None) -> str:
+    """Why no layout fits, and the fewest GPUs that would; ``tiers``: the offload tiers were tried too;
+    ``known``: the search's predictions (``peak_rank_memory``), reused."""
     gpu = p.cluster.gpu
     start = min_gpus_by_state(p)
     n = smallest_gpu_count(p)
@@ -1290,7 +1308,7 @@ def no_fit_message(p: Problem, tiers: bool = False) -> str:
         f"the model fits on no layout of --num-gpus {p.cluster.num_gpus} with {gpu.memory_gb:g} GB per GPU "
         f"(--global-batch-size {p.global_batch_size})"
         + (", nor with the optimizer or the parameters offloaded to cpu or nvme" if tiers else "")
-        + f": {what_does_not_fit(p)}; {where}"
+        + f": {what_does_not_fit(p, known)}; {where}"
     )
 
 
