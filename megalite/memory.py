@@ -500,24 +500,36 @@ RNG_STATE_BYTES = 626 * 8 + 16 + 626 * 8 + 8 + 3 * 5056
 
 
 def async_save_staging_bytes(
-    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+    config: ModelConfig,
+    layout: MemoryLayout,
+    pp_rank: int,
+    dp_rank: int = 0,
+    edp_rank: int = 0,
+    tp_rank: int = 0,
 ) -> int:
-    """``--async-save``: host bytes of one rank's staging buffers, allocated at the first save and reused:
-    what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded, gathered under ZeRO)
-    at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16 params, the fp32 main copy
-    (the tied output copy and the vocab padding, not stored, are counted: an upper bound by a few rows),
-    and its RNG states.
+    """``--async-save``: host bytes of one rank's staging buffers (``HostStaging``), allocated at the first
+    save and reused: what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded,
+    gathered under ZeRO) at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16
+    params, the fp32 main copy, and its RNG states. The vocabulary's padding rows are not stored (TP rank
+    ``tp_rank`` holds rows ``[tp_rank V_p / tp, (tp_rank + 1) V_p / tp)`` of the padded V_p, of which
+    those below V are stored), nor the tied output copy on the last stage.
 
     The nvme optimizer tier stages its state as files (``async_save.DiskStaging``:
     :func:`optimizer_nvme_bytes` on the disk, none of it in host memory); only the main params it keeps on
     the device (``--optimizer-offload-fraction`` < 1: this rank's ``(dp_rank, edp_rank)`` pieces under
     the distributed optimizer) are copied to the host, 12 bytes per element (main param and moments)."""
     b = dtype_bytes(layout.params_dtype)
-    numel = sum(
-        s.numel
-        for c in stage_chunks(config, layout)[pp_rank]
-        for s in chunk_param_shapes(config, layout.tp, c)
-    )
+    tp, vocab = layout.tp, config.vocab_size
+    share = config.padded_vocab_size(tp) // tp
+    stored_rows = min(max(vocab - tp_rank * share, 0), share)
+    numel = 0
+    for c in stage_chunks(config, layout)[pp_rank]:
+        for s in chunk_param_shapes(config, tp, c):
+            if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                copy = s.name == "output_layer.weight" and s.shared_embedding
+                numel += 0 if copy else stored_rows * s.shape[1]
+            else:
+                numel += s.numel
     if layout.offload_optimizer_device == "nvme":
         kept = sum(n for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if not host)
         return numel * b + 12 * kept + RNG_STATE_BYTES
@@ -651,6 +663,50 @@ def tier_bytes(
     }
     return {
         tier: {"params": params[tier], "optimizer": optimizer[tier]} for tier in ("device", "host", "nvme")
+    }
+
+
+HOST_CATEGORIES = ("optimizer", "pinned_grads", "nvme_working_set", "params", "async_save_staging")
+NVME_CATEGORIES = ("optimizer", "params")
+
+
+def host_bytes(
+    config: ModelConfig,
+    layout: MemoryLayout,
+    pp_rank: int,
+    dp_rank: int = 0,
+    edp_rank: int = 0,
+    tp_rank: int = 0,
+    async_save: bool = False,
+) -> dict[str, int]:
+    """Host memory of one rank beyond the process itself, by category (``HOST_CATEGORIES``), the one
+    place the host is modelled: the optimizer tier's state on the host (``--offload-optimizer-device
+    cpu``: fp32 main copy and two moments, 12 bytes per element, and AdamW's ``step`` per main param; nvme:
+    only ``step``), the pinned fp32 buffers offloaded grads land in (4 bytes per element, cpu tier), the
+    nvme tier's working set (:func:`nvme_working_set_bytes`), ZeRO-3's param shards on the host
+    (``--offload-param-device cpu``) and ``--async-save``'s staging buffers (:func:`async_save_staging_bytes`).
+    Their sum less the last two transient ones is :func:`predict_rank`'s ``host``."""
+    mains = [n for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if host]
+    cpu = layout.offload_optimizer_device != "nvme"
+    return {
+        "optimizer": sum(12 * n * cpu + 4 for n in mains),
+        "pinned_grads": sum(4 * n * cpu for n in mains),
+        "nvme_working_set": nvme_working_set_bytes(config, layout, pp_rank, dp_rank, edp_rank),
+        "params": offloaded_param_bytes(config, layout, pp_rank)["host"],
+        "async_save_staging": async_save_staging_bytes(config, layout, pp_rank, dp_rank, edp_rank, tp_rank)
+        if async_save
+        else 0,
+    }
+
+
+def nvme_bytes(
+    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+) -> dict[str, int]:
+    """The nvme tier's swap files of one rank, by category (``NVME_CATEGORIES``): the optimizer state
+    (:func:`optimizer_nvme_bytes`) and ZeRO-3's param shards (``--offload-param-device nvme``)."""
+    return {
+        "optimizer": optimizer_nvme_bytes(config, layout, pp_rank, dp_rank, edp_rank),
+        "params": offloaded_param_bytes(config, layout, pp_rank)["nvme"],
     }
 
 
@@ -1379,6 +1435,7 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
         **nvme_working_set_record(state, layout),
         **async_save_record(state, layout),
         **moe_worst_record(state.config, layout, mesh.pp_rank),
+        **host_categories_record(state, layout, offloaded),
         "layout": layout.as_record(),
     }
 
@@ -1409,12 +1466,56 @@ def moe_worst_record(config: ModelConfig, layout: MemoryLayout, pp_rank: int) ->
 
 def async_save_record(state, layout: MemoryLayout) -> dict:
     """``{"async_save_staging_bytes": predicted}`` under ``--async-save`` (else empty): host memory."""
-    ckpt = state.configs.checkpoint
-    if not (ckpt.async_save and ckpt.save):
+    if not _stages_saves(state):
         return {}
     mesh = state.mesh
-    ranks = (mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
-    return {"async_save_staging_bytes": async_save_staging_bytes(state.config, layout, *ranks)}
+    shards = mesh.dp_with_cp()
+    ranks = dict(dp_rank=shards.dp_rank, edp_rank=mesh.edp_rank, tp_rank=mesh.tp_rank)
+    return {"async_save_staging_bytes": async_save_staging_bytes(state.config, layout, mesh.pp_rank, **ranks)}
+
+
+def _stages_saves(state) -> bool:
+    ckpt = state.configs.checkpoint
+    return bool(ckpt.async_save and ckpt.save)
+
+
+def measure_host_bytes(state, offloaded: dict[str, int]) -> dict[str, int | None]:
+    """This rank's host bytes by :data:`HOST_CATEGORIES`, from the tensors themselves: the offloaded
+    main params' state less the nvme tier's swap files, the pinned grad buffers, the nvme tier's peak
+    working set so far and ZeRO-3's host shards. The async saver's staging is None: its buffers are made
+    at the first save, after the first iteration's report (``HostStaging.nbytes`` measures them there)."""
+    adamw = state.optimizer.adamw
+    return {
+        "optimizer": adamw.state_bytes(offloaded=True) - adamw.nvme_bytes(),
+        "pinned_grads": sum(g.nbytes for g in adamw.host_grads),
+        "nvme_working_set": adamw.nvme.peak_bytes if adamw.nvme is not None else 0,
+        "params": offloaded["host"],
+        "async_save_staging": None,
+    }
+
+
+def host_categories_record(state, layout: MemoryLayout, offloaded: dict[str, int]) -> dict:
+    """``{"host_bytes": {"measured", "predicted"}, "nvme_bytes": ...}``: :func:`measure_host_bytes` against
+    :func:`host_bytes`, the swap files against :func:`nvme_bytes`, by category."""
+    mesh = state.mesh
+    shards = mesh.dp_with_cp().optimizer_instance()
+    predicted = host_bytes(
+        state.config,
+        layout,
+        mesh.pp_rank,
+        shards.dp_rank,
+        shards.edp_rank,
+        mesh.tp_rank,
+        _stages_saves(state),
+    )
+    ranks = (mesh.pp_rank, shards.dp_rank, shards.edp_rank)
+    return {
+        "host_bytes": {"measured": measure_host_bytes(state, offloaded), "predicted": predicted},
+        "nvme_bytes": {
+            "measured": {"optimizer": state.optimizer.nvme_bytes(), "params": offloaded["nvme"]},
+            "predicted": nvme_bytes(state.config, layout, *ranks),
+        },
+    }
 
 
 def stage_summary(records: list[dict]) -> dict[str, int]:
@@ -1483,26 +1584,36 @@ def format_memory_table(records: list[dict]) -> str:
             "was skipped, as fp16's loss scaling may do first: AdamW creates its moments at the first "
             "step taken); the optimizer column is left out of max rel err"
         )
-    host = [r["host"] for r in records if r.get("host", {}).get("predicted")]
-    if host:  # --optimizer-cpu-offload
-        pred, meas = (max(h[k] for h in host) / mib for k in ("predicted", "measured"))
-        lines.append(f"host memory (offloaded state, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
-    nvme = [r["nvme"] for r in records if r.get("nvme", {}).get("predicted")]
-    if nvme:  # --offload-*-device nvme
-        pred, meas = (max(h[k] for h in nvme) / mib for k in ("predicted", "measured"))
-        lines.append(f"nvme swap files (offloaded state, max over ranks) MiB: {pred:.3f} / {meas:.3f}")
     worst = [r["activations_worst"] for r in records if "activations_worst" in r]
     if worst:  # dropless MoE: the prediction is the balanced expectation
         lines.append(
             "activations: dropless MoE layers predicted at the balanced routing's expectation; the "
             f"worst case (every token of the expert group on one rank's experts) MiB: {max(worst) / mib:.3f}"
         )
-    staging = [r["async_save_staging_bytes"] for r in records if "async_save_staging_bytes" in r]
-    if staging:
-        lines.append(
-            f"host memory for --async-save staging (predicted, max over ranks) MiB: {max(staging) / mib:.3f}"
-        )
+    lines += _host_lines(records)
     return "\n".join([title] + [" " + line for line in lines])
+
+
+def _host_lines(records: list[dict]) -> list[str]:
+    """The host and NVMe rows of the table: per category, predicted / measured MiB (max over ranks;
+    "-" where nothing is measured yet), only the categories some rank predicts bytes for."""
+    mib, out = 2**20, []
+
+    def row(title: str, key: str, cats: tuple) -> None:
+        sides = [r[key] for r in records if key in r]
+        cells = []
+        for c in cats:
+            pred = max((s["predicted"].get(c) or 0 for s in sides), default=0)
+            if pred:
+                got = [s["measured"].get(c) for s in sides if s["measured"].get(c) is not None]
+                meas = f"{max(got) / mib:.3f}" if got else "- (made at the first save)"
+                cells.append(f"{c} {pred / mib:.3f} / {meas}")
+        if cells:
+            out.append(f"{title} MiB pred / meas (max over ranks): " + ", ".join(cells))
+
+    row("host memory", "host_bytes", HOST_CATEGORIES)
+    row("nvme swap files", "nvme_bytes", NVME_CATEGORIES)
+    return out
 
 
 def device_capacity_bytes(device: torch.device) -> int:
@@ -1513,15 +1624,23 @@ def device_capacity_bytes(device: torch.device) -> int:
 
 
 def host_state_bytes(
-    config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
+    config: ModelConfig,
+    layout: MemoryLayout,
+    pp_rank: int,
+    dp_rank: int = 0,
+    edp_rank: int = 0,
+    async_save: bool = False,
 ) -> int:
     """Host memory a rank's training state needs at its peak: on a CPU device (the model in host
-    memory) everything :func:`predict_rank` counts on the device, and on any device the offloaded
-    tiers' host bytes and the nvme tier's working set (:func:`nvme_working_set_bytes`). Not counted:
-    the process itself (the interpreter and torch's libraries, a few hundred MB)."""
-    rank = predict_rank(config, layout, pp_rank, dp_rank, edp_rank)
-    on_host = rank.total if layout.device_type == "cpu" else 0
-    return on_host + rank.host + nvme_working_set_bytes(config, layout, pp_rank, dp_rank, edp_rank)
+    memory) everything :func:`predict_rank` counts on the device, and on any device every category of
+    :func:`host_bytes` (the offloaded tiers, the nvme tier's working set, ``--async-save``'s staging).
+    Not counted: the process itself (the interpreter and torch's libraries, a few hundred MB)."""
+    on_host = (
+        predict_rank(config, layout, pp_rank, dp_rank, edp_rank).total if layout.device_type == "cpu" else 0
+    )
+    return on_host + sum(
+        host_bytes(config, layout, pp_rank, dp_rank, edp_rank, async_save=async_save).values()
+    )
 
 
 def _host_fixes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> list[tuple[str, MemoryLayout]]:
@@ -1559,8 +1678,10 @@ def check_host_fits(run: RunConfig, mesh: Mesh) -> None:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     rank = (mesh.pp_rank, mesh.dp_with_cp().dp_rank, mesh.edp_rank)
 
+    staging = run.checkpoint.async_save and run.checkpoint.save is not None
+
     def need(lay: MemoryLayout) -> int:
-        return ranks * host_state_bytes(run.model, lay, *rank)
+        return ranks * host_state_bytes(run.model, lay, *rank, async_save=staging)
 
     have, gib = device_capacity_bytes(mesh.device), 2**30
     if need(layout) <= have:

@@ -150,8 +150,9 @@ def _async_cases(tmp) -> dict:
     import dataclasses
 
     from megalite.arguments import RunConfig
+    from megalite.checkpoint.async_save import HostStaging
     from megalite.checkpoint.checkpointing import capture_save
-    from megalite.memory import MemoryLayout, async_save_staging_bytes
+    from megalite.memory import MemoryLayout, async_save_staging_bytes, host_bytes
     from megalite.training import setup
 
     run = RunConfig.from_flags(
@@ -159,9 +160,15 @@ def _async_cases(tmp) -> dict:
     )
     state = setup(run, with_data=False)
     pieces = capture_save(state, dataclasses.replace(run.checkpoint, save=str(tmp / "m"))).pieces
-    staged = sum(getattr(v, "tensor", v).nbytes for v in pieces.values())
-    layout = MemoryLayout.from_configs(run)
-    out["staging_bytes"] = (staged, async_save_staging_bytes(state.config, layout, state.mesh.pp_rank))
+    staging = HostStaging()
+    staging.stage(pieces)  # the saver's own buffers, measured
+    layout, mesh = MemoryLayout.from_configs(run), state.mesh
+    predicted = async_save_staging_bytes(state.config, layout, mesh.pp_rank, tp_rank=mesh.tp_rank)
+    out["staging_bytes"] = (staging.nbytes, predicted)
+    # and the memory report's host row of it (host_bytes' async_save_staging, this rank's TP share)
+    out["host_staging"] = host_bytes(
+        state.config, layout, mesh.pp_rank, tp_rank=mesh.tp_rank, async_save=True
+    )
     out["nvme"] = _nvme_cases(tmp)
     return out
 
@@ -303,9 +310,11 @@ def test_async_saves_equal_sync_resume_bitwise_and_fail_in_one_line(tmp_path):
         assert "Permission denied" in fail["error"] and "iteration 2 is still the latest" in fail["error"]
         assert fail["tracker"] == 2 and fail["folders"] == ["iter_0000002"]
     assert r0["fail"]["last_iteration"] in (5, 6)  # stopped at the next step boundaries, not at the end
-    for r in out:  # predicted: every param of the rank once (padding rows too), within 5% of what it stages
+    for r in out:  # predicted: every param of the rank once (its stored vocab rows), to the byte
         staged, predicted = r["staging_bytes"]
-        assert 0.95 * predicted < staged < 1.05 * predicted, r["staging_bytes"]
+        assert staged == predicted, r["staging_bytes"]
+        assert r["host_staging"]["async_save_staging"] == staged, r["host_staging"]
+    assert out[0]["staging_bytes"][0] != out[1]["staging_bytes"][0]  # tp rank 1 holds the vocab padding
     _check_nvme(out)
 
 

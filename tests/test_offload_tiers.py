@@ -100,6 +100,22 @@ def test_host_and_nvme_bytes_match_the_memory_model_and_swap_files_are_removed(r
         for r in records:
             for tier in ("host", "nvme"):
                 assert r[tier]["measured"] == r[tier]["predicted"], (name, tier, r[tier])
+            # by category (memory.host_bytes / nvme_bytes), to the byte; the nvme working set is a bound
+            # (the most sub-groups the step may hold at once; measured: the most it held so far)
+            host, nvme = r["host_bytes"], r["nvme_bytes"]
+            exact = ("optimizer", "pinned_grads", "params")
+            assert {c: host["measured"][c] for c in exact} == {c: host["predicted"][c] for c in exact}, (
+                name,
+                host,
+            )
+            ws = host["measured"]["nvme_working_set"], host["predicted"]["nvme_working_set"]
+            assert ws[0] <= ws[1] and (ws[0] > 0) == (name in ("opt-nvme", "both-nvme")), (name, ws)
+            assert (
+                host["measured"]["async_save_staging"] is None
+                and host["predicted"]["async_save_staging"] == 0
+            )
+            assert nvme["measured"] == nvme["predicted"], (name, nvme)
+            assert sum(host["predicted"][c] for c in exact) == r["host"]["predicted"]
             assert (r["nvme"]["predicted"] > 0) == (name in NVME), name
             assert r["measured"] == r["predicted"] or not r["optimizer_state_allocated"], (name, r)
         if name.startswith("param"):

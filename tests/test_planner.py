@@ -164,19 +164,21 @@ def test_ranking_keeps_tp_inside_a_node_unless_nothing_else_fits():
 
 
 def test_too_big_names_the_smallest_gpu_count():
+    """On the device alone (no offload tier: with one, the optimizer on the host makes it fit)."""
     with pytest.raises(planner.PlanError, match=r"--num-gpus 1 .*the smallest that fits is --num-gpus \d+"):
-        planner.plan(_small(gpus=1, memory=2.05, gbs=8))
+        planner.plan(_small(gpus=1, memory=2.05, gbs=8, offload=False))
     # ... and that count does fit, the one below it does not
     n = planner.smallest_gpu_count(_small(gpus=1, memory=2.05, gbs=8))
-    assert planner.plan(_small(gpus=n, memory=2.05, gbs=8))
+    assert planner.plan(_small(gpus=n, memory=2.05, gbs=8, offload=False))
     below = max(k for k in (1, 2, 4, 8) if k < n) if n <= 8 else n - 8
     with pytest.raises(planner.PlanError):
-        planner.plan(_small(gpus=below, memory=2.05, gbs=8))
+        planner.plan(_small(gpus=below, memory=2.05, gbs=8, offload=False))
+    assert planner.plan(_small(gpus=1, memory=2.05, gbs=8))[0].tiered
 
 
 def test_tool_prints_the_smallest_gpu_count_and_names_impossible_flags():
     out = _tool(*SMALL_FLAGS[:-4], "--num-gpus", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "2.05",
-                "--global-batch-size", "8")  # fmt: skip
+                "--global-batch-size", "8", "--no-offload")  # fmt: skip
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert re.search(r"the smallest that fits is --num-gpus \d+", out.stderr), out.stderr
     # 3 layers, a batch of 1 on 16 GPUs: dp = 1, tp <= 8, so pp would have to be 2+ and divide 3
@@ -370,11 +372,22 @@ def test_gpt3_memory_per_rank_is_the_papers_where_assumptions_match(t, p):
 
 def test_rank_memory_is_predict_rank_with_cached_state_bytes():
     p = _small()
-    for c in list(planner.layouts(p))[::53]:
+    cands = list(planner.layouts(p))
+    tiered = [  # each offload tier the planner proposes, on ZeRO-3 layouts (the param tiers need it)
+        dataclasses.replace(c, offload_optimizer=o, offload_param=w)
+        for c in cands[::97]
+        if c.sharding.shards_params
+        for o, w in planner.TIER_LEVELS
+    ]
+    assert {(c.offload_optimizer, c.offload_param) for c in tiered} == set(planner.TIER_LEVELS)
+    for c in cands[::53] + tiered:
         layout = planner.memory_layout(p, c)
         for r in range(c.pp):
-            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)
-            assert planner.rank_memory(SMALL, layout, r) == predict_rank(SMALL, layout, r)  # cached
+            want = predict_rank(SMALL, layout, r)
+            assert planner.rank_memory(SMALL, layout, r) == dataclasses.replace(want, host=0, nvme=0)
+            assert planner.rank_memory(SMALL, layout, r) == dataclasses.replace(
+                want, host=0, nvme=0
+            )  # cached
 
 
 # ---- pretrain_gpt.py's start-up check (issue #15) -----------------------------------------------
@@ -525,7 +538,7 @@ def test_big_models_on_8_gpus_are_answered_with_what_does_not_fit():
     answer names the category and its bytes per GPU, which the state floor gives by hand."""
     h100 = planner.Cluster(8, 8, planner.GPUS["H100-SXM"])
     with pytest.raises(planner.PlanError) as e:
-        planner.plan(planner.Problem(LLAMA_70B, h100, 4096, 1024))
+        planner.plan(planner.Problem(LLAMA_70B, h100, 4096, 1024, offload=False))
     msg = str(e.value)
     n = planner.model_numel(LLAMA_70B)
     assert 68.9e9 < n < 69.1e9  # Llama-2 70B's parameter count
@@ -549,7 +562,9 @@ def test_overhead_and_activations_are_named_when_they_are_what_does_not_fit():
     # a sequence of 64k tokens on 2.3 GB: the state fits, the activations of the leanest layout do not
     long = dataclasses.replace(SMALL, max_position_embeddings=1 << 16)
     gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=2.3)
-    p = planner.Problem(long, planner.Cluster(8, 8, gpu), 1 << 16, 8, context_parallel_choices=(1,))
+    p = planner.Problem(
+        long, planner.Cluster(8, 8, gpu), 1 << 16, 8, context_parallel_choices=(1,), offload=False
+    )
     with pytest.raises(
         planner.PlanError, match=r"the state fits .* but the activations do not: .*recompute full"
     ):
@@ -742,8 +757,8 @@ def test_top_candidates_are_the_ones_before_the_refactor():
 
 
 def _delta(c: planner.Candidate) -> tuple:
-    """The fields a candidate replaces in its base run (not its predictions)."""
-    return dataclasses.astuple(c)[:12]
+    """The fields a candidate replaces in its base run (not its predictions), its tiers included."""
+    return dataclasses.astuple(c)[:12] + (c.offload_optimizer, c.offload_param)
 
 
 def test_launch_lines_are_the_proposed_runs():
@@ -795,3 +810,136 @@ def test_tool_prints_a_launch_line_from_flags_resolves(capsys):
     got += (par.virtual_pipeline_model_parallel_size, par.data_parallel_size, run.training.micro_batch_size)
     assert got == tuple(map(int, best.groups()))
     assert (run.model.num_layers, run.model.hidden_size, run.training.global_batch_size) == (8, 256, 64)
+    # nothing fits on the device: the pick offloads the optimizer, says so, and its line resolves to that
+    assert tool.plan([*TIER_FLAGS, "--gpu-memory-gb", "3.5", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "nothing fits on the device; offloading the optimizer to cpu" in out
+    line = shlex.split(out[out.index(next(x for x in out if x.startswith("the whole run"))) + 1])
+    assert line[0] == "pretrain_gpt.py"
+    run = RunConfig.from_flags(line[1:], world_size=1)
+    assert run.optimizer.offload.optimizer_device == "cpu" and run.optimizer.optimizer_cpu_offload
+    assert planner.Candidate.of(run).tiered and (run.model.num_layers, run.model.hidden_size) == (12, 768)
+
+
+# ---- host memory and the offload tiers (issues 37, 38) ---------------------------------------------
+GPT2_124M = ModelConfig.gpt2(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
+                             max_position_embeddings=128)  # fmt: skip
+# GPT-2 124M, bf16, one GPU: 2.0 GB of state + 2 GB of context does not fit 3.5 GB; on 8 GB it fits
+TIER_FLAGS = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "128",
+              "--max-position-embeddings", "128", "--vocab-size", "50257", "--bf16", "--num-gpus", "1",
+              "--global-batch-size", "8"]  # fmt: skip
+
+
+def _gpt2(memory: float, host: float = 2048.0, **kw) -> planner.Problem:
+    gpu = dataclasses.replace(planner.GPUS["H100-SXM"], memory_gb=memory)
+    return planner.Problem(GPT2_124M, planner.Cluster(1, 8, gpu, host_memory_gb=host), 128, 8, **kw)
+
+
+def _with_base(p: planner.Problem, **fields) -> planner.Problem:
+    """``p`` on its base run with ``fields`` replaced: ``checkpoint`` / ``offload`` dicts of their fields."""
+    run = p.base_run
+    if "checkpoint" in fields:
+        run = dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, **fields["checkpoint"]))
+    if "offload" in fields:
+        off = dataclasses.replace(run.optimizer.offload, **fields["offload"])
+        run = dataclasses.replace(
+            run,
+            optimizer=dataclasses.replace(run.optimizer, offload=off),
+            data_parallel=dataclasses.replace(run.data_parallel, offload=off),
+        )
+    return dataclasses.replace(p, base=run)
+
+
+def test_nothing_fits_on_the_device_so_the_pick_offloads_the_optimizer_and_says_so():
+    """3.5 GB: no layout fits on the device, so every candidate offloads the optimizer to cpu (the first
+    tier level that fits), the output's first line says so and the pick's step time is its table time
+    plus the tier's traffic at the recorded bandwidths; 8 GB: something fits, no tier is proposed; with
+    offload off, the old one-line refusal."""
+    from megalite.memory import param_bytes
+
+    p = _gpt2(3.5)
+    cands = planner.plan(p)
+    assert cands and all((c.offload_optimizer, c.offload_param) == ("cpu", "none") for c in cands)
+    assert planner.explain(p, cands)[0] == "nothing fits on the device; offloading the optimizer to cpu"
+    assert "offload" in planner.format_table(cands).splitlines()[0]
+    best = cands[0]
+    assert all(planner.fits(p, c) and planner.peak_rank_memory(p, c).optimizer == 0 for c in cands)
+    elements = param_bytes(GPT2_124M, planner.memory_layout(p, best), 0) // 2  # bf16 params: every main
+    assert planner.tier_traffic(p, best) == {
+        "host_link": elements * (4 + 2),
+        "disk_read": 0.0,
+        "disk_write": 0.0,
+    }
+    untiered = planner._table_time(p, dataclasses.replace(best, offload_optimizer="none"))
+    extra = elements * 6 / (p.cluster.host_link_gbps * 1e9)
+    assert best.step_time_s == pytest.approx(untiered.step_time_s + extra, rel=1e-12)
+    assert dict(best.parts)["offload"] == pytest.approx(extra, rel=1e-12)
+    # the checker's case where no tier may be proposed: something fits on the device
+    fitted = planner.plan(_gpt2(8.0))
+    assert fitted and not any(c.tiered for c in fitted)
+    assert "nothing fits" not in "\n".join(planner.explain(_gpt2(8.0), fitted))
+    with pytest.raises(
+        planner.PlanError, match=r"^the model fits on no layout of --num-gpus 1 with 3.5 GB per GPU"
+    ):
+        planner.plan(_gpt2(3.5, offload=False))
+
+
+def test_host_memory_refuses_a_tier_then_nvme_is_proposed_with_its_disk_traffic():
+    """1 GB of host RAM: the cpu tier (1.8 GB: 12 bytes of state + 4 of pinned grads per element) is
+    refused; the nvme tier in sub-groups of 10M elements holds its working set in host memory and is the
+    pick, its disk traffic 12 bytes each way per element; with the default sub-group (all of the state
+    in memory at once) nothing is left and the refusal names the host memory and its categories."""
+    with pytest.raises(planner.PlanError) as e:
+        planner.plan(_gpt2(3.5, host=1.0))
+    msg = str(e.value)
+    assert "fit the device but not the node" in msg and "--host-memory-gb is 1" in msg and "\n" not in msg, (
+        msg
+    )
+    assert re.search(r"needs [\d.]+ GB of host memory per node \(1 ranks x \[optimizer [\d.]+, ", msg), msg
+    p = _with_base(_gpt2(3.5, host=1.0), offload={"sub_group_size": 10_000_000, "buffer_count": 2})
+    cands = planner.plan(p)
+    best = cands[0]
+    assert (best.offload_optimizer, best.offload_param) == ("nvme", "none")
+    assert planner.explain(p, cands)[0] == "nothing fits on the device; offloading the optimizer to nvme"
+    assert 0 < best.host_per_node_gb <= 1.0
+    t = planner.tier_traffic(p, best)
+    assert t["disk_read"] == t["disk_write"] == 2 * t["host_link"] == 12 * t["host_link"] / 6
+    run = planner.proposed_run(p, best)
+    assert run.optimizer.offload.nvme_path is not None and run.optimizer.offload.sub_group_size == 10_000_000
+
+
+def test_async_save_staging_is_counted_in_the_host_check():
+    """--async-save: the staging buffers (memory.async_save_staging_bytes) are the node's host bytes of
+    a layout without a tier; a node without room for them refuses every layout, naming --async-save."""
+    from megalite.memory import async_save_staging_bytes
+
+    p = _with_base(_gpt2(8.0), checkpoint={"async_save": True})
+    best = planner.plan(p)[0]
+    staging = async_save_staging_bytes(GPT2_124M, planner.memory_layout(p, best), 0)
+    assert best.host_per_node_gb * planner.GIB == pytest.approx(staging, rel=1e-12) and not best.tiered
+    assert planner.plan(_gpt2(8.0))[0].host_per_node_gb == 0  # no staging without --async-save
+    with pytest.raises(
+        planner.PlanError, match=r"async_save_staging 1\.6\] GB\) but --host-memory-gb is 1;.*--async-save"
+    ):
+        planner.plan(_with_base(_gpt2(8.0, host=1.0), checkpoint={"async_save": True}))
+
+
+def test_tiered_candidates_are_launches_validation_accepts():
+    """Every layout of a small problem at every tier level the planner may propose (param tiers on ZeRO-3):
+    its launch flags pass parse_args + validate_args and mean the same tiers."""
+    base = VALIDATION_BASE + VALIDATION_CASES[1][0] + ["--seq-length", "20", "--global-batch-size", "12"]
+    cfg = model_config(parse_args(base), vocab_size=300)
+    p = planner.Problem(cfg, planner.Cluster(6, 6, planner.GPUS["H100-SXM"]), 20, 12)
+    parser, seen = build_parser(), set()
+    for i, c in enumerate(planner.layouts(p)):
+        for o, w in planner.TIER_LEVELS[i % len(planner.TIER_LEVELS) :][:2]:  # each level, over the layouts
+            if w != "none" and not c.sharding.shards_params:
+                continue
+            t = dataclasses.replace(c, offload_optimizer=o, offload_param=w)
+            got = validate_args(parser.parse_args(base + planner.launch_flags(p, t).split()), 6)
+            assert (got.offload_optimizer_device, got.offload_param_device) == (o, w), planner.launch_flags(
+                p, t
+            )
+            assert got.optimizer_cpu_offload and got.tensor_model_parallel_size == c.tp
+            seen.add((o, w))
+    assert seen == set(planner.TIER_LEVELS)

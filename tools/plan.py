@@ -43,6 +43,31 @@ def build_parser():
     g.add_argument("--gpu-memory-gb", type=float, default=None, help="Override the GPU's memory (GiB).")
     g.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s per GPU inside a node.")
     g.add_argument("--inter-node-bandwidth", type=float, default=None, help="GB/s per GPU between nodes.")
+    g = p.add_argument_group("planner: host memory and offload tiers (docs/offload.md)")
+    d = planner.Cluster(1, 1, planner.GPUS["H100-SXM"])  # the recorded defaults
+    g.add_argument(
+        "--host-memory-gb", type=float, default=d.host_memory_gb,
+        help=f"Host RAM per node (GiB), shared by its --gpus-per-node ranks (default {d.host_memory_gb:g}, a DGX H100's).",
+    )  # fmt: skip
+    g.add_argument(
+        "--nvme-gb", type=float, default=d.nvme_gb, help=f"Local NVMe per node (GiB; default {d.nvme_gb:g})."
+    )
+    g.add_argument(
+        "--host-link-bandwidth", type=float, default=None,
+        help=f"GB/s per GPU of host <-> device copies (default: the calibration's, else {d.host_link_gbps:g}).",
+    )  # fmt: skip
+    g.add_argument(
+        "--disk-read-bandwidth", type=float, default=None,
+        help=f"GB/s of the node's NVMe reads (default: the calibration's, else {d.disk_read_gbps:g}).",
+    )  # fmt: skip
+    g.add_argument(
+        "--disk-write-bandwidth", type=float, default=None,
+        help=f"GB/s of the node's NVMe writes (default: the calibration's, else {d.disk_write_gbps:g}).",
+    )  # fmt: skip
+    g.add_argument(
+        "--no-offload", action="store_true",
+        help="Never propose an offload tier (by default one is proposed when no layout fits on the device).",
+    )  # fmt: skip
     g = p.add_argument_group("planner: calibration (megalite/planning/calibration.py)")
     g.add_argument(
         "--calibrate", action="store_true", help="Benchmark this machine (< 60 s), write --calibration."
@@ -83,7 +108,8 @@ def problem(args, argv: list[str] | None = None) -> planner.Problem:
     need(args.global_batch_size >= 1, f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     need(args.seq_length >= 1, f"--seq-length must be >= 1, got {args.seq_length}")
     need(args.top >= 1, f"--top must be >= 1, got {args.top}")
-    for flag in ("gpu_memory_gb", "peak_tflops", "intra_node_bandwidth", "inter_node_bandwidth"):
+    for flag in ("gpu_memory_gb", "peak_tflops", "intra_node_bandwidth", "inter_node_bandwidth", "host_memory_gb",
+                 "nvme_gb", "host_link_bandwidth", "disk_read_bandwidth", "disk_write_bandwidth"):  # fmt: skip
         value = getattr(args, flag)
         need(value is None or value > 0, f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if args.group_query_attention:
@@ -102,14 +128,27 @@ def problem(args, argv: list[str] | None = None) -> planner.Problem:
     except ValueError as e:
         raise planner.PlanError(str(e)) from None
     base = RunConfig.from_flags(base_argv(argv), world_size=1, vocab_size=config.vocab_size)
+    cal = calibration.load(args.calibration) if args.calibration else None
+    io = {**dataclasses.asdict(planner.Cluster(1, 1, gpu)), **((cal or {}).get("io") or {})}
+    cluster = planner.Cluster(
+        args.num_gpus, args.gpus_per_node, gpu, args.host_memory_gb, args.nvme_gb,
+        args.host_link_bandwidth or io["host_link_gbps"], args.disk_read_bandwidth or io["disk_read_gbps"],
+        args.disk_write_bandwidth or io["disk_write_gbps"],
+    )  # fmt: skip
+    if cal is not None and (
+        args.host_link_bandwidth or args.disk_read_bandwidth or args.disk_write_bandwidth
+    ):
+        cal = {**cal, "io": None}  # a bandwidth given here replaces the calibration's
     return planner.Problem(
         config=config,
-        cluster=planner.Cluster(args.num_gpus, args.gpus_per_node, gpu),
+        cluster=cluster,
         seq_length=args.seq_length,
         global_batch_size=args.global_batch_size,
         params_dtype=torch.float16 if args.fp16 else torch.bfloat16,
-        calibration=calibration.load(args.calibration) if args.calibration else None,
+        calibration=cal,
         base=dataclasses.replace(base, model=config),
+        offload=not args.no_offload,
+        nvme_path=args.offload_nvme_path,
     )
 
 
@@ -120,7 +159,8 @@ LAYOUT_DESTS = {
     "recompute_method", "recompute_num_layers", "recompute_activations", "data_parallel_sharding_strategy",
     "use_distributed_optimizer", "use_torch_fsdp2", "use_megatron_fsdp", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-    "pipeline_schedule", "fp16", "bf16",
+    "pipeline_schedule", "fp16", "bf16", "offload_optimizer_device", "offload_param_device", "offload_nvme_path",
+    "optimizer_cpu_offload", "optimizer_offload_fraction",
 }  # fmt: skip
 
 

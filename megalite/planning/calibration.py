@@ -23,6 +23,10 @@ stored as JSON:
   compute, a rank that waits sleeps and must be woken and scheduled again, which costs far more
   than the same collective in a tight loop when ranks share cores.
 
+* ``io`` (:func:`measure_io`): the offload tiers' bandwidths, host <-> device copies and the disk's
+  sequential write (fsync'd) and read, GB/s. Optional: an older calibration without it plans the
+  tiers with the cluster's recorded values (``planner.io_bandwidths``).
+
 ``cores`` is ``len(os.sched_getaffinity(0))``, the cores this process may run on.
 """
 
@@ -382,6 +386,71 @@ def _machine_terms(per_rank: list[dict]) -> dict:
     return {"concurrency": concurrency, "collectives": collectives}
 
 
+IO_BYTES = 64 << 20  # one sequential write, read back and copy: the offload tiers' bandwidths
+
+
+def _gbps(nbytes: int, body) -> float:
+    """GB/s of ``body()`` moving ``nbytes``: the best of 3 runs (the machine's other load only slows)."""
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        body()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
+def measure_io(directory: str | os.PathLike | None = None, nbytes: int = IO_BYTES) -> dict:
+    """The offload tiers' bandwidths on this machine, GB/s (the planner's ``io_bandwidths``):
+    ``host_link_gbps``, a host <-> device copy (pinned host to the GPU and back, averaged; on a CPU, a
+    copy between two host buffers: what the cpu tier's grads and params cost there); ``disk_write_gbps``,
+    a sequential write of ``nbytes`` to a file in ``directory`` (default: the temporary directory; pass
+    the NVMe mount) made durable with fsync; ``disk_read_gbps``, reading it back after the page cache
+    was told to drop it (``posix_fadvise(DONTNEED)``: where the kernel keeps it anyway, the figure is the
+    cache's, an upper bound). Each the best of 3."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    if torch.cuda.is_available():
+        host, dev = src.pin_memory(), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+        def h2d():
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def d2h():
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+
+        link = (_gbps(nbytes, h2d) + _gbps(nbytes, d2h)) / 2
+    else:
+        dst = torch.empty_like(src)
+        link = _gbps(nbytes, lambda: dst.copy_(src))
+    data = src.numpy().tobytes()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = os.path.join(tmp, "io")
+
+        def write():
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def read():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                while os.read(fd, 8 << 20):
+                    continue
+            finally:
+                os.close(fd)
+
+        return {
+            "host_link_gbps": link,
+            "disk_write_gbps": _gbps(nbytes, write),
+            "disk_read_gbps": _gbps(nbytes, read),
+            "io_bytes": nbytes,
+        }
+
+
 def calibrate(dtype: torch.dtype = torch.float32) -> dict:
     """Run the benchmarks here; return the calibration (JSON-serialisable)."""
 
@@ -402,5 +471,6 @@ def calibrate(dtype: torch.dtype = torch.float32) -> dict:
         "gemm": gemm,
         "train": train,
         **machine,
+        "io": measure_io(),
         "seconds": time.perf_counter() - start,
     }

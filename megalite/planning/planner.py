@@ -39,6 +39,7 @@ import functools
 import math
 import os
 import shlex
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,8 +58,10 @@ from megalite.memory import (
     extra_bytes,
     gathered_param_bytes,
     grad_buffer_bytes,
+    host_bytes,
     moe_layers,
     moe_rows,
+    nvme_bytes,
     optimizer_device_bytes,
     param_bytes,
     stage_chunks,
@@ -102,9 +105,23 @@ GPUS = {
 
 @dataclass(frozen=True)
 class Cluster:
+    """The job's GPUs, and per node the host memory and local NVMe its ranks share (a DGX H100's: 2 TB
+    of RAM, 8 x 3.84 TB of NVMe), with the recorded bandwidths the offload tiers' traffic takes (each
+    GPU's PCIe 5 x16 link to the host, about 55 GB/s a way in practice, half of that counted; the node's
+    NVMe RAID read / write) unless a calibration measures them (``io_bandwidths``)."""
+
     num_gpus: int
     gpus_per_node: int
     gpu: GPUSpec
+    host_memory_gb: float = 2048.0  # per node (--host-memory-gb)
+    nvme_gb: float = 30_000.0  # per node (--nvme-gb)
+    host_link_gbps: float = 25.0  # per GPU, host <-> device copies
+    disk_read_gbps: float = 25.0  # per node
+    disk_write_gbps: float = 12.0  # per node
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.num_gpus)
 
 
 # ---- the constants of the model, stated -------------------------------------------------------
@@ -117,6 +134,10 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 # ZeRO strategies the planner enumerates, by the config's own names (``--data-parallel-sharding-strategy``;
 # their DP communication is in `with_time` and `with_calibrated_time`).
 SHARDING = {s.value: s for s in ShardingStrategy}
+# The offload tiers (optimizer, param) tried in order when no layout fits on the device, the least
+# traffic first (DeepSpeed's advice: host memory before NVMe; parameters only after the optimizer);
+# the first level with a layout that fits (device, host RAM and NVMe) is the proposal.
+TIER_LEVELS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Context parallelism is tried only while each CP rank keeps at least this many tokens of every
 # sequence: below it, attention's K/V traffic buys little activation memory (Megatron's long-context
@@ -139,8 +160,13 @@ class Candidate:
     cp_a2a: int = 1  # a2a+p2p: the a2a level's size, inside a node (the p2p ring's: cp / cp_a2a)
     ep: int = 1  # MoE: --expert-model-parallel-size (each stage's tp x cp x dp re-cut as etp x ep x edp)
     etp: int | None = None  # MoE: --expert-tensor-parallel-size (None: tp)
+    # ZeRO-Infinity's tiers (docs/offload.md), proposed only when nothing fits on the device (``plan``):
+    offload_optimizer: str = "none"  # --offload-optimizer-device: none, cpu, nvme
+    offload_param: str = "none"  # --offload-param-device (ZeRO-3): none, cpu, nvme
     memory_per_rank_gb: float = 0.0
     overhead_gb: float = 0.0
+    host_per_node_gb: float = 0.0  # host memory of a node's ranks (offloaded state, --async-save staging)
+    nvme_per_node_gb: float = 0.0  # the nvme tier's swap files of a node's ranks
     step_time_s: float = 0.0
     mfu: float = 0.0
     tokens_per_sec: float = 0.0
@@ -167,13 +193,29 @@ class Candidate:
     def delta(self) -> tuple:
         """The fields :meth:`run` replaces in its base run (not the predictions)."""
         return (self.tp, self.pp, self.vp, self.dp, self.micro_batch_size, self.sequence_parallel, self.recompute,
-                self.sharding, self.cp, self.cp_comm_type, self.cp_a2a, self.ep, self.etp)  # fmt: skip
+                self.sharding, self.cp, self.cp_comm_type, self.cp_a2a, self.ep, self.etp, self.offload_optimizer,
+                self.offload_param)  # fmt: skip
 
-    def run(self, base: RunConfig) -> RunConfig:
+    @property
+    def tiered(self) -> bool:
+        """Some state offloaded (an optimizer or a param tier)."""
+        return (self.offload_optimizer, self.offload_param) != ("none", "none")
+
+    def run(self, base: RunConfig, nvme_path: str | None = None) -> RunConfig:
         """The run this candidate proposes: ``base`` with the candidate's fields replaced (a
         replace-delta; full recompute is the planner's uniform 1 layer; an expert-parallel MoE uses
-        the alltoall dispatcher). The memory model and the launch line both read this run."""
+        the alltoall dispatcher; an nvme tier swaps into ``nvme_path``, else ``base``'s
+        ``--offload-nvme-path``, else the system's temporary directory). The memory model and the launch line both read this run."""
         par, dp, train = base.parallel, base.data_parallel, base.training
+        nvme = "nvme" in (self.offload_optimizer, self.offload_param)
+        offload = dataclasses.replace(
+            base.optimizer.offload,
+            optimizer_device=self.offload_optimizer,
+            param_device=self.offload_param,
+            nvme_path=(nvme_path or base.optimizer.offload.nvme_path or tempfile.gettempdir())
+            if nvme
+            else None,
+        )
         full = self.recompute == "full"
         model = base.model
         if self.ep > 1 and model.moe is not None:
@@ -207,9 +249,13 @@ class Candidate:
                 dp,
                 sharding_strategy=self.sharding,
                 overlap_grad_reduce=dp.overlap_grad_reduce or self.dp * self.cp > 1,
+                offload=offload,
             ),
             optimizer=dataclasses.replace(
-                base.optimizer, use_distributed_optimizer=self.sharding.shards_optimizer
+                base.optimizer,
+                use_distributed_optimizer=self.sharding.shards_optimizer,
+                optimizer_cpu_offload=self.offload_optimizer != "none",
+                offload=offload,
             ),
             training=dataclasses.replace(
                 train,
@@ -229,6 +275,7 @@ class Candidate:
             run.data_parallel.sharding_strategy, par.context_parallel_size, par.cp_comm_type,
             (par.hierarchical_context_parallel_sizes or (1,))[0] if par.cp_comm_type == "a2a+p2p" else 1,
             ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size,
+            offload_optimizer=run.optimizer.offload.optimizer_device, offload_param=run.data_parallel.offload.param_device,
         )  # fmt: skip
 
 
@@ -250,6 +297,13 @@ class Problem:
     # The run every candidate is a replace-delta on (its model, batch, dtype and every other flag);
     # None: the flags' defaults with the fields above (``base_run``).
     base: RunConfig | None = None
+    offload: bool = True  # propose an offload tier (TIER_LEVELS) when no layout fits on the device
+    nvme_path: str | None = None  # an nvme tier's --offload-nvme-path (None: the temporary directory)
+
+    @property
+    def saves_async(self) -> bool:
+        """The run stages its checkpoints in host memory (``--async-save``): the host check counts it."""
+        return self.base_run.checkpoint.async_save
 
     @functools.cached_property
     def base_run(self) -> RunConfig:
@@ -296,12 +350,12 @@ _proposals: dict = {}
 def _proposal(p: Problem, c: Candidate) -> tuple[RunConfig, MemoryLayout]:
     """(the run, its memory layout), kept per base run and delta: a search asks for each a few times."""
     base = p.base_run
-    key = (id(base), c.delta, p.device_type)
+    key = (id(base), c.delta, p.device_type, p.nvme_path)
     hit = _proposals.get(key)
     if hit is None or hit[0] is not base:
         if len(_proposals) > 100_000:
             _proposals.clear()
-        run = c.run(base)
+        run = c.run(base, p.nvme_path)
         hit = _proposals[key] = (base, run, MemoryLayout.from_configs(run, p.device_type))
     return hit[1], hit[2]
 
@@ -353,8 +407,9 @@ def _rank_state(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> tupl
         split["dp"] = split["cp"] = 1  # only the distributed optimizer pads or shards by dp x cp
     key = (config, tuple(split.values()), pp_rank)
     if key not in _state_cache:
+        offloaded = layout.offload_param_device != "none" and layout.shard_params
         _state_cache[key] = (
-            param_bytes(config, layout, pp_rank),
+            param_bytes(config, layout, pp_rank) * (not offloaded),  # ZeRO-3's shards off the device
             grad_buffer_bytes(config, layout, pp_rank),
             optimizer_device_bytes(config, layout, pp_rank),
         )
@@ -422,12 +477,19 @@ def model_numel(config: ModelConfig, experts: bool | None = None) -> int:
     return _numel_cache[key]
 
 
-def state_floor(p: Problem, tp: int, pp: int, dp: int, sharding: str) -> StateFloor:
+def state_floor(
+    p: Problem, tp: int, pp: int, dp: int, sharding: str, tier: tuple[str, str] = ("none", "none")
+) -> StateFloor:
     """Each of the tp x pp ranks of a replica holds on average 1/(tp pp) of every parameter
     (at least: TP shards add up to the tensor, replicated ones count twice), the first and the
     last stage at least the average; each ZeRO level divides its category by ``dp`` (pass dp x cp:
-    ZeRO shards over both)."""
+    ZeRO shards over both). ``tier`` (optimizer, param): an offloaded category holds nothing on the
+    device (ZeRO-3's offloaded params: the gathered units only, not in the floor)."""
     sh = ShardingStrategy(sharding)
+    if tier != ("none", "none"):
+        whole = state_floor(p, tp, pp, dp, sharding)
+        params = 0.0 if tier[1] != "none" and sh.shards_params else whole.params
+        return StateFloor(params, whole.grads, 0.0 if tier[0] != "none" else whole.optimizer)
     per_rank = model_numel(p.config, False) / (tp * pp)
     # routed experts: over etp x ep <= tp x dp x cp ranks of a stage, whatever ep and ZeRO
     experts = model_numel(p.config, True) / (tp * dp * pp)
@@ -448,29 +510,133 @@ def may_fit(p: Problem, c: Candidate) -> bool:
     """False only when no prediction could fit: ``state_floor`` is a lower bound (a test checks),
     then the split's exact state bytes (cached), before any activation or ZeRO-3 gather term."""
     gpu_gb = p.cluster.gpu.memory_gb
-    if floor_gb(state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding)) > gpu_gb:
+    tier = (c.offload_optimizer, c.offload_param)
+    if floor_gb(state_floor(p, c.tp, c.pp, c.dp * c.cp, c.sharding, tier)) > gpu_gb:
         return False
     layout = memory_layout(p, c)
     state = max(sum(_rank_state(p.config, layout, r)) for r in sorted({0, c.pp - 1}))
     return CONTEXT_GB + (1 + FRAGMENTATION) * state / GIB <= gpu_gb
 
 
-def peak_rank_memory(p: Problem, c: Candidate) -> RankMemory:
-    """predict_rank on the first and last stage (the peak stages, see the module doc)."""
+def _activation_key(c: Candidate) -> tuple:
+    """The fields a layout's activations and extras (but the gathered units) depend on."""
+    return (c.tp, c.pp, c.vp, c.dp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.cp, c.cp_comm_type,
+            c.cp_a2a, c.ep, c.etp)  # fmt: skip
+
+
+def _activations_too_big(p: Problem, c: Candidate, known: dict) -> bool:
+    """True when the activations ``known`` for ``c``'s key alone (a lower bound of any stage's need: its
+    fragmentation and the CUDA context on top) do not fit: no ZeRO level or tier can fit it."""
+    hit = known.get(_activation_key(c))
+    return (
+        hit is not None
+        and CONTEXT_GB + (1 + FRAGMENTATION) * max(a for a, _ in hit) / GIB > p.cluster.gpu.memory_gb
+    )
+
+
+def peak_rank_memory(p: Problem, c: Candidate, known: dict | None = None) -> RankMemory:
+    """predict_rank on the first and last stage (the peak stages, see the module doc). ``known``: the
+    stages' activations and extras (but ZeRO-3's gathered units) by the fields they depend on, filled
+    and read by one search: the ZeRO level and the offload tiers change only the state bytes (cached
+    per split) and the gathered units (cached), so the layouts differing in those alone share them."""
     layout = memory_layout(p, c)
-    ranks = [rank_memory(p.config, layout, r) for r in sorted({0, c.pp - 1})]
+    stages = sorted({0, c.pp - 1})
+    if known is None:
+        ranks = [rank_memory(p.config, layout, r) for r in stages]
+        return max(ranks, key=lambda m: sum(m.categories().values()))
+    key = _activation_key(c)
+    hit = known.get(key)
+    if hit is None:
+        ranks = [rank_memory(p.config, layout, r) for r in stages]
+        known[key] = [
+            (m.activations, {k: v for k, v in m.extra.items() if k != "params_gathered"}) for m in ranks
+        ]
+    else:
+        ranks = [
+            RankMemory(
+                *_rank_state(p.config, layout, r),
+                act,
+                {**extra, "params_gathered": _gathered_bytes(p.config, layout, r)},
+            )
+            for r, (act, extra) in zip(stages, hit)
+        ]
     return max(ranks, key=lambda m: sum(m.categories().values()))
 
 
-def with_memory(p: Problem, c: Candidate) -> Candidate:
-    m = peak_rank_memory(p, c)
+def with_memory(p: Problem, c: Candidate, known: dict | None = None) -> Candidate:
+    m = peak_rank_memory(p, c, known)
     predicted = sum(m.categories().values())
     overhead = CONTEXT_GB * GIB + FRAGMENTATION * predicted + sum(m.extra.values())
-    return dataclasses.replace(c, memory_per_rank_gb=predicted / GIB, overhead_gb=overhead / GIB)
+    c = dataclasses.replace(c, memory_per_rank_gb=predicted / GIB, overhead_gb=overhead / GIB)
+    if not (c.tiered or p.saves_async):  # nothing on the host or the disk: the search's common case
+        return c
+    n = p.cluster.ranks_per_node
+    host, nvme = (max(sum(d.values()) for d in stage) for stage in zip(*_off_device(p, c).values()))
+    return dataclasses.replace(c, host_per_node_gb=n * host / GIB, nvme_per_node_gb=n * nvme / GIB)
 
 
 def fits(p: Problem, c: Candidate) -> bool:
+    """The device's memory (``host_refusal`` checks the host's and the disk's)."""
     return c.memory_per_rank_gb + c.overhead_gb <= p.cluster.gpu.memory_gb
+
+
+_off_device_cache: dict = {}
+
+
+def _off_device(p: Problem, c: Candidate) -> dict[int, tuple[dict, dict]]:
+    """``{pp_rank: (memory.host_bytes, memory.nvme_bytes)}`` of the peak stages (first, last), cached
+    per model split: the offloaded main params come from the optimizers' own split on meta tensors."""
+    layout = memory_layout(p, c)
+    fields = _STATE_FIELDS + (
+        "offload_sub_group_size",
+        "offload_buffer_count",
+        "grad_reduce_dtype",
+        "device_type",
+    )
+    key = (p.config, tuple(getattr(layout, f) for f in fields), p.saves_async)
+    if key not in _off_device_cache:
+        _off_device_cache[key] = {
+            r: (
+                host_bytes(p.config, layout, r, async_save=p.saves_async),
+                nvme_bytes(p.config, layout, r),
+            )
+            for r in sorted({0, c.pp - 1})
+        }
+    return _off_device_cache[key]
+
+
+def host_refusal(p: Problem, c: Candidate) -> str | None:
+    """Why ``c`` (after :func:`with_memory`) does not fit the node's host RAM or NVMe, with the numbers,
+    or None: its peak stage's host bytes (``memory.host_bytes``: offloaded state, pinned buffers, the
+    nvme tier's working set, ``--async-save``'s staging) times the node's ranks, against
+    ``--host-memory-gb``; the swap files' against ``--nvme-gb``."""
+    cl = p.cluster
+    where = f"tp={c.tp} pp={c.pp} dp={c.dp} mbs={c.micro_batch_size}{tier_label(c, ' ')}"
+    if c.host_per_node_gb > cl.host_memory_gb:
+        per = _off_device(p, c)[0][0]
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in per.items() if v)
+        return (
+            f"{where} needs {c.host_per_node_gb:.1f} GB of host memory per node ({cl.ranks_per_node} ranks x "
+            f"[{parts}] GB) but --host-memory-gb is {cl.host_memory_gb:g}"
+        )
+    if c.nvme_per_node_gb > cl.nvme_gb:
+        return f"{where} needs {c.nvme_per_node_gb:.1f} GB of NVMe per node but --nvme-gb is {cl.nvme_gb:g}"
+    return None
+
+
+def tier_label(c: Candidate, lead: str = "") -> str:
+    """``optimizer cpu, params nvme``-style words for a candidate's tiers; "" without one."""
+    words = [f"optimizer {c.offload_optimizer}"] if c.offload_optimizer != "none" else []
+    words += [f"params {c.offload_param}"] if c.offload_param != "none" else []
+    return lead + ", ".join(words) if words else ""
+
+
+def tier_note(c: Candidate) -> str:
+    """The one line that says an offload tier was proposed, and why."""
+    what = {"none": None, "cpu": "to cpu", "nvme": "to nvme"}
+    parts = [f"the optimizer {what[c.offload_optimizer]}"] if c.offload_optimizer != "none" else []
+    parts += [f"the parameters {what[c.offload_param]}"] if c.offload_param != "none" else []
+    return "nothing fits on the device; offloading " + " and ".join(parts)
 
 
 # ---- time -------------------------------------------------------------------------------------
@@ -713,9 +879,72 @@ def ep_exchange_s(p: Problem, c: Candidate) -> float:
     return layers * sum(moe_exchange_bytes(p, c).values()) / (bw * 1e9)
 
 
+def io_bandwidths(p: Problem) -> dict[str, float]:
+    """GB/s of the offload tiers' traffic: host <-> device per GPU, the node's disk read and write. A
+    calibration's measured ``io`` (``calibration.measure_io``) where it has one, else the cluster's
+    recorded values (``Cluster``)."""
+    io = (p.calibration or {}).get("io")
+    cl = p.cluster
+    if io is not None:
+        return {k: io[k] for k in ("host_link_gbps", "disk_read_gbps", "disk_write_gbps")}
+    return {
+        "host_link_gbps": cl.host_link_gbps,
+        "disk_read_gbps": cl.disk_read_gbps,
+        "disk_write_gbps": cl.disk_write_gbps,
+    }
+
+
+def tier_traffic(p: Problem, c: Candidate) -> dict[str, float]:
+    """Bytes one rank moves per step for its tiers (the peak stage's; 0 without a tier):
+    ``host_link``: the optimizer tier's fp32 grads down and updated params up (4 + B bytes per offloaded
+    main-param element), ZeRO-3's offloaded shards up before each microbatch's forward and backward (2m
+    times) and the updated shard down once; ``disk_read`` / ``disk_write``: the nvme optimizer tier's main
+    params and moments read and written once per step (12 bytes each way per element), the nvme param
+    tier's shards read 2m times and written once."""
+    if not c.tiered:
+        return {"host_link": 0.0, "disk_read": 0.0, "disk_write": 0.0}
+    host, nvme = _off_device(p, c)[0]
+    B = dtype_bytes(p.params_dtype)
+    m = p.global_batch_size // (c.micro_batch_size * c.dp)
+    elements = host["pinned_grads"] // 4 if c.offload_optimizer == "cpu" else nvme["optimizer"] // 12
+    shard = host["params"] + nvme["params"]
+    link = elements * (4 + B) + (2 * m + 1) * shard
+    read = 12 * elements * (c.offload_optimizer == "nvme") + 2 * m * nvme["params"]
+    write = 12 * elements * (c.offload_optimizer == "nvme") + nvme["params"]
+    return {"host_link": float(link), "disk_read": float(read), "disk_write": float(write)}
+
+
+def tier_time_s(p: Problem, c: Candidate) -> float:
+    """Seconds the tiers' traffic adds to a step, none of it hidden (an upper bound: the nvme tier reads
+    ahead during the step): the rank's host link alone, the node's disk shared by its ranks."""
+    t, bw, n = tier_traffic(p, c), io_bandwidths(p), p.cluster.ranks_per_node
+    return (
+        t["host_link"] / (bw["host_link_gbps"] * 1e9)
+        + n * t["disk_read"] / (bw["disk_read_gbps"] * 1e9)
+        + n * t["disk_write"] / (bw["disk_write_gbps"] * 1e9)
+    )
+
+
 def with_time(p: Problem, c: Candidate) -> Candidate:
-    if p.calibration is not None:
-        return with_calibrated_time(p, c)
+    """Step time (the table's or a calibration's), plus the tiers' traffic (``tier_time_s``) as the part
+    ``offload``; a candidate without a tier is timed as before, to the bit."""
+    timed = with_calibrated_time(p, c) if p.calibration is not None else _table_time(p, c)
+    if not c.tiered:
+        return timed
+    extra, old = tier_time_s(p, c), timed.step_time_s
+    scale = old / (old + extra)
+    return dataclasses.replace(
+        timed,
+        step_time_s=old + extra,
+        mfu=timed.mfu * scale,
+        tokens_per_sec=timed.tokens_per_sec * scale,
+        tflops_per_gpu=timed.tflops_per_gpu * scale,
+        parts=timed.parts + (("offload", extra),),
+    )
+
+
+def _table_time(p: Problem, c: Candidate) -> Candidate:
+    """Step time from the GPU table's constants (the module doc's terms)."""
     cfg, cl, s = p.config, p.cluster, p.seq_length
     gpu = cl.gpu
     B = dtype_bytes(p.params_dtype)
@@ -898,29 +1127,74 @@ def hierarchical_a2a_size(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int
     return None
 
 
-def _fitting(p: Problem, num_gpus: int | None, cross_node_tp: bool) -> Iterator[Candidate]:
+def _fitting(
+    p: Problem,
+    num_gpus: int | None,
+    cross_node_tp: bool,
+    tier: tuple[str, str] = ("none", "none"),
+    refused: list[tuple[float, str]] | None = None,
+    known: dict | None = None,
+) -> Iterator[Candidate]:
+    """The layouts that fit the device, with ``tier`` (optimizer, param; a param tier only on ZeRO-3
+    layouts), and the node's host RAM and NVMe; those the host or the disk refuses go to ``refused``."""
     q = (
         p
         if num_gpus is None
         else dataclasses.replace(p, cluster=dataclasses.replace(p.cluster, num_gpus=num_gpus))
     )
     for c in layouts(q, num_gpus, cross_node_tp):
+        if tier[1] != "none" and not c.sharding.shards_params:
+            continue  # validation's rule: a param tier offloads ZeRO-3's shards
+        if tier != ("none", "none"):
+            if known is not None and _activations_too_big(q, c, known):
+                continue
+            c = dataclasses.replace(c, offload_optimizer=tier[0], offload_param=tier[1])
         if not may_fit(q, c):
             continue
-        c = with_memory(q, c)
-        if fits(q, c):
+        c = with_memory(q, c, known)
+        if not fits(q, c):
+            continue
+        why = host_refusal(q, c) if c.host_per_node_gb or c.nvme_per_node_gb else None
+        if why is None:
             yield c
+        elif refused is not None:
+            refused.append((c.host_per_node_gb + c.nvme_per_node_gb / 1e3, why))
+
+
+def _search(p: Problem, tier: tuple[str, str], refused: list, known: dict) -> list[Candidate]:
+    """:func:`_fitting` on the job's GPUs; TP crosses nodes only when nothing else fits."""
+    found = list(_fitting(p, None, False, tier, refused, known))
+    if not found and p.cluster.num_gpus > p.cluster.gpus_per_node:
+        found = list(_fitting(p, None, True, tier, refused, known))
+    return found
 
 
 def plan(p: Problem) -> list[Candidate]:
-    """The layouts that fit, fastest first. TP crosses nodes only when nothing else fits."""
-    found = list(_fitting(p, None, False))
-    if not found and p.cluster.num_gpus > p.cluster.gpus_per_node:
-        found = list(_fitting(p, None, True))
+    """The layouts that fit, fastest first. TP crosses nodes only when nothing else fits. When nothing
+    fits on the device, the first of ``TIER_LEVELS`` with a layout that fits (``Problem.offload``);
+    a layout the node's host RAM or NVMe refuses is left out, and named when nothing is left."""
+    refused: list[tuple[float, str]] = []  # (host GB per node, why): the leanest is named
+    known: dict = {}  # the untiered predictions, reused by the tiers' passes
+    found = _search(p, ("none", "none"), refused, known)
     if not found and next(layouts(p, None, True), None) is None:
         raise PlanError(no_layout_message(p))
+    device_refused = not found and not refused  # nothing fitted the device, or the host refused it
+    for tier in TIER_LEVELS if device_refused and p.offload else ():
+        found = _search(p, tier, refused, known)
+        if found:
+            break
+    if not found and refused:
+        raise PlanError(
+            f"{len(refused)} layouts fit the device but not the node: the leanest, {min(refused)[1]}; raise --host-memory-gb "
+            "/ --nvme-gb if the nodes have more, or add GPUs"
+            + (
+                " (--async-save stages a checkpoint in host memory: drop it to save that)"
+                if p.saves_async
+                else ""
+            )
+        )
     if not found:
-        raise PlanError(no_fit_message(p))
+        raise PlanError(no_fit_message(p, tiers=device_refused and p.offload, known=known))
     ranked = sorted((with_time(p, c) for c in found), key=lambda c: (c.step_time_s, c.memory_per_rank_gb))
     return [dataclasses.replace(c, flags=launch_flags(p, c)) for c in ranked]
 
@@ -984,7 +1258,7 @@ def no_layout_message(p: Problem) -> str:
     )
 
 
-def what_does_not_fit(p: Problem) -> str:
+def what_does_not_fit(p: Problem, known: dict | None = None) -> str:
     """Why nothing fits on the job's GPUs, with the numbers: the leanest layout's floor of
     parameters, gradients and optimizer state per GPU, and the planner's overhead on top; or,
     when the state fits, the activations of the leanest layout the prediction tried."""
@@ -1006,7 +1280,7 @@ def what_does_not_fit(p: Problem) -> str:
         return f"the model's state needs {state} = {f.total / GIB:.1f} GB per GPU on {where}"
     if floor_gb(f) > gpu_gb:
         return f"{where} holds {state} per GPU; {overhead} makes it {floor_gb(f):.1f} GB"
-    tried = [with_memory(p, c) for c in cands if may_fit(p, c)]
+    tried = [with_memory(p, c, known) for c in cands if may_fit(p, c)]
     best = min(tried, key=lambda c: c.memory_per_rank_gb + c.overhead_gb)
     return (
         f"the state fits ({state} on {where}) but the activations do not: the leanest prediction "
@@ -1015,7 +1289,9 @@ def what_does_not_fit(p: Problem) -> str:
     )
 
 
-def no_fit_message(p: Problem) -> str:
+def no_fit_message(p: Problem, tiers: bool = False, known: dict | None = None) -> str:
+    """Why no layout fits, and the fewest GPUs that would; ``tiers``: the offload tiers were tried too;
+    ``known``: the search's predictions (``peak_rank_memory``), reused."""
     gpu = p.cluster.gpu
     start = min_gpus_by_state(p)
     n = smallest_gpu_count(p)
@@ -1029,7 +1305,9 @@ def no_fit_message(p: Problem) -> str:
         where = f"no --num-gpus from {span} fits; lower --seq-length, --global-batch-size or the model size"
     return (
         f"the model fits on no layout of --num-gpus {p.cluster.num_gpus} with {gpu.memory_gb:g} GB per GPU "
-        f"(--global-batch-size {p.global_batch_size}): {what_does_not_fit(p)}; {where}"
+        f"(--global-batch-size {p.global_batch_size})"
+        + (", nor with the optimizer or the parameters offloaded to cpu or nvme" if tiers else "")
+        + f": {what_does_not_fit(p, known)}; {where}"
     )
 
 
@@ -1102,6 +1380,7 @@ DELTA_FLAGS = (
     "hierarchical_context_parallel_sizes", "num_layers_per_virtual_pipeline_stage", "micro_batch_size", "sequence_parallel", "recompute_granularity",
     "recompute_method", "recompute_num_layers", "data_parallel_sharding_strategy", "overlap_grad_reduce",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+    "offload_optimizer_device", "offload_param_device", "offload_nvme_path", "optimizer_cpu_offload",
 )  # fmt: skip
 
 
@@ -1136,9 +1415,16 @@ def _row(c: Candidate) -> list[str]:
 
 
 def format_table(cands: list[Candidate], top: int = 10, moe: bool = True) -> str:
-    """The ``top`` candidates as a table; ``moe=False`` (a dense model) leaves out ep and etp."""
+    """The ``top`` candidates as a table; ``moe=False`` (a dense model) leaves out ep and etp; an
+    ``offload`` column (and the node's host GB) where a shown candidate has a tier."""
     keep = [i for i, name in enumerate(COLUMNS) if moe or name not in EXPERT_COLUMNS]
     rows = [[r[i] for i in keep] for r in [list(COLUMNS)] + [_row(c) for c in cands[:top]]]
+    if any(c.tiered for c in cands[:top]):
+        at = COLUMNS.index("ZeRO") - (0 if moe else len(EXPERT_COLUMNS)) + 1
+        extra = [["offload", "host GB/node"]] + [
+            [tier_label(c) or "-", f"{c.host_per_node_gb:.0f}"] for c in cands[:top]
+        ]
+        rows = [r[:at] + e + r[at:] for r, e in zip(rows, extra)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(keep))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
 
@@ -1155,10 +1441,11 @@ def _step_time(seconds: float) -> str:
 def explain(p: Problem, cands: list[Candidate]) -> list[str]:
     """Why the best wins, and why the nearest alternative of each kind loses."""
     best = cands[0]
+    note = [tier_note(best)] if best.tiered else []
     parts = ", ".join(
         f"{name} {100 * _share(best, name):.0f}%" for name, _ in best.parts if dict(best.parts)[name]
     )
-    lines = [
+    lines = note + [
         f"best: tp={best.tp} cp={best.cp} pp={best.pp} vp={best.vp} dp={best.dp} "
         + (f"ep={best.ep} etp={best.etp or best.tp} " if p.config.moe is not None else "")
         + f"mbs={best.micro_batch_size}: "
