@@ -2,25 +2,27 @@
 memory it saves against the memory model's prediction.
 
     python bench/offload.py [--nvme-path DIR] [--hidden-size 512] [--num-layers 12] [--iters 4]
-                            [--sub-group-size 500000] [--disk-mib 512]
+                            [--sub-group-size 500000] [--disk-mib 512] [--repeats 1]
 
-Prints one JSON object:
+Prints one JSON object (the middle one of --repeats whole measurements, plus "median" and "each" of
+the figures below across them, every ratio taken within its own measurement):
   disk      the disk under --nvme-path, measured in this run through the same seam
             (megalite.parallel.offload.Swapper: pieces of --offload-buffer-size on a thread pool):
-            sequential write and read GB/s of one --disk-mib tensor (median of 3), "cached" as training does it
-            (buffered I/O) and "device" (write + fsync, the pages dropped with posix_fadvise before
-            the read: the disk itself)
+            sequential write and read GB/s of one --disk-mib tensor (median of 3), "cached" as training
+            does it (buffered pwrite / pread of memory already faulted in) and "device" (write + fsync,
+            the pages dropped with posix_fadvise before the read: the disk itself)
   training  per tier (--offload-optimizer-device cpu, then nvme) one process training a GPT (fp32,
-            no ZeRO) in a subprocess: step time (median after the first), peak RSS (ru_maxrss), the
-            nvme bytes the memory model predicts, and for nvme the read / write GB/s while the tier's
-            I/O was in flight (bytes / busy seconds) and their ratio to the disk's cached figure
+            no ZeRO) in a subprocess: step time (median after the first), peak RSS (the child's own
+            VmHWM), the nvme bytes the memory model predicts, and for nvme the read / write GB/s while
+            the tier's I/O was in flight (bytes / busy seconds) and their ratio to the disk's cached
+            figure (goal: at least 0.8) and to its device figure
   rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the memory
             model's prediction: the cpu tier's host bytes (main params, moments, the grads' host
-            buffers) less the nvme tier's (``step`` only) less the step's working set (the largest run
-            of buffer count + 1 consecutive sub-groups in memory at once: megalite.memory.
+            buffers) less the nvme tier's (``step`` only) less the tier's working set (its pool of
+            buffer count + 1 swap buffers, each as large as the largest sub-group: megalite.memory.
             nvme_working_set_bytes; a main param larger than --offload-sub-group-size is a
             sub-group of its own), and to the nvme bytes alone. Goal: 1 within 5%
-The children run with MALLOC_MMAP_THRESHOLD_=65536, so freed swap buffers go back to the OS at once
+The children run with MALLOC_MMAP_THRESHOLD_=65536, so freed host buffers go back to the OS at once
 (glibc's dynamic threshold would otherwise keep some in the heap, where RSS still counts them).
 """
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,15 @@ def disk_bandwidth(path: str, mib: int, threads: int, piece: int, repeats: int =
     return out
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM, the high-water mark of its own address space. Not
+    ``ru_maxrss``: across (v)fork + exec Linux carries the parent's high-water mark into the child's
+    ``ru_maxrss`` (the parent here held a --disk-mib tensor), which floored the nvme child's figure."""
+    with open("/proc/self/status") as f:
+        (line,) = [x for x in f if x.startswith("VmHWM:")]
+    return int(line.split()[1]) * 1024
+
+
 def child(argv: list[str]) -> None:
     """One training run (pretrain), then its step times, peak RSS and the swap stats as JSON."""
     from megalite.arguments import RunConfig
@@ -86,7 +96,7 @@ def child(argv: list[str]) -> None:
         json.dumps(
             {
                 "step_s": statistics.median(times[1:] or times),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss_bytes": peak_rss_bytes(),
                 "nvme_predicted_bytes": memory["nvme"]["predicted"],
                 "host_predicted_bytes": memory["host"]["predicted"],
                 "working_set_bytes": working_set,
@@ -113,20 +123,8 @@ def train(tier: str, a, d: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nvme-path", default=tempfile.gettempdir())
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=12)
-    p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--sub-group-size", type=int, default=500_000)
-    p.add_argument("--buffer-count", type=int, default=2)
-    p.add_argument("--buffer-size", type=int, default=100_000_000)
-    p.add_argument("--disk-mib", type=int, default=512)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.child is not None:
-        return child(json.loads(a.child))
+def once(a) -> dict:
+    """One measurement: the disk, then both tiers training, compared within this run."""
     disk = disk_bandwidth(a.nvme_path, a.disk_mib, a.buffer_count, a.buffer_size)
     with tempfile.TemporaryDirectory() as d:
         runs = {tier: train(tier, a, d) for tier in ("cpu", "nvme")}
@@ -136,6 +134,7 @@ def main() -> None:
     runs["nvme"]["write_GBps"] = swap["written_bytes"] / swap["write_s"] / 1e9
     for kind in ("read", "write"):
         runs["nvme"][f"{kind}_vs_disk_cached"] = runs["nvme"][f"{kind}_GBps"] / disk["cached"][f"{kind}_GBps"]
+        runs["nvme"][f"{kind}_vs_disk_device"] = runs["nvme"][f"{kind}_GBps"] / disk["device"][f"{kind}_GBps"]
     saved = runs["cpu"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
     working_set = runs["nvme"]["working_set_bytes"]
     host = runs["cpu"]["host_predicted_bytes"] - runs["nvme"]["host_predicted_bytes"]
@@ -148,10 +147,50 @@ def main() -> None:
         "ratio": saved / predicted,
         "ratio_to_nvme_bytes": saved / runs["nvme"]["nvme_predicted_bytes"],
     }
+    return {"disk": disk, "training": runs, "rss": rss}
+
+
+MEDIANS = {  # the figures the goals are about: name -> path in one run's JSON
+    "write_vs_disk_cached": ("training", "nvme", "write_vs_disk_cached"),
+    "read_vs_disk_cached": ("training", "nvme", "read_vs_disk_cached"),
+    "write_vs_disk_device": ("training", "nvme", "write_vs_disk_device"),
+    "read_vs_disk_device": ("training", "nvme", "read_vs_disk_device"),
+    "rss_ratio": ("rss", "ratio"),
+    "nvme_write_GBps": ("training", "nvme", "write_GBps"),
+    "nvme_read_GBps": ("training", "nvme", "read_GBps"),
+    "disk_cached_write_GBps": ("disk", "cached", "write_GBps"),
+    "disk_cached_read_GBps": ("disk", "cached", "read_GBps"),
+    "step_s_cpu": ("training", "cpu", "step_s"),
+    "step_s_nvme": ("training", "nvme", "step_s"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nvme-path", default=tempfile.gettempdir())
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--sub-group-size", type=int, default=500_000)
+    p.add_argument("--buffer-count", type=int, default=2)
+    p.add_argument("--buffer-size", type=int, default=100_000_000)
+    p.add_argument("--disk-mib", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=1, help="whole measurements; medians of their ratios")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child is not None:
+        return child(json.loads(a.child))
+    runs = [once(a) for _ in range(a.repeats)]
+
+    def at(run, path):
+        for key in path:
+            run = run[key]
+        return run
+
     out = {
-        "disk": disk,
-        "training": runs,
-        "rss": rss,
+        **runs[len(runs) // 2],
+        "median": {name: statistics.median(at(r, path) for r in runs) for name, path in MEDIANS.items()},
+        "each": {name: [at(r, path) for r in runs] for name, path in MEDIANS.items()},
         "args": {k: v for k, v in vars(a).items() if k != "child"},
     }
     print(json.dumps(out, indent=1))
