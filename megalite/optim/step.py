@@ -181,6 +181,7 @@ class NvmeTier:
             self._fill(k)
             self.evict(k)
         self.finish()
+        self.swapper.end_phase("fill")  # the first writes, into new files: apart from the steps' I/O
 
     def _fill(self, k: int) -> None:
         """Chunk ``k`` in a buffer, its main params made from their homes where released at birth

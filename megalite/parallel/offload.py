@@ -126,6 +126,7 @@ class Swapper:
         self._lock = threading.Lock()
         self.read_bytes = self.written_bytes = 0
         self._spans: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
+        self.phases: dict[str, dict] = {}
         self._finalizer = weakref.finalize(self, Swapper._shutdown, self._pool, self._fds)
 
     @staticmethod
@@ -139,7 +140,7 @@ class Swapper:
     finished: list[dict] = []
 
     def stats(self) -> dict:
-        """Bytes read / written and the seconds any read / write was in flight."""
+        """Bytes read / written and the seconds any read / write was in flight (since the last phase)."""
         return {
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
@@ -147,11 +148,18 @@ class Swapper:
             "write_s": self.busy_seconds("write"),
         }
 
+    def end_phase(self, name: str) -> None:
+        """File what was moved so far (every transfer of it finished) under ``name`` in :attr:`phases`
+        and count afresh: e.g. the nvme tier's first writes of its new files apart from the steps'."""
+        self.phases[name] = self.stats()
+        self.read_bytes = self.written_bytes = 0
+        self._spans = {"read": [], "write": []}
+
     def close(self) -> None:
         """Finish every transfer, close the files and remove the swap directory."""
         if self._finalizer.alive:
             self._finalizer()
-            Swapper.finished.append(self.stats())
+            Swapper.finished.append({**self.stats(), "phases": self.phases})
         self.dir.close()
 
     def _fd(self, key: str) -> int:
@@ -169,7 +177,7 @@ class Swapper:
         fd, view = self._fd(key), _bytes_of(t)
         step = step or self._piece_elements * t.element_size()
         call = _pwrite_all if kind == "write" else _pread_all
-        spans = self._spans[kind]
+        spans = self._spans[kind]  # this phase's (end_phase starts a new list)
 
         def piece(lo: int, hi: int) -> None:
             start = time.perf_counter()
