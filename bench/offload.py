@@ -18,7 +18,8 @@ the figures below across them, every ratio taken within its own measurement):
             the steps while the tier's I/O was in flight (bytes / busy seconds) and their ratio to the
             disk's cached figure (goal: at least 0.8) and to its device figure; apart, the fill's
             (the tier writing the state once into its new files before the first step) against
-            the disk's fresh figure
+            the disk's fresh figure; and the steps' GB/s per CPU second of the I/O threads (the
+            copies' own speed, apart from the time they waited for a core the step's compute held)
   rss       the peak RSS the nvme tier saves against the cpu tier, and its ratio to the memory
             model's prediction: the cpu tier's host bytes (main params, moments, the grads' host
             buffers) less the nvme tier's (``step`` only) less the tier's working set (its pool of
@@ -141,12 +142,18 @@ def once(a) -> dict:
     nvme, fill = runs["nvme"], swap["phases"]["fill"]
     nvme["read_GBps"] = swap["read_bytes"] / swap["read_s"] / 1e9  # the steps (after the fill)
     nvme["write_GBps"] = swap["written_bytes"] / swap["write_s"] / 1e9
+    # per CPU second of the I/O threads: the copies' own speed, apart from waiting for a core
+    nvme["read_GBps_per_cpu_s"] = swap["read_bytes"] / swap["read_cpu_s"] / 1e9
+    nvme["write_GBps_per_cpu_s"] = swap["written_bytes"] / swap["write_cpu_s"] / 1e9
     nvme["fill_write_GBps"] = fill["written_bytes"] / fill["write_s"] / 1e9  # the first writes
     nvme["bytes"] = {"steps_written": swap["written_bytes"], "steps_read": swap["read_bytes"]}
     nvme["bytes"]["fill_written"] = fill["written_bytes"]
     for kind in ("read", "write"):
         nvme[f"{kind}_vs_disk_cached"] = nvme[f"{kind}_GBps"] / disk["cached"][f"{kind}_GBps"]
         nvme[f"{kind}_vs_disk_device"] = nvme[f"{kind}_GBps"] / disk["device"][f"{kind}_GBps"]
+        nvme[f"{kind}_per_cpu_s_vs_disk_cached"] = (
+            nvme[f"{kind}_GBps_per_cpu_s"] / disk["cached"][f"{kind}_GBps"]
+        )
     nvme["fill_write_vs_disk_fresh"] = nvme["fill_write_GBps"] / disk["fresh"]["write_GBps"]
     saved = runs["cpu"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
     working_set = runs["nvme"]["working_set_bytes"]
@@ -169,6 +176,8 @@ MEDIANS = {  # the figures the goals are about: name -> path in one run's JSON
     "write_vs_disk_device": ("training", "nvme", "write_vs_disk_device"),
     "read_vs_disk_device": ("training", "nvme", "read_vs_disk_device"),
     "fill_write_vs_disk_fresh": ("training", "nvme", "fill_write_vs_disk_fresh"),
+    "read_per_cpu_s_vs_disk_cached": ("training", "nvme", "read_per_cpu_s_vs_disk_cached"),
+    "write_per_cpu_s_vs_disk_cached": ("training", "nvme", "write_per_cpu_s_vs_disk_cached"),
     "rss_ratio": ("rss", "ratio"),
     "nvme_write_GBps": ("training", "nvme", "write_GBps"),
     "nvme_read_GBps": ("training", "nvme", "read_GBps"),

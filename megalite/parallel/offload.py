@@ -126,6 +126,7 @@ class Swapper:
         self._lock = threading.Lock()
         self.read_bytes = self.written_bytes = 0
         self._spans: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
+        self._cpu = {"read": 0.0, "write": 0.0}  # CPU seconds the I/O threads spent in the pieces
         self.phases: dict[str, dict] = {}
         self._finalizer = weakref.finalize(self, Swapper._shutdown, self._pool, self._fds)
 
@@ -146,6 +147,8 @@ class Swapper:
             "written_bytes": self.written_bytes,
             "read_s": self.busy_seconds("read"),
             "write_s": self.busy_seconds("write"),
+            "read_cpu_s": self._cpu["read"],
+            "write_cpu_s": self._cpu["write"],
         }
 
     def end_phase(self, name: str) -> None:
@@ -153,7 +156,7 @@ class Swapper:
         and count afresh: e.g. the nvme tier's first writes of its new files apart from the steps'."""
         self.phases[name] = self.stats()
         self.read_bytes = self.written_bytes = 0
-        self._spans = {"read": [], "write": []}
+        self._spans, self._cpu = {"read": [], "write": []}, {"read": 0.0, "write": 0.0}
 
     def close(self) -> None:
         """Finish every transfer, close the files and remove the swap directory."""
@@ -180,9 +183,10 @@ class Swapper:
         spans = self._spans[kind]  # this phase's (end_phase starts a new list)
 
         def piece(lo: int, hi: int) -> None:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             call(fd, view[lo:hi], offset + lo)
             spans.append((start, time.perf_counter()))
+            self._cpu[kind] += time.thread_time() - cpu  # the copies' CPU time (buffered I/O)
 
         return [self._pool.submit(piece, lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
 
