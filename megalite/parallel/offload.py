@@ -8,11 +8,9 @@ cut into pieces of ``--offload-buffer-size`` elements, large sequential ``pwrite
 issued on a pool of ``--offload-buffer-count`` threads (the calls release the GIL): pieces of one
 tensor and of several files go in parallel. A transfer returns a :class:`Pending` at once; the caller
 waits for it when it needs the bytes, so the next sub-group's read overlaps this one's compute and the
-last one's write (double buffering, deeper with more buffers). :meth:`Swapper.write_at` /
-:meth:`~Swapper.read_at` move a buffer's bytes as they are at a file offset: the nvme optimizer tier
-keeps each sub-group in one file and, in memory, in one page-aligned buffer of a :class:`BufferPool`
-(made once, reused: no allocation or page faults per transfer), onto which its tensors are set
-(:func:`point_at`) and off again (:func:`let_go`).
+last one's write (double buffering, deeper with more buffers). ``write_at`` / ``read_at``: a buffer's
+bytes as they are, at a file offset (the nvme optimizer tier: one file and one reused page-aligned
+:class:`BufferPool` buffer per sub-group, its tensors set on and off it by point_at / let_go).
 
 Why plain ``os.pread``/``pwrite`` on a thread pool (docs/offload.md): it is in the standard library
 (no new dependency), reads and writes straight into the tensor's own memory (no bounce copy on the
