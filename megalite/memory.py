@@ -52,7 +52,7 @@ from megalite.model.gpt import recompute_units
 from megalite.model.moe.config import MoEConfig, parse_moe_layer_freq
 from megalite.optim.base import effective_offload_fraction, offload_split
 from megalite.optim.distributed_optimizer import shard_pieces
-from megalite.optim.step import sub_groups
+from megalite.optim.step import sub_group_slots, sub_groups
 from megalite.parallel.context_parallel import a2a_kv_repeats
 from megalite.parallel.data_parallel import DistributedDataParallel, split_into_buckets
 from megalite.parallel.grad_buffer import Bucket
@@ -623,20 +623,24 @@ def optimizer_nvme_bytes(
 def nvme_working_set_bytes(
     config: ModelConfig, layout: MemoryLayout, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
 ) -> int:
-    """The nvme optimizer tier's transient host bytes at the step's peak: the largest run of
-    ``buffer count + 1`` consecutive sub-groups (the one being stepped, those read ahead, the one
-    still being written: ``optim.step.NvmeTier``), 12 bytes per element, plus the stepped sub-group's
-    fp32 grads where they are made rather than viewed (4 bytes per element: a bf16 grad buffer, or a
-    GPU's grads copied down); 0 without the tier. The state is never all in memory at once."""
+    """The nvme optimizer tier's host bytes from its first step on: its pool of swap buffers,
+    ``buffer count + 1`` of them (the sub-group being stepped, those read ahead, the one still being
+    written: ``optim.step.NvmeTier``), each as large as the largest sub-group's main params and moments
+    (12 bytes per element, each tensor at a 64-byte slot: ``sub_group_slots``; a page-aligned buffer),
+    made once and kept, plus the stepped sub-group's fp32 grads where they are made rather than viewed
+    (4 bytes per element: a bf16 grad buffer, or a GPU's grads copied down); 0 without the tier. The
+    state is never all in memory at once."""
     if layout.offload_optimizer_device != "nvme":
         return 0
     mains = _main_params(config, layout, pp_rank, dp_rank, edp_rank)
     host = [i for i, (_, h) in enumerate(mains) if h]
     groups = sub_groups(host, [n for n, _ in mains], layout.offload_sub_group_size)
-    sizes = [sum(mains[i][0] for i in g) for g in groups]
-    window = max(layout.offload_buffer_count - 1, 1) + 2
+    if not groups:
+        return 0
+    window = min(max(layout.offload_buffer_count - 1, 1) + 2, len(groups))
+    buffer = max(sub_group_slots([mains[i][0] for i in g])[1] for g in groups)
     made = layout.grad_reduce_dtype != torch.float32 or layout.device_type == "cuda"
-    return max((12 * sum(sizes[k : k + window]) + 4 * made * sizes[k] for k in range(len(sizes))), default=0)
+    return window * -(-buffer // 4096) * 4096 + 4 * made * max(sum(mains[i][0] for i in g) for g in groups)
 
 
 def offloaded_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> dict[str, int]:

@@ -240,6 +240,7 @@ def _nvme_cases(tmp) -> dict:
         load = ["--ckpt-step", 2, "--train-iters", 4]
         run("nv_same", [*base, *nv, "--load", tmp / "nv", *load])
         run("nv_from_dev", [*base, *nv, "--load", tmp / "dev", *load])  # fp32 weights as main params
+        run("nva_same", [*base, *nv, *half, "--load", tmp / "nva", *load])  # a quarter loads on the device
         tp2 = [*BASE, "--tensor-model-parallel-size", 2, "--optimizer-cpu-offload"]
         run("tp2_from_nv", [*tp2, "--load", tmp / "nv", *load])
         run("tp2_from_dev", [*tp2, "--load", tmp / "dev", *load])
@@ -325,7 +326,7 @@ def _check_nvme(out) -> None:
     losses = n0["losses"]
     dev = losses["dev"]
     assert losses["nv"] == losses["nva"] == dev and len(dev) == 4  # bitwise: == on floats
-    assert losses["nv_same"] == losses["nv_from_dev"] == {3: dev[3], 4: dev[4]}
+    assert losses["nv_same"] == losses["nv_from_dev"] == losses["nva_same"] == {3: dev[3], 4: dev[4]}
     assert losses["tp2_from_nv"] == losses["tp2_from_dev"] and set(losses["tp2_from_dev"]) == {3, 4}
     assert losses["nv_from_tp2"] == losses["dev_from_tp2"] and set(losses["dev_from_tp2"]) == {5, 6}
     for r in out:

@@ -199,24 +199,34 @@ def test_io_error_mid_run_stops_without_touching_the_last_checkpoint(tmp_path, m
 
 
 def test_sub_groups_and_the_nvme_working_set(tmp_path):
-    """Sub-groups cut in order at --offload-sub-group-size (a larger main param alone); the memory
-    model's working set is the largest run of buffer count + 1 consecutive sub-groups, 12 B each."""
+    """Sub-groups cut in order at --offload-sub-group-size (a larger main param alone); each sub-group's
+    main params and moments laid out in one buffer, each at a 64-byte slot; the memory model's working
+    set is the tier's pool: buffer count + 1 page-aligned buffers as large as the largest sub-group."""
     from megalite.memory import _main_params, nvme_working_set_bytes
     from megalite.model.config import ModelConfig
-    from megalite.optim.step import sub_groups
+    from megalite.optim.step import sub_group_slots, sub_groups
 
     assert sub_groups([0, 1, 2, 3], [5, 5, 20, 1], 10) == [[0, 1], [2], [3]]
     assert sub_groups([1, 3], [9, 4, 9, 4], 10) == [[1, 3]]
+    assert sub_group_slots([16, 3]) == ([0, 64, 128, 192, 256, 320], 384)  # 64 B, then 12 B padded to 64
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
     nvme = f"--offload-optimizer-device nvme --offload-nvme-path {tmp_path}"  # (nothing is written)
     lay = layout_of(f"{nvme} --offload-sub-group-size 1", config)
-    sizes = sorted((n for n, _ in _main_params(config, lay, 0, 0)), reverse=True)
     each = [n for n, _ in _main_params(config, lay, 0, 0)]
-    want = 12 * max(sum(each[k : k + 4]) for k in range(len(each)))  # buffer count 4: 3 ahead + 2
-    assert nvme_working_set_bytes(config, lay, 0) == 12 * max(sum(each[k : k + 5]) for k in range(len(each)))
-    assert want < nvme_working_set_bytes(config, lay, 0) <= 12 * sum(sizes[:5])
+    page = 4096 * -(-sub_group_slots([max(each)])[1] // 4096)  # one buffer: the largest main param's
+    assert nvme_working_set_bytes(config, lay, 0) == 5 * page  # buffer count 4: 3 ahead + stepped + written
+    assert (
+        5 * 12 * max(each) <= nvme_working_set_bytes(config, lay, 0) < 5 * 12 * max(each) + 5 * 4096 + 15 * 64
+    )
     whole = layout_of(nvme, config)
-    assert nvme_working_set_bytes(config, whole, 0) == 12 * sum(each)  # one sub-group: all of it
+    assert nvme_working_set_bytes(config, whole, 0) == 4096 * -(
+        -sub_group_slots(each)[1] // 4096
+    )  # one group
+    assert (
+        12 * sum(each)
+        <= nvme_working_set_bytes(config, whole, 0)
+        < 12 * sum(each) + 4096 + 64 * 3 * len(each)
+    )
     assert nvme_working_set_bytes(config, layout_of("--optimizer-cpu-offload", config), 0) == 0
 
 
@@ -241,15 +251,24 @@ def test_nvme_tier_holds_at_most_the_chunks_the_step_needs(tmp_path, depth):
     def resident():
         return [i for i, m in enumerate(mains) if m.main.untyped_storage().nbytes() > 0]
 
-    assert resident() == []
+    assert resident() == [] and tier.pool.made == 2  # the fill: one written while the next is made
     for k in range(n):
         tier.fetch(k)
         assert resident() == [*([k - 1] if k else []), *range(k, min(k + depth + 1, n))], (k, resident())
+        assert tier.pool.in_use == len(resident())  # every chunk in memory is in a buffer of the pool
         assert torch.equal(mains[k].main, torch.full((10 + k,), float(k)))
         mains[k].main.add_(1)
         tier.evict(k)
     tier.finish()
-    assert resident() == []
+    assert resident() == [] and tier.pool.in_use == 0
+    # the buffers in flight never exceed the pool (buffer count + 1), all of which the step used; reused
+    assert tier.pool.most_in_use == tier.pool.made == depth + 2 == tier.pool.count
+    assert tier.peak_bytes == tier.pool.held_bytes() == (depth + 2) * 4096
+    with pytest.raises(RuntimeError, match="all 3 buffers are in flight" if depth == 1 else "all 4 buffers"):
+        [tier.pool.take() for _ in range(depth + 3)]
+    tier.pool.in_use = 0
+    # one large transfer per chunk: its main params and moments in one file, pieces of buffer size
+    assert sorted(os.listdir(tier.swapper.dir.path)) == [f"group{k}" for k in range(n)]
     with tier.resident():
         assert resident() == list(range(n))
         assert all(torch.equal(m.main, torch.full((10 + i,), i + 1.0)) for i, m in enumerate(mains))

@@ -28,7 +28,7 @@ import torch
 
 from megalite.configs import OptimizerConfig
 from megalite.optim.base import MainParam, param_group_index
-from megalite.parallel.offload import Pending, Swapper
+from megalite.parallel.offload import BufferPool, Pending, Swapper, aligned_empty, let_go, point_at
 from megalite.parallel.param_attributes import grad_of
 
 
@@ -137,54 +137,110 @@ def sub_groups(indices: list[int], sizes: list[int], limit: int) -> list[list[in
     return out
 
 
+SLOT = 64  # bytes: each tensor of a sub-group's buffer starts at a multiple (the vector kernels' alignment)
+
+
+def sub_group_slots(sizes: list[int]) -> tuple[list[int], int]:
+    """The byte offsets, in one sub-group's buffer and swap file, of its main params and moments (in
+    order: each main param's ``main``, ``exp_avg``, ``exp_avg_sq``; ``sizes`` in fp32 elements), each
+    at a multiple of :data:`SLOT`, and the buffer's bytes."""
+    offsets, at = [], 0
+    for n in sizes:
+        for _ in range(3):
+            offsets.append(at)
+            at += -(-4 * n // SLOT) * SLOT
+    return offsets, at
+
+
 class NvmeTier:
-    """The nvme tier of the offloaded main params: each chunk's main params and AdamW moments live in
-    swap files between its steps. :meth:`fetch` (read ahead ``depth`` chunks) and :meth:`evict` (the
-    last chunk's write finishes before the next one starts: two in flight) walk the step;
-    :meth:`resident` holds everything in memory for a checkpoint or a norm."""
+    """The nvme tier of the offloaded main params: each chunk's (sub-group's) main params and AdamW
+    moments live in one swap file between its steps, laid out by :func:`sub_group_slots`. In memory they
+    are views of one page-aligned buffer of a :class:`~megalite.parallel.offload.BufferPool` of
+    ``depth + 2`` (the chunk stepped, ``depth`` read ahead, the one still being written): a chunk is
+    read and written as one large sequential transfer into and out of memory already faulted in.
+    :meth:`fetch` (read ahead ``depth`` chunks) and :meth:`evict` (the last chunk's write finishes
+    before the next one starts: two in flight) walk the step; :meth:`resident` holds everything in
+    memory for a checkpoint or a norm."""
+
+    KINDS = ("main", "exp_avg", "exp_avg_sq")
 
     def __init__(self, step: AdamWStep, config: OptimizerConfig):
         self.step, off = step, config.offload
-        needed = 3 * sum(step.mains[i].main.nbytes for chunk in step.chunks for i in chunk)
+        self.slots = [sub_group_slots([step.mains[i].main.numel() for i in chunk]) for chunk in step.chunks]
+        needed = sum(total for _, total in self.slots)
         self.swapper = Swapper(off.nvme_path, off.buffer_count, off.buffer_size, needed)
         self.depth = off.prefetch_depth
+        pin = getattr(getattr(step, "_copies", None), "cuda", False)  # a GPU's H2D copies: asynchronous
+        self.pool = BufferPool(self.depth + 2, max((total for _, total in self.slots), default=0), pin)
+        self._buffers: dict[int, torch.Tensor] = {}  # the chunks in memory (or on their way), their buffer
         self._reads: dict[int, Pending] = {}
         self._last_write: Pending | None = None
         self._resident = 0
-        self.peak_bytes = 0  # the most host bytes of swapped tensors (and cast grads) seen held at once
+        self.peak_bytes = 0  # the most host bytes of swap buffers (and cast grads) seen held at once
         for k in range(len(step.chunks)):  # one sub-group in memory at a time
             self._fill(k)
             self.evict(k)
         self.finish()
+        self.swapper.end_phase("fill")  # the first writes, into new files: apart from the steps' I/O
 
     def _fill(self, k: int) -> None:
-        """Chunk ``k``'s main params made from their homes (the model params' values, cast to fp32)."""
-        for i in self.step.chunks[k]:
-            m = self.step.mains[i]
-            if m.main.untyped_storage().nbytes() == 0:  # released at birth (make_main_param)
-                m.main.data.untyped_storage().resize_(m.main.nbytes)
-                m.main.data.copy_(m.home)
+        """Chunk ``k`` in a buffer, its main params made from their homes where released at birth
+        (the model params' values, cast to fp32: make_main_param)."""
+        homes = [
+            self.step.mains[i]
+            for i in self.step.chunks[k]
+            if self.step.mains[i].main.untyped_storage().nbytes() == 0
+        ]
+        self._buffers[k] = self.pool.take()
+        self._attach(k)
+        for m in homes:
+            m.main.data.copy_(m.home)
         self.sample()
 
     def sample(self, extra: int = 0) -> None:
-        """Record the host bytes the swapped tensors hold now (their storages: 0 once released), plus
-        ``extra`` (the step's fp32 grad casts), in :attr:`peak_bytes`: the test of bounded residency."""
-        held = sum(
-            t.untyped_storage().nbytes()
-            for k in range(len(self.step.chunks))
-            for t in self.tensors(k).values()
+        """Record the host bytes the swap buffers hold now (the pool's, and the whole state's inside
+        :meth:`resident`), plus ``extra`` (the step's fp32 grad casts), in :attr:`peak_bytes`."""
+        held = self.pool.held_bytes() + (
+            sum(self.slots[k][1] for k in self._buffers) if self._resident else 0
         )
         self.peak_bytes = max(self.peak_bytes, held + extra)
 
-    def tensors(self, k: int) -> dict[str, torch.Tensor]:
-        """Chunk ``k``'s swapped tensors by file name: each main param, and its moments once made."""
-        out = {}
+    def live(self, k: int) -> list[tuple[str, torch.Tensor, int]]:
+        """Chunk ``k``'s tensors (each main param, and its moments once made): ``(name, tensor, offset)``,
+        the tensor the optimizer holds and its byte offset in the chunk's buffer and file."""
+        out, offsets = [], iter(self.slots[k][0])
         for i in self.step.chunks[k]:
             m = self.step.mains[i]
-            out[f"{i}.main"] = m.main.data
             state = self.step.state_of(m)
-            out.update({f"{i}.{kind}": state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state})
+            for kind in self.KINDS:
+                t = m.main if kind == "main" else state.get(kind)
+                offset = next(offsets)
+                if t is not None:
+                    out.append((f"{i}.{kind}", t, offset))
         return out
+
+    def tensors(self, k: int) -> dict[str, torch.Tensor]:
+        """Chunk ``k``'s swapped tensors by name: each main param, and its moments once made."""
+        return {name: t for name, t, _ in self.live(k)}
+
+    def _attach(self, k: int) -> None:
+        """Chunk ``k``'s tensors made views of its buffer: one holding bytes of its own elsewhere (a moment
+        AdamW just made, a main param outside a buffer) is copied in first."""
+        buffer = self._buffers[k]
+        for _, t, offset in self.live(k):
+            if t.untyped_storage().nbytes():
+                if t.data_ptr() == buffer.data_ptr() + offset:
+                    continue
+                buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+            point_at(t, buffer, offset)
+
+    def _detach(self, k: int) -> None:
+        """Chunk ``k``'s tensors let go of its buffer (their bytes are in the swap file)."""
+        for _, t, _ in self.live(k):
+            let_go(t)
+
+    def _region(self, k: int) -> torch.Tensor:
+        return self._buffers[k][: self.slots[k][1]]
 
     def fetch(self, k: int) -> None:
         """Chunk ``k`` in memory: wait for its read, and start those of the next ``depth`` chunks."""
@@ -192,17 +248,27 @@ class NvmeTier:
             return
         for j in range(k, min(k + self.depth + 1, len(self.step.chunks))):
             if j not in self._reads:
-                self._reads[j] = self.swapper.read(self.tensors(j))
+                self._buffers[j] = self.pool.take()
+                self._attach(j)
+                self._reads[j] = self.swapper.read_at(f"group{j}", self._region(j))
         self.sample()
         self._reads.pop(k).wait()
 
     def evict(self, k: int) -> None:
-        """Start writing chunk ``k`` back (its storage is released once written)."""
+        """Start writing chunk ``k`` back; once written its tensors let go and its buffer is free."""
         if self._resident:
             return
         if self._last_write is not None:
             self._last_write.wait()
-        self._last_write = self.swapper.write(self.tensors(k))
+        self._attach(k)  # the moments a first step made join the buffer
+        buffer = self._buffers[k]
+
+        def written() -> None:
+            self._detach(k)
+            self._buffers.pop(k)
+            self.pool.give(buffer)
+
+        self._last_write = self.swapper.write_at(f"group{k}", self._region(k), done=written)
 
     def finish(self) -> None:
         if self._last_write is not None:
@@ -211,21 +277,34 @@ class NvmeTier:
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
-        """Every chunk in memory inside (nested calls hold it), written back and released after."""
+        """Every chunk in memory inside (nested calls hold it), in buffers of their own (outside the pool),
+        written back and released after."""
+        chunks = range(len(self.step.chunks))
         if self._resident == 0:
             self.finish()
-            reads = [self.swapper.read(self.tensors(k)) for k in range(len(self.step.chunks))]
-            for r in reads:
-                r.wait()
+            for k in chunks:
+                self._buffers[k] = aligned_empty(self.slots[k][1])
+                self._attach(k)
+            for read in [self.swapper.read_at(f"group{k}", self._region(k)) for k in chunks]:
+                read.wait()
         self._resident += 1
         try:
             yield
         finally:
             self._resident -= 1
             if self._resident == 0:
-                writes = [self.swapper.write(self.tensors(k)) for k in range(len(self.step.chunks))]
-                for w in writes:
-                    w.wait()
+                for k in chunks:
+                    self._attach(k)  # moments made inside (a step, a load)
+                for write in [self.swapper.write_at(f"group{k}", self._region(k)) for k in chunks]:
+                    write.wait()
+                for k in chunks:
+                    self._detach(k)
+                    self._buffers.pop(k)
+
+    def _slot(self, i: int, kind: str) -> tuple[int, int]:
+        """Main param ``i``'s ``kind``: its chunk and its byte offset in the chunk's file."""
+        k = next(k for k, chunk in enumerate(self.step.chunks) if i in chunk)
+        return k, self.slots[k][0][3 * self.step.chunks[k].index(i) + self.KINDS.index(kind)]
 
     def read_copy(self, i: int, kind: str) -> torch.Tensor:
         """A copy of main param ``i``'s ``kind`` ("main", "exp_avg", "exp_avg_sq"; zeros before its first
@@ -239,7 +318,8 @@ class NvmeTier:
         if live.untyped_storage().nbytes():  # in memory (inside resident()): the file may be stale
             return live.clone()
         out = torch.empty(m.main.shape, dtype=torch.float32)
-        self.swapper.read({f"{i}.{kind}": out}).wait()
+        k, offset = self._slot(i, kind)
+        self.swapper.read_at(f"group{k}", out, offset).wait()
         return out
 
     def store(self, i: int, kind: str, value: torch.Tensor) -> None:
@@ -254,10 +334,16 @@ class NvmeTier:
                 return
             part.state[m.main][kind] = released(m.main.shape)
         live = m.main.data if kind == "main" else self.step.state_of(m)[kind]
-        if live.untyped_storage().nbytes():  # in memory (inside resident()): the copy is what counts
+        if not m.on_disk:  # on the device (--optimizer-offload-fraction < 1): no swap file, a copy
             live.copy_(value.view(live.shape))
             return
-        self.swapper.write({f"{i}.{kind}": value.reshape(live.shape)}, release=False).wait()
+        k, offset = self._slot(i, kind)
+        if self._resident:  # in memory: the copy is what counts (in its buffer, written back after)
+            self._attach(k)
+            live = m.main.data if kind == "main" else self.step.state_of(m)[kind]
+            live.copy_(value.view(live.shape))
+            return
+        self.swapper.write_at(f"group{k}", value.reshape(live.shape).contiguous(), offset).wait()
 
     def swapped_bytes(self) -> int:
         """Bytes in the swap files: the main params and moments of every chunk."""

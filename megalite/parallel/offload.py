@@ -8,7 +8,9 @@ cut into pieces of ``--offload-buffer-size`` elements, large sequential ``pwrite
 issued on a pool of ``--offload-buffer-count`` threads (the calls release the GIL): pieces of one
 tensor and of several files go in parallel. A transfer returns a :class:`Pending` at once; the caller
 waits for it when it needs the bytes, so the next sub-group's read overlaps this one's compute and the
-last one's write (double buffering, deeper with more buffers).
+last one's write (double buffering, deeper with more buffers). ``write_at`` / ``read_at``: a buffer's
+bytes as they are, at a file offset (the nvme optimizer tier: one file and one reused page-aligned
+:class:`BufferPool` buffer per sub-group, its tensors set on and off it by point_at / let_go).
 
 Why plain ``os.pread``/``pwrite`` on a thread pool (docs/offload.md): it is in the standard library
 (no new dependency), reads and writes straight into the tensor's own memory (no bounce copy on the
@@ -126,6 +128,8 @@ class Swapper:
         self._lock = threading.Lock()
         self.read_bytes = self.written_bytes = 0
         self._spans: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
+        self._cpu = {"read": 0.0, "write": 0.0}  # CPU seconds the I/O threads spent in the pieces
+        self.phases: dict[str, dict] = {}
         self._finalizer = weakref.finalize(self, Swapper._shutdown, self._pool, self._fds)
 
     @staticmethod
@@ -139,19 +143,28 @@ class Swapper:
     finished: list[dict] = []
 
     def stats(self) -> dict:
-        """Bytes read / written and the seconds any read / write was in flight."""
+        """Bytes read / written and the seconds any read / write was in flight (since the last phase)."""
         return {
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
             "read_s": self.busy_seconds("read"),
             "write_s": self.busy_seconds("write"),
+            "read_cpu_s": self._cpu["read"],
+            "write_cpu_s": self._cpu["write"],
         }
+
+    def end_phase(self, name: str) -> None:
+        """File what was moved so far (every transfer of it finished) under ``name`` in :attr:`phases`
+        and count afresh: e.g. the nvme tier's first writes of its new files apart from the steps'."""
+        self.phases[name] = self.stats()
+        self.read_bytes = self.written_bytes = 0
+        self._spans, self._cpu = {"read": [], "write": []}, {"read": 0.0, "write": 0.0}
 
     def close(self) -> None:
         """Finish every transfer, close the files and remove the swap directory."""
         if self._finalizer.alive:
             self._finalizer()
-            Swapper.finished.append(self.stats())
+            Swapper.finished.append({**self.stats(), "phases": self.phases})
         self.dir.close()
 
     def _fd(self, key: str) -> int:
@@ -163,18 +176,33 @@ class Swapper:
                     raise OffloadIOError(f"{FLAG}: cannot open swap file {key} ({e.strerror})") from None
             return self._fds[key]
 
-    def _submit(self, kind: str, key: str, t: torch.Tensor) -> list[Future]:
+    def _submit(self, kind: str, key: str, t: torch.Tensor, offset: int = 0, step: int = 0) -> list[Future]:
+        """``t``'s bytes to / from file ``key`` from byte ``offset`` on, in pieces of ``step`` bytes
+        (``--offload-buffer-size`` elements of ``t`` by default)."""
         fd, view = self._fd(key), _bytes_of(t)
-        step = self._piece_elements * t.element_size()
+        step = step or self._piece_elements * t.element_size()
         call = _pwrite_all if kind == "write" else _pread_all
-        spans = self._spans[kind]
+        spans = self._spans[kind]  # this phase's (end_phase starts a new list)
 
         def piece(lo: int, hi: int) -> None:
-            start = time.perf_counter()
-            call(fd, view[lo:hi], lo)
+            start, cpu = time.perf_counter(), time.thread_time()
+            call(fd, view[lo:hi], offset + lo)
             spans.append((start, time.perf_counter()))
+            self._cpu[kind] += time.thread_time() - cpu  # the copies' CPU time (buffered I/O)
 
         return [self._pool.submit(piece, lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
+
+    def write_at(self, key: str, t: torch.Tensor, offset: int = 0, done: Callable[[], None] | None = None):
+        """Start writing contiguous ``t``'s bytes (as they are: nothing is released) at byte ``offset`` of
+        file ``key``, in pieces of ``--offload-buffer-size`` fp32 elements; ``done`` runs at the wait."""
+        self.written_bytes += t.nbytes
+        return Pending(self._submit("write", key, t, offset, 4 * self._piece_elements), done)
+
+    def read_at(self, key: str, t: torch.Tensor, offset: int = 0) -> Pending:
+        """Start reading ``t.nbytes`` bytes from byte ``offset`` of file ``key`` into contiguous ``t``'s
+        memory as it is (no storage is made): :meth:`write_at`'s inverse."""
+        self.read_bytes += t.nbytes
+        return Pending(self._submit("read", key, t, offset, 4 * self._piece_elements))
 
     def write(self, tensors: dict[str, torch.Tensor], release: bool = True) -> Pending:
         """Start writing each tensor to its file; ``release``: free their storage once written."""
@@ -200,6 +228,64 @@ class Swapper:
                 total += hi - max(lo, end)
                 end = hi
         return total
+
+
+class BufferPool:
+    """``count`` page-aligned host buffers of ``nbytes`` each (pinned with ``pin``: a GPU's H2D copies from
+    them are then asynchronous), made on first use and reused: swap I/O lands in memory already faulted
+    in (no allocation, no page zeroing per transfer, as the disk's own figure is measured) and the
+    tier's resident bytes are the pool's, constant. :meth:`take` past ``count`` buffers in use is a bug
+    of the caller's schedule and raises; :attr:`most_in_use` is the schedule's test."""
+
+    ALIGN = 4096  # a page: O_DIRECT's alignment on every Linux filesystem
+
+    def __init__(self, count: int, nbytes: int, pin: bool = False):
+        self.count, self.nbytes, self.pin = count, -(-nbytes // self.ALIGN) * self.ALIGN, pin
+        self._free: list[torch.Tensor] = []
+        self.made = self.in_use = self.most_in_use = 0
+
+    def take(self) -> torch.Tensor:
+        """A free buffer (a page-aligned uint8 tensor of :attr:`nbytes`), made if none is free yet."""
+        if self.in_use >= self.count:
+            raise RuntimeError(f"swap buffer pool: all {self.count} buffers are in flight")
+        if not self._free:
+            self._free.append(aligned_empty(self.nbytes, self.pin))
+            self.made += 1
+        self.in_use += 1
+        self.most_in_use = max(self.most_in_use, self.in_use)
+        return self._free.pop()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.in_use -= 1
+        self._free.append(buffer)
+
+    def held_bytes(self) -> int:
+        """Host bytes of the buffers made so far (in use or free: both resident)."""
+        return self.made * self.nbytes
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is page-aligned (a view into a
+    storage one page larger: a tensor set onto it keeps the storage alive)."""
+    raw = torch.empty(nbytes + BufferPool.ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % BufferPool.ALIGN
+    return raw[start : start + nbytes]
+
+
+def point_at(t: torch.Tensor, buffer: torch.Tensor, offset: int) -> None:
+    """Make ``t`` (a parameter or a state tensor: the object others hold stays the same) a view of
+    ``buffer``'s bytes from ``offset`` on, with its own shape and dtype."""
+    element = t.element_size()
+    with torch.no_grad():
+        t.set_(buffer.untyped_storage(), (buffer.storage_offset() + offset) // element, t.shape, t.stride())
+
+
+def let_go(t: torch.Tensor) -> None:
+    """``t`` holds no bytes any more (a storage of 0 bytes; its shape and dtype stay), the inverse of
+    :func:`point_at` for a tensor whose bytes are in a swap file."""
+    with torch.no_grad():
+        t.set_(torch.UntypedStorage(t.nbytes), 0, t.shape, t.stride())  # malloc'd, never touched
+    t.untyped_storage().resize_(0)
 
 
 def release_storage(tensors) -> None:
