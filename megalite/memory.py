@@ -508,32 +508,48 @@ def async_save_staging_bytes(
     tp_rank: int = 0,
 ) -> int:
     """``--async-save``: host bytes of one rank's staging buffers (``HostStaging``), allocated at the first
-    save and reused: what the rank writes of a checkpoint, i.e. its stage's whole params (TP-sharded,
-    gathered under ZeRO) at their dtype, and per param two fp32 Adam moments plus, for bf16 / fp16
-    params, the fp32 main copy, and its RNG states. The vocabulary's padding rows are not stored (TP rank
-    ``tp_rank`` holds rows ``[tp_rank V_p / tp, (tp_rank + 1) V_p / tp)`` of the padded V_p, of which
-    those below V are stored), nor the tied output copy on the last stage.
+    save and reused: what the rank writes of a checkpoint (``capture_save``'s pieces), to the byte:
+
+    - its stage's params at their dtype: TP-sharded, this EP / ETP rank's routed experts (E/ep of them,
+      f/etp wide), whole under ZeRO (gathered); the vocabulary's padding rows are not stored (TP rank
+      ``tp_rank`` holds rows ``[tp_rank V_p / tp, (tp_rank + 1) V_p / tp)`` of the padded V_p, of which
+      those below V are stored), nor the tied output copy on the last stage (pp > 1);
+    - per param element two fp32 Adam moments (the distributed optimizer gathers them over DP: whole
+      too), plus the fp32 main param when this rank's main params are copies (``main_params_stored``):
+      a bf16 / fp16 model, ZeRO-3 shards offloaded (``--offload-param-device``), or an fp32 model with
+      any of this rank's main params on the cpu / nvme optimizer tier (``--optimizer-cpu-offload``, any
+      ``--optimizer-offload-fraction`` > 0: then every main param is stored, those kept on the device
+      too): 12 or 16 bytes per element with the param's own 4 in fp32, 14 in bf16;
+    - the routers' fp32 ``expert_bias`` (``--moe-router-enable-expert-bias``: E per MoE layer) and
+      its RNG states (:data:`RNG_STATE_BYTES`).
 
     The nvme optimizer tier stages its state as files (``async_save.DiskStaging``:
     :func:`optimizer_nvme_bytes` on the disk, none of it in host memory); only the main params it keeps on
     the device (``--optimizer-offload-fraction`` < 1: this rank's ``(dp_rank, edp_rank)`` pieces under
-    the distributed optimizer) are copied to the host, 12 bytes per element (main param and moments)."""
+    the distributed optimizer, whole params otherwise) are copied to the host, 12 bytes per element
+    (main param and moments)."""
     b = dtype_bytes(layout.params_dtype)
     tp, vocab = layout.tp, config.vocab_size
     share = config.padded_vocab_size(tp) // tp
     stored_rows = min(max(vocab - tp_rank * share, 0), share)
-    numel = 0
+    bias = config.moe is not None and config.moe.moe_router_enable_expert_bias
+    numel = buffers = 0
     for c in stage_chunks(config, layout)[pp_rank]:
-        for s in chunk_param_shapes(config, tp, c):
+        for s in layout_param_shapes(config, layout, c):
             if s.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 copy = s.name == "output_layer.weight" and s.shared_embedding
                 numel += 0 if copy else stored_rows * s.shape[1]
             else:
                 numel += s.numel
+            if bias and s.name.endswith(".router.weight"):
+                buffers += 4 * s.shape[0]  # expert_bias: fp32, one per expert
+    mains = _main_params(config, layout, pp_rank, dp_rank, edp_rank)
+    copies = b != 4 or layout.offload_param_device != "none" or any(host for _, host in mains)
+    per_element = 8 + (4 if copies else 0)  # the moments, and the main param when it is a copy
     if layout.offload_optimizer_device == "nvme":
-        kept = sum(n for n, host in _main_params(config, layout, pp_rank, dp_rank, edp_rank) if not host)
-        return numel * b + 12 * kept + RNG_STATE_BYTES
-    return numel * (b + 8 + (4 if b != 4 else 0)) + RNG_STATE_BYTES
+        kept = sum(n for n, host in mains if not host)
+        return numel * b + per_element * kept + buffers + RNG_STATE_BYTES
+    return numel * (b + per_element) + buffers + RNG_STATE_BYTES
 
 
 def gathered_param_bytes(config: ModelConfig, layout: MemoryLayout, pp_rank: int) -> int:
