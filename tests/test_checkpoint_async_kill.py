@@ -86,9 +86,12 @@ def _kills(tmp) -> dict:
     rng.shuffle(plan)
     log, latest = [], None
     for how, nth in plan:
-        pid = _fork(save, how, nth)
-        if how == "random":
-            time.sleep(rng.uniform(0.1, 0.5))
+        before, pid = files_latest(save), _fork(save, how, nth)
+        if how == "random":  # a random moment after this run published once (the chain advances on a
+            deadline = time.monotonic() + 20  # loaded machine too, where a fixed delay may end at start-up)
+            while files_latest(save) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         mid_save = any(save.glob("iter_*.tmp"))
