@@ -1319,12 +1319,12 @@ class SavedTensorMeter:
 
 
 def _param_shardings(model_chunks) -> list:
-    """Each ZeRO-3 chunk's units (``ParamSharding``). Chunks run one at a time: the peak is their max."""
-    return [
-        c.param_sharding
-        for c in model_chunks
-        if isinstance(c, DistributedDataParallel) and c.param_sharding is not None
-    ]
+    """Each ZeRO-3 chunk's units (``ParamSharding``), the dense ones' and the routed experts' (their
+    own DDP, over edp; both count into the chunk's one ``peak``). Chunks run one at a time: the peak
+    is their max."""
+    ddps = [c for c in model_chunks if isinstance(c, DistributedDataParallel)]
+    ddps += [c.experts for c in ddps if c.experts is not None]
+    return [c.param_sharding for c in ddps if c.param_sharding is not None]
 
 
 def _experts_grad_bytes(chunk) -> int:
