@@ -1416,7 +1416,9 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     offloaded = measure_offloaded_param_bytes(state.model)
-    measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}
+    measured_extra = {
+        "params_gathered": max((s.gathered_bytes.peak for s in _param_shardings(state.model)), default=0)
+    }
     state_allocated = state.optimizer.state_allocated()  # fp16's first step may be skipped
     if mesh.device.type == "cuda":
         measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))

@@ -167,7 +167,7 @@ class ParamSharding:
     """ZeRO-3's param shards, units and hooks for one chunk. ``units``: ``{param: unit name}``;
     ``prefetch``: each unit's all-gather one unit ahead; ``on_backward()``: a backward needs a unit
     (every unit is freed when it ends). ``gathered_bytes`` (:class:`GatheredBytes`): bytes of this chunk's
-    full param buffers materialised now / at most since :meth:`reset_peak` (``live`` / ``peak``)."""
+    full param buffers materialised now / at most since :meth:`reset_peak`."""
 
     def __init__(
         self,
@@ -339,16 +339,8 @@ class ParamSharding:
     def shard_bytes(self) -> int:
         return sum(b.param_shard.nbytes for u in self.units.values() for b in u.buckets)
 
-    @property
-    def live(self) -> int:
-        return self.gathered_bytes.live
-
-    @property
-    def peak(self) -> int:
-        return self.gathered_bytes.peak
-
     def reset_peak(self) -> None:
-        """Start a new :attr:`peak` (the memory report's first iteration)."""
+        """Start a new peak of :attr:`gathered_bytes` (the memory report's first iteration)."""
         self.gathered_bytes.peak = self.gathered_bytes.live
 
 
