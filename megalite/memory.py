@@ -1335,12 +1335,12 @@ class SavedTensorMeter:
 
 
 def _param_shardings(model_chunks) -> list:
-    """Each ZeRO-3 chunk's units (``ParamSharding``). Chunks run one at a time: the peak is their max."""
-    return [
-        c.param_sharding
-        for c in model_chunks
-        if isinstance(c, DistributedDataParallel) and c.param_sharding is not None
-    ]
+    """Each ZeRO-3 chunk's units (``ParamSharding``), the dense ones' and the routed experts' (their
+    own DDP, over edp; both count into the chunk's one ``peak``). Chunks run one at a time: the peak
+    is their max."""
+    ddps = [c for c in model_chunks if isinstance(c, DistributedDataParallel)]
+    ddps += [c.experts for c in ddps if c.experts is not None]
+    return [c.param_sharding for c in ddps if c.param_sharding is not None]
 
 
 def _experts_grad_bytes(chunk) -> int:
@@ -1432,7 +1432,9 @@ def rank_record(state, meter: SavedTensorMeter) -> dict:
     measured = measure_state_bytes(state.model, state.optimizer)
     measured["activations"] = meter.peak
     offloaded = measure_offloaded_param_bytes(state.model)
-    measured_extra = {"params_gathered": max((s.peak for s in _param_shardings(state.model)), default=0)}
+    measured_extra = {
+        "params_gathered": max((s.gathered_bytes.peak for s in _param_shardings(state.model)), default=0)
+    }
     state_allocated = state.optimizer.state_allocated()  # fp16's first step may be skipped
     if mesh.device.type == "cuda":
         measured_extra["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))

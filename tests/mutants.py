@@ -38,6 +38,7 @@ CKR = "tests/test_checkpoint_resume.py"
 CP = "tests/test_context_parallel.py"
 CPA = "tests/test_context_parallel_attention.py"
 GPU = "tests/test_gpu_path.py"
+MOE_GATHERED = "tests/test_moe_training.py::test_zero3_gathered_expert_units_equal_the_memory_model"
 
 MUTANTS = [
     # ---- optim/grad_scaler.py ---------------------------------------------------------------
@@ -1298,6 +1299,24 @@ MUTANTS += [
         "_Derived(lambda run: torch.float32)",
         (FX_MEM,),
         "--bf16 runs predicted as fp32: params and activations twice their size",
+    ),
+    Mutant(
+        "memory-zero3-gathered-without-expert-units",
+        "megalite/memory.py",
+        "_unit_buckets(config, layout, c) + _unit_buckets(config, layout, c, True):",
+        "_unit_buckets(config, layout, c):",
+        (MOE_GATHERED,),
+        "ZeRO-3's gathered peak predicted from the dense buffer's units only: the routed experts' units "
+        "(their own buffer, over edp) are gathered with their layer too",
+    ),
+    Mutant(
+        "zero3-expert-units-own-peak",
+        "megalite/parallel/data_parallel.py",
+        "            self.experts.param_sharding.gathered_bytes = self.param_sharding.gathered_bytes\n",
+        "            self.experts.param_sharding.reset_peak()\n",
+        (MOE_GATHERED,),
+        "the memory report's measured params_gathered takes the dense units' peak alone: the expert "
+        "units gathered at the same time are left out (one peak per chunk, not per buffer)",
     ),
 ]
 

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from conftest import COMMON, LLAMA, layout, one_thread, pretrain_runs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.arguments import ArgumentError, RunConfig
 from megalite.spawn import run_distributed
@@ -122,16 +123,77 @@ RESUMES = {
 }
 
 
+# ZeRO-3's gathered params, measured: a Mixtral-style model (h 32, 2 layers, 4 experts) at ep 2 x
+# dp 4 (dense units over dp 4, expert units over edp 2), without and with the prefetch.
+GATHERED = {
+    name: BASE[: BASE.index("--num-layers")] + ["--num-layers", "2"] + BASE[BASE.index("--num-layers") + 2 :]
+    + MIXTRAL[:1] + ["4"] + MIXTRAL[2:] + ep(2) + ZERO(3) + ["--overlap-grad-reduce"] + extra
+    for name, extra in (("sync", []), ("prefetch", ["--overlap-param-gather"]))
+}  # fmt: skip
+
+
+class _GatheredMeter(TorchDispatchMode):
+    """After every op of a step, the bytes of ZeRO-3's full param buffers materialised now (their
+    storages' sizes, not the library's own counter), dense units and expert units apart, at most per
+    phase (the chunk's forward, its backward, other)."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.buckets = {"dense": chunk.buffer.buckets, "experts": chunk.experts.buffer.buckets}
+        self.peak: dict[str, dict[str, int]] = {}
+        self.phase = "other"
+        chunk.module.register_forward_pre_hook(lambda *_: setattr(self, "phase", "forward"), prepend=True)
+        chunk.module.register_forward_hook(lambda *_: setattr(self, "phase", "other"))
+
+    def sample(self) -> dict[str, int]:
+        out = {k: sum(b.param_data.untyped_storage().nbytes() for b in bs) for k, bs in self.buckets.items()}
+        return out | {"all": sum(out.values())}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from megalite.parallel.sharding.no_shard import in_backward
+
+        out = func(*args, **(kwargs or {}))
+        peak = self.peak.setdefault("backward" if in_backward() else self.phase, {})
+        for key, value in self.sample().items():
+            peak[key] = max(peak.get(key, 0), value)
+        return out
+
+
+def _gathered(argv: list[str], out: str) -> None:
+    """This rank's gathered peaks over its second step, with the memory model's prediction and
+    the memory report's measured ``params_gathered``."""
+    from megalite.memory import MemoryLayout, MemoryProbe, gathered_param_bytes, rank_record
+    from megalite.training import microbatch_iterator, setup, train_step
+
+    state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
+    (chunk,) = state.model
+    data = microbatch_iterator(state.datasets[0], 0, state.configs, state.mesh, state.tokenizer.vocab_size)
+    meter, probe = _GatheredMeter(chunk), MemoryProbe(state)
+    train_step(state, data)
+    with meter, probe.track():
+        train_step(state, data)
+    layout = MemoryLayout.from_configs(state.configs)
+    record = dict(peak=meter.peak, after=meter.sample(), edp=state.mesh.edp_size, dp=state.mesh.dp_size)
+    record["predicted"] = gathered_param_bytes(state.config, layout, state.mesh.pp_rank)
+    report = rank_record(state, probe.meter)  # the first-iteration memory report's record
+    record["report"] = {k: report[k] for k in ("measured", "predicted", "measured_extra", "predicted_extra")}
+    torch.save(record, f"{out}.{state.mesh.rank}.pt")
+
+
 def moe_runs(plan: list) -> None:
     """In one spawned rank: pretrain() each argv; for ``("shards", argv, out)`` build the run and
-    write what this rank's optimizer holds of each routed expert's weight (ZeRO's shards)."""
+    write what this rank's optimizer holds of each routed expert's weight (ZeRO's shards); for
+    ``("gathered", argv, out)`` ZeRO-3's gathered params over one step (:func:`_gathered`)."""
     from megalite.training import setup
 
     for item in plan:
         if isinstance(item, list):
             pretrain_runs([item])
             continue
-        _, argv, out = item
+        kind, argv, out = item
+        if kind == "gathered":
+            _gathered(argv, out)
+            continue
         state = setup(RunConfig.from_flags(argv, world_size=torch.distributed.get_world_size()))
         held: dict[str, int] = {}
         names = {p: n for chunk in state.model for n, p in chunk.module.named_parameters()}
@@ -163,6 +225,7 @@ def runs(tmp_path_factory):
         plan.append(BASE + MIXTRAL + BF16 + flags + out(name))
     for level in (1, 3):
         plan.append(("shards", BASE + MIXTRAL + ep(2) + ZERO(level), str(d / f"shards-zero{level}")))
+    plan += [("gathered", argv, str(d / f"gathered-{name}")) for name, argv in GATHERED.items()]
     # Checkpoints: saved at ep 4 (iteration 5), resumed at ep 4, at ep 2 (ZeRO-1), at tp2 x pp2 with
     # etp 1 x ep 2, and (below) at ep 1 on one process.
     load = ["--load", str(d / "ckpt"), "--ckpt-step", "5"]
@@ -257,6 +320,31 @@ def test_zero_shards_experts_over_edp(runs, level):
         total = sum(pair[0]["whole"].values())
         assert all(0.25 * total < sum(r["held"].values()) < 0.75 * total for r in pair), total
         assert bool(pair[0]["freed"]) == (level == 3)
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_zero3_gathered_expert_units_equal_the_memory_model(runs, name):
+    """ZeRO-3 at ep 2 x dp 4, each rank, read off the storages after every op of a step: the dense
+    units (over dp 4) and the expert units (over edp 2) gathered together peak at the memory model's
+    ``gathered_param_bytes`` in the forward and in the backward (the prefetch: one unit more of each),
+    nothing gathered outside them; the memory report measures the same peak (the expert units count)
+    and the shards of both (params: expert shards too)."""
+    recs = [torch.load(runs / f"gathered-{name}.{r}.pt") for r in range(4)]
+    for r in recs:
+        peak, predicted = r["peak"], r["predicted"]
+        assert (r["dp"], r["edp"]) == (4, 2)
+        for phase in ("forward", "backward"):
+            assert peak[phase]["all"] == predicted, (name, phase, r)
+            assert peak[phase]["experts"] > 0 and peak[phase]["dense"] > 0, r
+        assert peak["other"]["all"] == r["after"]["all"] == 0, r
+        report = r["report"]
+        assert report["measured_extra"]["params_gathered"] == predicted, report
+        assert report["predicted_extra"]["params_gathered"] == predicted, report
+        for cat in ("params", "grads", "optimizer"):
+            assert report["measured"][cat] == report["predicted"][cat], (cat, report)
+    if name == "prefetch":  # the prefetch holds more than the plain run, experts and dense alike
+        sync = torch.load(runs / "gathered-sync.0.pt")["peak"]["forward"]
+        assert all(recs[0]["peak"]["forward"][k] > sync[k] for k in ("dense", "experts")), (sync, recs[0])
 
 
 def test_flags_and_their_checks():

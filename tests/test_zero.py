@@ -492,10 +492,10 @@ def test_zero3_prefetch_one_process(recompute):
         sharding.reset_peak()
         ddp(input_ids=tokens, labels=tokens).mean().backward()
         ddp.finish_grad_sync()
-        assert sharding.live == 0 and all(not u.gathered for u in sharding.units.values())
-        assert sharding.peak == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
+        assert sharding.gathered_bytes.live == 0 and all(not u.gathered for u in sharding.units.values())
+        assert sharding.gathered_bytes.peak == gathered_param_bytes(config, layout, 0), (prefetch, recompute)
         grads = {name: ddp.local_grad(p).clone() for name, p in ddp.module.named_parameters()}
-        seen[prefetch] = (events, sharding.peak, grads)
+        seen[prefetch] = (events, sharding.gathered_bytes.peak, grads)
     (sync, sync_peak, sync_grads), (pre, pre_peak, pre_grads) = seen[False], seen[True]
     launches = [u for what, u in pre if what == "launch"]
     assert launches == [u for what, u in sync if what == "launch"]  # the same gathers, same order

@@ -144,6 +144,8 @@ class DistributedDataParallel(nn.Module):
             for p in filter(is_wgrad_fusable, params):
                 set_wgrad_accumulator(p, functools.partial(self.strategy.wgrad_buffer, p, self._bucket_of[p]))
         self.param_sharding = self.strategy.param_sharding  # ZeRO-3's gathered units; else None
+        if self.param_sharding is not None and self.experts is not None:  # one chunk's gathered bytes
+            self.experts.param_sharding.gathered_bytes = self.param_sharding.gathered_bytes
         self.use_distributed_optimizer = config.use_distributed_optimizer  # the optimizer checks it
         # --overlap-param-gather under ZeRO-1/2: the post-step gather (set by the distributed optimizer).
         self.param_gather: ParamGather | None = None

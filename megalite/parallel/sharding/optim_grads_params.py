@@ -151,11 +151,23 @@ class _GatherBeforeBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class GatheredBytes:
+    """``live`` / ``peak``: bytes of full param buffers materialised now / at most since a reset; one
+    per chunk, shared by its dense and its routed experts' shardings (their units are gathered at once)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
 class ParamSharding:
     """ZeRO-3's param shards, units and hooks for one chunk. ``units``: ``{param: unit name}``;
     ``prefetch``: each unit's all-gather one unit ahead; ``on_backward()``: a backward needs a unit
-    (every unit is freed when it ends). ``live`` / ``peak``: bytes of this chunk's full param buffers
-    materialised now / at most since :meth:`reset_peak`."""
+    (every unit is freed when it ends). ``gathered_bytes`` (:class:`GatheredBytes`): bytes of this chunk's
+    full param buffers materialised now / at most since :meth:`reset_peak`."""
 
     def __init__(
         self,
@@ -167,7 +179,7 @@ class ParamSharding:
     ):
         self.dp_size, self.dp_rank, self.dp_group = buffer.dp_size, buffer.dp_rank, buffer.dp_group
         self.prefetch, self.on_backward = prefetch, on_backward
-        self.live = self.peak = 0
+        self.gathered_bytes = GatheredBytes()
         by_name: dict[str, list] = {}
         with torch.no_grad():
             for bucket in buffer.buckets:
@@ -245,8 +257,7 @@ class ParamSharding:
             elif shard.data_ptr() != b.param_data.data_ptr():
                 b.param_data.copy_(shard)
         unit.gathered, unit.handles = True, handles
-        self.live += unit.full_bytes
-        self.peak = max(self.peak, self.live)
+        self.gathered_bytes.add(unit.full_bytes)
 
     def _wait(self, unit: Unit) -> None:
         """Wait for the unit's all-gathers still in flight (a prefetch), if any."""
@@ -262,7 +273,7 @@ class ParamSharding:
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(0)
         if unit.gathered:
-            self.live -= unit.full_bytes
+            self.gathered_bytes.add(-unit.full_bytes)
         unit.gathered = False
 
     def free_all(self) -> None:
@@ -329,8 +340,8 @@ class ParamSharding:
         return sum(b.param_shard.nbytes for u in self.units.values() for b in u.buckets)
 
     def reset_peak(self) -> None:
-        """Start a new :attr:`peak` (the memory report's first iteration)."""
-        self.peak = self.live
+        """Start a new peak of :attr:`gathered_bytes` (the memory report's first iteration)."""
+        self.gathered_bytes.peak = self.gathered_bytes.live
 
 
 _NO_OFFLOAD = OffloadConfig()
